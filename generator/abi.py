@@ -1,0 +1,40 @@
+"""The kernel argument plan: one by-value struct, described once.
+
+The template renders this list into the C++ `Params` struct and the manifest
+carries it, so the runtime builds the matching ctypes structure from the
+manifest alone. Fields are ordered by size so C and ctypes agree on padding.
+"""
+from __future__ import annotations
+
+MAX_WORLD_SIZE = 8
+
+# (field, C type, ctypes type name, meaning)
+PARAMS = (
+    ("allreduce_in", "const void*", "c_void_p", "[R, H] dtype, permuted expert rows (this rank's partials)"),
+    ("expanded_idx", "const int*", "c_void_p", "[T, K] int32 row of allreduce_in per (token, route); < 0 = dropped"),
+    ("expert_scale", "const void*", "c_void_p", "[T, K] dtype or fp32 router weights, or null (= 1)"),
+    ("shared_in", "const void*", "c_void_p", "[T, H] dtype shared-expert partial, or null"),
+    ("residual_in", "const void*", "c_void_p", "[T, H] dtype"),
+    ("norm_weight", "const void*", "c_void_p", "[H] dtype RMSNorm gamma"),
+    ("global_scale", "const float*", "c_void_p", "[1] fp32 NVFP4 global scale (profile 111), else null"),
+    ("norm_out", "void*", "c_void_p", "[T, H] dtype"),
+    ("residual_out", "void*", "c_void_p", "[T, H] dtype"),
+    ("quant_out", "void*", "c_void_p", "[T, H/2] uint8 packed E2M1 (profile 111), else null"),
+    ("scale_out", "void*", "c_void_p", "swizzled 128x4 E4M3 scales (profile 111), else null"),
+    ("peer_buffers", "void*[8]", "c_void_p*8", "Lamport buffer base of every rank (3 rotating buffers each), by rank"),
+    ("state", "unsigned*", "c_void_p", "this rank's device state words (call counter, extents, done counter)"),
+    ("error", "unsigned*", "c_void_p", "host-mapped error words: code, phase, rank, bad-index count"),
+    ("buffer_elems", "long long", "c_int64", "elements of dtype in one rotating buffer"),
+    ("timeout_ns", "unsigned long long", "c_uint64", "deadline for any wait on a peer, in ns (0 = none)"),
+    ("tokens", "int", "c_int32", "T"),
+    ("hidden", "int", "c_int32", "H"),
+    ("top_k", "int", "c_int32", "K"),
+    ("rows", "int", "c_int32", "R, rows of allreduce_in (indices >= R are skipped and counted)"),
+    ("rank", "int", "c_int32", "this rank"),
+    ("scale_kind", "int", "c_int32", "0: no expert_scale, 1: fp32, 2: dtype"),
+    ("vec_per_thread", "int", "c_int32", "16-byte vectors of a row held by one thread"),
+    ("slices_per_row", "int", "c_int32", "work units a row is split into in the exchange phases"),
+    ("routed_scaling_factor", "float", "c_float", "multiplies the routed sum"),
+    ("eps", "float", "c_float", "RMSNorm epsilon"),
+    ("weight_bias", "float", "c_float", "0, or 1 for (1 + gamma)"),
+)

@@ -1,0 +1,31 @@
+"""Which cells of the program space exist: the hole policy, in one table.
+
+A cell (family, dtype, world size, profile) is generated unless a rule below
+makes it a hole. Selection falls back from a hole to the family's base family
+(spec.BASE_FAMILY). A later step drives this from committed benchmark results.
+"""
+from __future__ import annotations
+
+from .spec import ProgramSpec
+
+# (family, reason it is not generated) -> predicate over the other axes.
+# Reasons are printed by `gen-programs tables` next to each hole.
+HOLE_RULES = (
+    ("twoshot_shared", "no shared-expert prefetch at world size 2 (one-shot covers most of its range)",
+     lambda s: s.world_size == 2),
+    ("twoshot_early_shared", "no shared-expert prefetch at world size 2 (one-shot covers most of its range)",
+     lambda s: s.world_size == 2),
+    ("twoshot_early_shared", "no early shared variant at world size 8 (the early range is short there)",
+     lambda s: s.world_size == 8),
+)
+
+
+def hole_reason(spec: ProgramSpec) -> str | None:
+    for family, reason, rule in HOLE_RULES:
+        if spec.family == family and rule(spec):
+            return reason
+    return None
+
+
+def is_supported(spec: ProgramSpec) -> bool:
+    return hole_reason(spec) is None
