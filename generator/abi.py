@@ -38,3 +38,10 @@ PARAMS = (
     ("eps", "float", "c_float", "RMSNorm epsilon"),
     ("weight_bias", "float", "c_float", "0, or 1 for (1 + gamma)"),
 )
+
+# Launch limits shared by the template (rendered in) and the runtime (through the manifest):
+# a row of H elements is held by at most MAX_THREADS threads x MAX_VEC_PER_THREAD 16-byte vectors,
+# so H <= MAX_THREADS * MAX_VEC_PER_THREAD * 8 = 16384.
+MAX_THREADS = 512
+MAX_VEC_PER_THREAD = 4
+MAX_HIDDEN = MAX_THREADS * MAX_VEC_PER_THREAD * 8
