@@ -27,6 +27,10 @@ OUTPUT_PROFILE_MEANING = {
 FAMILIES = ("oneshot", "twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared")
 # Compile targets: every program compiles for each of these.
 ARCH_TARGETS = ("sm_90a", "sm_100a")
+# NVRTC options every program is compiled with (besides --gpu-architecture and
+# -I<CUDA headers>); the manifest carries them so the runtime compiles alike.
+# IEEE fp32 (denormals kept, correctly rounded division): the NVFP4 rule depends on it.
+COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "--fmad=true")
 
 FAMILY_MEANING = {
     "oneshot": "Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)",
@@ -59,6 +63,15 @@ FAMILY_SHORT = {
     "twoshot_early": "tse",
     "twoshot_shared": "tss",
     "twoshot_early_shared": "tses",
+}
+# C++ spelling of each family: the table generated/tables/<family>.h declares
+# k<FAMILY_CAMEL>Kernels.
+FAMILY_CAMEL = {
+    "oneshot": "OneShot",
+    "twoshot": "TwoShot",
+    "twoshot_early": "TwoShotEarly",
+    "twoshot_shared": "TwoShotShared",
+    "twoshot_early_shared": "TwoShotEarlyShared",
 }
 
 # How each axis value reaches the C++ body (templates/moe_finalize_allreduce.cuh.j2).

@@ -1,0 +1,72 @@
+"""Which programs exist: the product of the axes, filtered by one predicate.
+
+`enumerate_programs()` walks `spec.all_cells()` (itertools.product of the axis
+tuples, in table order) and keeps the cells `policy.is_supported` accepts; every
+other cell is a hole, with the reason from `policy.hole_reason` and the family
+selection falls back to. (Named `enumeration`, not `enumerate`, so that importing
+it never shadows the builtin.)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from . import policy, spec
+from .spec import ProgramSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Hole:
+    spec: ProgramSpec
+    reason: str
+    # The family whose program runs in this cell instead: the first family along
+    # spec.BASE_FAMILY that has this cell. Same protocol class by construction.
+    fallback_family: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Enumeration:
+    programs: tuple[ProgramSpec, ...]  # table order (family, dtype, world size, profile)
+    holes: tuple[Hole, ...]            # table order
+
+    def cell(self, cell: ProgramSpec) -> ProgramSpec | Hole:
+        """The program in this cell, or the hole that stands there."""
+        for hole in self.holes:
+            if hole.spec == cell:
+                return hole
+        if cell in self.programs:
+            return cell
+        raise KeyError(cell)
+
+
+def _fallback(cell: ProgramSpec, is_supported: Callable[[ProgramSpec], bool]) -> str:
+    family = cell.family
+    seen = [family]
+    while True:
+        base = spec.BASE_FAMILY[family]
+        if base == family:
+            raise ValueError(
+                f"policy: {cell.name} is a hole in root family {family!r}, so selection has nothing "
+                f"to fall back to (tried {' -> '.join(seen)}); a root family must cover every cell")
+        if spec.PROTOCOL[base] != spec.PROTOCOL[cell.family]:
+            raise ValueError(
+                f"spec: family {cell.family!r} ({spec.PROTOCOL[cell.family]}) falls back to {base!r} "
+                f"({spec.PROTOCOL[base]}); a fallback must run the same exchange protocol")
+        seen.append(base)
+        family = base
+        if is_supported(dataclasses.replace(cell, family=base)):
+            return base
+
+
+def enumerate_programs(
+    is_supported: Callable[[ProgramSpec], bool] = policy.is_supported,
+    hole_reason: Callable[[ProgramSpec], str | None] = policy.hole_reason,
+) -> Enumeration:
+    programs, holes = [], []
+    for cell in spec.all_cells():
+        if is_supported(cell):
+            programs.append(cell)
+        else:
+            reason = hole_reason(cell) or "not supported"
+            holes.append(Hole(cell, reason, _fallback(cell, is_supported)))
+    return Enumeration(tuple(programs), tuple(holes))
