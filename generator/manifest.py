@@ -1,0 +1,104 @@
+"""The manifest: the contract between generated/ and the runtime.
+
+Canonical JSON (sorted keys, indent 1, ASCII, trailing newline). The runtime
+reads only this and the files it lists, checking each file's sha256 and size
+(generator/verify.py) before compiling.
+"""
+from __future__ import annotations
+
+import json
+
+from . import abi, spec
+from .enumeration import Enumeration
+from .tuning import Selection
+from .verify import FORMAT, sha256_bytes
+
+# How a program is launched; the runtime computes the numbers from H, T and the
+# device. One text per field, the same for every program today.
+LAUNCH = {
+    "threads": f"32 * ceil(H / 8 / vec_per_thread / 32), at most {abi.MAX_THREADS}",
+    "vec_per_thread": f"1, 2 or {abi.MAX_VEC_PER_THREAD} (smallest that fits {abi.MAX_THREADS} threads)",
+    "grid": "persistent: min(work units, co-resident blocks on the GPU / ranks sharing it)",
+    "cluster": 1,
+    "dynamic_smem": 0,
+}
+
+SELECTION_RULE = ("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; else twoshot; "
+                  "then the shared-expert variant where the rank has a shared operand; a hole falls back "
+                  "to its fallback_family")
+
+
+def dumps(obj) -> str:
+    """Canonical JSON text: sorted keys, indent 1, ASCII only, trailing newline."""
+    return json.dumps(obj, sort_keys=True, indent=1, ensure_ascii=True) + "\n"
+
+
+def _file_entry(rel: str, data: bytes) -> dict:
+    return {"file": rel, "sha256": sha256_bytes(data), "bytes": len(data)}
+
+
+def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha256: dict,
+          generated_info: dict, body_file: str, table_files: dict, selection_file: str) -> dict:
+    """files: relative path -> bytes of every other generated file.
+    code_sha256: program name (and body_file) -> sha256 of its text without the generated header,
+    for a program the program text plus the body: it changes exactly when compiled code may."""
+    programs = []
+    for program in sorted(enumeration.programs, key=lambda s: s.name):
+        programs.append({
+            **_file_entry(program.file_name, files[program.file_name]),
+            "name": program.name,
+            "symbol": program.symbol,
+            "family": program.family,
+            "dtype": program.dtype,
+            "world_size": program.world_size,
+            "profile": program.profile,
+            "protocol_class": program.protocol_class,
+            "base_family": program.base_family,
+            "outputs": ["norm_out", "residual_out", *spec.PROFILE_EXTRA_OUTPUTS[program.profile]],
+            "launch": LAUNCH,
+            "params": "param_plan",
+            "code_sha256": code_sha256[program.name],
+        })
+    holes = [{
+        "family": h.spec.family, "dtype": h.spec.dtype, "world_size": h.spec.world_size,
+        "profile": h.spec.profile, "reason": h.reason, "fallback_family": h.fallback_family,
+    } for h in enumeration.holes]
+    boundaries = [{
+        "dtype": dtype, "world_size": ws, "profile": profile,
+        "oneshot_max_tokens": b.oneshot_max_tokens, "early_max_tokens": b.early_max_tokens,
+    } for (dtype, ws, profile), b in selection.boundaries.items()]
+    return {
+        "_generated": generated_info,
+        "format": FORMAT,
+        "axes": {
+            "dtypes": list(spec.DTYPES),
+            "world_sizes": list(spec.WORLD_SIZES),
+            "output_profiles": list(spec.OUTPUT_PROFILES),
+            "families": list(spec.FAMILIES),
+            "table_index": ["dtype", "world_size", "profile"],
+            "output_profile_meaning": dict(spec.OUTPUT_PROFILE_MEANING),
+            "family_meaning": dict(spec.FAMILY_MEANING),
+            "base_family": dict(spec.BASE_FAMILY),
+            "protocol": dict(spec.PROTOCOL),
+        },
+        "body": {**_file_entry(body_file, files[body_file]), "code_sha256": code_sha256[body_file]},
+        "param_plan": [[name, ctype, ctypes] for name, ctype, ctypes, _ in abi.PARAMS],
+        "limits": {
+            "max_world_size": abi.MAX_WORLD_SIZE,
+            "max_threads": abi.MAX_THREADS,
+            "max_vec_per_thread": abi.MAX_VEC_PER_THREAD,
+            "max_hidden": abi.MAX_HIDDEN,
+        },
+        "targets": list(spec.ARCH_TARGETS),
+        "compile_options": list(spec.COMPILE_OPTIONS),
+        "selection": {
+            "source": selection.source,
+            "rule": SELECTION_RULE,
+            "table": selection_file,
+            "boundaries": boundaries,
+        },
+        "programs": programs,
+        "holes": holes,
+        "tables": dict(table_files),
+        "files": {rel: {"sha256": sha256_bytes(data), "bytes": len(data)} for rel, data in sorted(files.items())},
+    }

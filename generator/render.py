@@ -1,0 +1,341 @@
+"""Render templates/ into the files of generated/, byte-deterministically.
+
+`render_all(root)` returns every output as {relative path: bytes}; nothing is
+written. `write_tree` writes only files whose bytes changed and removes stale
+ones; `compare_tree` is the `--check` gate.
+
+Every file starts with a do-not-edit header naming its template, the generator
+and `inputs sha256`: a hash over the relative paths and contents of
+generator/*.py and templates/* (never absolute paths, never timestamps).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import os
+import pathlib
+import tempfile
+
+import jinja2
+
+from . import abi, manifest, spec, tuning
+from .enumeration import Enumeration, enumerate_programs
+from .verify import MANIFEST_NAME, REGENERATE
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
+GENERATOR = "gen-programs, generator/"
+
+BODY_TEMPLATE = "moe_finalize_allreduce.cuh.j2"
+PROGRAM_TEMPLATE = "program.cu.j2"
+FAMILY_TABLE_TEMPLATE = "family_table.h.j2"
+SELECTION_TEMPLATE = "selection.h.j2"
+
+BODY_FILE = "kernels/moe_finalize_allreduce.cuh"
+SELECTION_FILE = "tables/selection.h"
+
+
+def table_file(family: str) -> str:
+    return f"tables/{family}.h"
+
+
+# ---- inputs -------------------------------------------------------------------------
+
+def input_files(root: pathlib.Path) -> list[str]:
+    """Repo-relative POSIX paths of everything that decides the output, sorted."""
+    root = pathlib.Path(root)
+    paths = [p for p in (root / "generator").glob("*.py") if p.is_file()]
+    paths += [p for p in (root / "templates").rglob("*")
+              if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
+                                         for part in p.relative_to(root).parts)]
+    return sorted(p.relative_to(root).as_posix() for p in paths)
+
+
+def inputs_sha256(root: pathlib.Path) -> str:
+    h = hashlib.sha256()
+    for rel in input_files(root):
+        data = (pathlib.Path(root) / rel).read_bytes()
+        h.update(f"{rel}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()
+
+
+def cpp_header(template: str, inputs: str) -> str:
+    return (f"// GENERATED FILE, DO NOT EDIT: written by {GENERATOR} from templates/{template}.\n"
+            f"// inputs sha256: {inputs}\n"
+            f"// To change it, edit the template or generator/ and run `gen-programs`.\n")
+
+
+def json_header(inputs: str) -> dict:
+    return {
+        "do_not_edit": f"GENERATED FILE, DO NOT EDIT; edit generator/ or templates/ and run `gen-programs`",
+        "generator": GENERATOR,
+        "template": "none: generator/manifest.py writes this file",
+        "inputs_sha256": inputs,
+    }
+
+
+def make_environment(root: pathlib.Path) -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(pathlib.Path(root) / "templates")),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+class GenerateError(RuntimeError):
+    """Generation cannot proceed (a bad destination, a bad template)."""
+
+
+# ---- outputs ------------------------------------------------------------------------
+
+class Outputs:
+    """Relative path -> bytes; a path may be produced once only."""
+
+    def __init__(self):
+        self._files: dict[str, bytes] = {}
+
+    def add(self, rel: str, data: bytes | str) -> None:
+        rel = pathlib.PurePosixPath(rel).as_posix()
+        if pathlib.PurePosixPath(rel).is_absolute() or ".." in pathlib.PurePosixPath(rel).parts:
+            raise ValueError(f"output path {rel!r} must stay inside generated/")
+        if rel in self._files:
+            raise ValueError(f"output {rel!r} produced twice")
+        self._files[rel] = data.encode("utf-8") if isinstance(data, str) else data
+
+    def __getitem__(self, rel: str) -> bytes:
+        return self._files[rel]
+
+    def __contains__(self, rel: str) -> bool:
+        return rel in self._files
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def items(self):
+        return sorted(self._files.items())
+
+    def as_dict(self) -> dict[str, bytes]:
+        return dict(self.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    outputs: Outputs
+    enumeration: Enumeration
+    inputs_sha256: str
+
+
+def _cell_label(dtype: str, ws: int, profile: str) -> str:
+    return f"{dtype} ws{ws} o{profile}"
+
+
+def _index_comment() -> str:
+    return (f"// [dtype: {', '.join(spec.DTYPES)}]"
+            f"[world size: {', '.join(str(w) for w in spec.WORLD_SIZES)}]"
+            f"[output profile: {', '.join(spec.OUTPUT_PROFILES)}]")
+
+
+def _family_table_context(family: str, enumeration: Enumeration) -> dict:
+    rows = []
+    for dtype in spec.DTYPES:
+        worlds = []
+        for ws in spec.WORLD_SIZES:
+            entries = []
+            for profile in spec.OUTPUT_PROFILES:
+                cell = enumeration.cell(spec.ProgramSpec(family, dtype, ws, profile))
+                label = _cell_label(dtype, ws, profile)
+                if isinstance(cell, spec.ProgramSpec):
+                    entries.append({"value": f'"{cell.symbol}"', "comment": label})
+                else:
+                    entries.append({"value": "nullptr",
+                                    "comment": f"{label} hole -> {cell.fallback_family}: {cell.reason}"})
+            worlds.append({"label": f"{dtype} ws{ws}", "entries": entries})
+        rows.append({"label": dtype, "worlds": worlds})
+    return {
+        "family": family,
+        "array": f"k{spec.FAMILY_CAMEL[family]}Kernels",
+        "meaning": spec.FAMILY_MEANING[family],
+        "base_family": spec.BASE_FAMILY[family],
+        "protocol": spec.PROTOCOL[family],
+        "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
+        "index_comment": _index_comment(),
+        "rows": rows,
+    }
+
+
+def _selection_context(selection: tuning.Selection) -> dict:
+    rows = []
+    for dtype in spec.DTYPES:
+        worlds = []
+        for ws in spec.WORLD_SIZES:
+            entries = []
+            for profile in spec.OUTPUT_PROFILES:
+                b = selection.boundaries[(dtype, ws, profile)]
+                entries.append({"value": f"{{{b.oneshot_max_tokens}, {b.early_max_tokens}}}",
+                                "comment": _cell_label(dtype, ws, profile)})
+            worlds.append({"label": f"{dtype} ws{ws}", "entries": entries})
+        rows.append({"label": dtype, "worlds": worlds})
+    return {
+        "source": selection.source,
+        "rule": manifest.SELECTION_RULE,
+        "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
+        "index_comment": _index_comment(),
+        "rows": rows,
+    }
+
+
+def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
+    """Every generated file, in memory."""
+    root = pathlib.Path(root)
+    inputs = inputs_sha256(root)
+    env = make_environment(root)
+    enumeration = enumerate_programs()
+    selection = tuning.selection()
+    out = Outputs()
+
+    def render(template: str, **context) -> str:
+        return env.get_template(template).render(**context)
+
+    body = render(BODY_TEMPLATE,
+                  params=[{"name": n, "ctype": c, "meaning": m} for n, c, _, m in abi.PARAMS],
+                  max_world_size=abi.MAX_WORLD_SIZE,
+                  max_vec_per_thread=abi.MAX_VEC_PER_THREAD,
+                  max_threads=abi.MAX_THREADS)
+    out.add(BODY_FILE, cpp_header(BODY_TEMPLATE, inputs) + body)
+    code_sha256 = {BODY_FILE: hashlib.sha256(body.encode("utf-8")).hexdigest()}
+
+    body_name = pathlib.PurePosixPath(BODY_FILE).name
+    for program in enumeration.programs:
+        regime_cpp, shared_prefetch = spec.FAMILY_CPP[program.family]
+        text = render(PROGRAM_TEMPLATE,
+                      spec=program,
+                      name=program.name,
+                      symbol=program.symbol,
+                      dtype_cpp=spec.DTYPE_CPP[program.dtype],
+                      profile_cpp=spec.PROFILE_CPP[program.profile],
+                      regime_cpp=regime_cpp,
+                      shared_prefetch=shared_prefetch,
+                      body_file=body_name,
+                      max_threads=abi.MAX_THREADS,
+                      family_meaning=spec.FAMILY_MEANING[program.family],
+                      profile_meaning=spec.OUTPUT_PROFILE_MEANING[program.profile])
+        out.add(program.file_name, cpp_header(PROGRAM_TEMPLATE, inputs) + text)
+        # What the compiled code depends on, headers aside: program.cu + body.
+        code_sha256[program.name] = hashlib.sha256(
+            f"{len(text)}\0{text}{len(body)}\0{body}".encode("utf-8")).hexdigest()
+
+    table_files = {}
+    for family in spec.FAMILIES:
+        table_files[family] = table_file(family)
+        out.add(table_file(family), cpp_header(FAMILY_TABLE_TEMPLATE, inputs)
+                + render(FAMILY_TABLE_TEMPLATE, **_family_table_context(family, enumeration)))
+    out.add(SELECTION_FILE, cpp_header(SELECTION_TEMPLATE, inputs)
+            + render(SELECTION_TEMPLATE, **_selection_context(selection)))
+
+    doc = manifest.build(enumeration, selection, out.as_dict(), code_sha256, json_header(inputs),
+                         BODY_FILE, table_files, SELECTION_FILE)
+    out.add(MANIFEST_NAME, manifest.dumps(doc))
+    return Result(out, enumeration, inputs)
+
+
+# ---- writing and checking -----------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class WriteReport:
+    written: tuple[str, ...]
+    unchanged: tuple[str, ...]
+    removed: tuple[str, ...]
+
+
+def _existing_files(dest: pathlib.Path) -> list[str]:
+    if not dest.is_dir():
+        return []
+    return sorted(p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file() or p.is_symlink())
+
+
+def _is_generated_tree(dest: pathlib.Path) -> bool:
+    """True where dest may be overwritten: absent, empty, or written by us before."""
+    if not dest.exists():
+        return True
+    if not dest.is_dir():
+        return False
+    if not any(dest.iterdir()):
+        return True
+    try:
+        return b'"_generated"' in (dest / MANIFEST_NAME).read_bytes()
+    except OSError:
+        return False
+
+
+def write_tree(outputs: Outputs, dest: pathlib.Path) -> WriteReport:
+    """Make dest hold exactly `outputs`: write changed files, remove stale ones."""
+    dest = pathlib.Path(dest)
+    if not _is_generated_tree(dest):
+        raise GenerateError(f"{dest}: not empty and holds no generated {MANIFEST_NAME}; refusing to write there")
+    written, unchanged = [], []
+    for rel, data in outputs.items():
+        path = dest / rel
+        try:
+            if path.read_bytes() == data:
+                unchanged.append(rel)
+                continue
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            pass
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        written.append(rel)
+    removed = [rel for rel in _existing_files(dest) if rel not in outputs]
+    for rel in removed:
+        (dest / rel).unlink()
+    for d in sorted((p for p in dest.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+        if not any(d.iterdir()):
+            d.rmdir()
+    return WriteReport(tuple(written), tuple(unchanged), tuple(removed))
+
+
+def compare_tree(outputs: Outputs, dest: pathlib.Path, label: str = "generated") -> list[str]:
+    """Unified diffs (one string per differing file) between dest and `outputs`."""
+    dest = pathlib.Path(dest)
+    diffs = []
+    names = sorted(set(_existing_files(dest)) | {rel for rel, _ in outputs.items()})
+    for rel in names:
+        old = (dest / rel).read_bytes() if (dest / rel).is_file() else None
+        new = outputs[rel] if rel in outputs else None
+        if old == new:
+            continue
+        if new is None:
+            diffs.append(f"--- {label}/{rel}\n+++ /dev/null\n(no longer generated: `gen-programs` removes it)\n")
+            continue
+        if old is None:
+            diffs.append(f"--- /dev/null\n+++ {label}/{rel} (regenerated)\n(missing: `gen-programs` writes it)\n")
+            continue
+        diff = "".join(difflib.unified_diff(
+            old.decode("utf-8", "replace").splitlines(keepends=True),
+            new.decode("utf-8", "replace").splitlines(keepends=True),
+            fromfile=f"{label}/{rel}", tofile=f"{label}/{rel} (regenerated)"))
+        if not diff:  # same text lines, different bytes (line endings, trailing newline)
+            diff = f"--- {label}/{rel}\n+++ {label}/{rel} (regenerated)\n(bytes differ)\n"
+        diffs.append(diff if diff.endswith("\n") else diff + "\n")
+    return diffs
+
+
+def check_tree(outputs: Outputs, dest: pathlib.Path) -> list[str]:
+    """The --check gate: write outputs into a temporary folder, compare with dest."""
+    with tempfile.TemporaryDirectory(prefix="gen-programs-check-") as tmp:
+        write_tree(outputs, pathlib.Path(tmp))
+        rendered = Outputs()
+        for rel in _existing_files(pathlib.Path(tmp)):
+            rendered.add(rel, (pathlib.Path(tmp) / rel).read_bytes())
+    return compare_tree(rendered, dest)
+
+
+__all__ = ["REPO_ROOT", "GenerateError", "Outputs", "Result", "WriteReport", "render_all", "write_tree", "compare_tree",
+           "check_tree", "inputs_sha256", "input_files", "REGENERATE"]
