@@ -1,0 +1,160 @@
+"""`gen-programs compile`: compile generated programs with NVRTC, no GPU needed.
+
+Uses CuPy's low-level NVRTC bindings (`cupy.cuda.nvrtc`), which only load
+libnvrtc; CuPy's higher-level compile helpers query the driver and fail on a
+machine without a GPU. CuPy is imported in the worker processes only, so the
+rest of the generator never imports it.
+
+Each (program, arch) is one job in a process pool. The ptxas `-v` log gives
+registers, spill stores/loads and stack frame per entry function.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import re
+import time
+
+from . import verify
+
+
+def cuda_include_dir() -> str:
+    """CUDA headers: the pip `nvidia` package's cu13/include, else $CUDA_HOME/include."""
+    try:
+        import nvidia  # namespace package from nvidia-cuda-runtime / -nvrtc wheels
+        for base in list(nvidia.__path__):
+            candidate = os.path.join(base, "cu13", "include")
+            if os.path.isfile(os.path.join(candidate, "cuda_runtime.h")):
+                return candidate
+    except ImportError:
+        pass
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            candidate = os.path.join(os.environ[var], "include")
+            if os.path.isfile(os.path.join(candidate, "cuda_runtime.h")):
+                return candidate
+    if os.path.isfile("/usr/local/cuda/include/cuda_runtime.h"):
+        return "/usr/local/cuda/include"
+    raise FileNotFoundError("CUDA headers not found: install nvidia-cuda-runtime (pip, 13.x) "
+                            "or set CUDA_HOME to a CUDA toolkit")
+
+
+def options(arch: str, include_dir: str, compile_options) -> list[str]:
+    return [f"--gpu-architecture={arch}", *compile_options, f"-I{include_dir}", "-Xptxas=-v"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryStats:
+    function: str
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    program: str
+    arch: str
+    ok: bool
+    log: str
+    seconds: float
+    cubin_bytes: int
+    entries: tuple[EntryStats, ...]
+
+
+_ENTRY_RE = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
+_FRAME_RE = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGS_RE = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas_log(log: str) -> tuple[EntryStats, ...]:
+    """Per entry function: registers, stack frame and spills, from a ptxas -v log."""
+    entries, current = [], None
+
+    def flush():
+        if current is not None:
+            entries.append(EntryStats(current["name"], current.get("regs", -1), current.get("stack", 0),
+                                      current.get("st", 0), current.get("ld", 0)))
+
+    for line in log.splitlines():
+        m = _ENTRY_RE.search(line)
+        if m:
+            flush()
+            current = {"name": m.group(1)}
+            continue
+        if current is None:
+            continue
+        m = _FRAME_RE.search(line)
+        if m and "stack" not in current:
+            current["stack"], current["st"], current["ld"] = (int(g) for g in m.groups())
+        m = _REGS_RE.search(line)
+        if m and "regs" not in current:
+            current["regs"] = int(m.group(1))
+    flush()
+    return tuple(entries)
+
+
+def compile_one(program: str, arch: str, source: str, opts: list[str]) -> CompileResult:
+    """One NVRTC compile to cubin; runs in a worker process."""
+    from cupy.cuda import nvrtc
+
+    start = time.perf_counter()
+    prog = nvrtc.createProgram(source, f"{program}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, opts)
+            ok = True
+        except nvrtc.NVRTCError:
+            ok = False
+        log = nvrtc.getProgramLog(prog)
+        cubin = nvrtc.getCUBIN(prog) if ok else b""
+    finally:
+        nvrtc.destroyProgram(prog)
+    return CompileResult(program, arch, ok, log, time.perf_counter() - start, len(cubin),
+                         parse_ptxas_log(log) if ok else ())
+
+
+def warnings(result: CompileResult) -> list[str]:
+    """Compiler warning lines of the log (they do not fail the gate)."""
+    return [line for line in result.log.splitlines() if "warning" in line.lower()]
+
+
+def problems(result: CompileResult, symbol: str) -> list[str]:
+    """Why this result fails the gate (empty when it passes)."""
+    if not result.ok:
+        return ["NVRTC error"]
+    out = []
+    if symbol not in {e.function for e in result.entries}:
+        found = ", ".join(e.function for e in result.entries) or "none"
+        out.append(f"kernel symbol {symbol!r} is not an entry function of the cubin (found: {found}); "
+                   f"the program must define it extern \"C\"")
+    for e in result.entries:
+        if e.spill_store_bytes or e.spill_load_bytes:
+            out.append(f"{e.function}: spills {e.spill_store_bytes} bytes stores, {e.spill_load_bytes} bytes loads")
+    return out
+
+
+def compile_programs(generated_dir: pathlib.Path, programs: list[str], archs: list[str], jobs: int,
+                     progress=None) -> list[CompileResult]:
+    """Verify the manifest, then compile every (program, arch); results in job order."""
+    import concurrent.futures
+    import multiprocessing
+
+    manifest = verify.load_verified_manifest(generated_dir)
+    include_dir = cuda_include_dir()
+    sources = {name: verify.source_for(manifest, generated_dir, name) for name in programs}
+    work = [(name, arch) for name in programs for arch in archs]
+    results = {}
+    # spawn: workers start clean (no inherited CUDA or driver state).
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, jobs), mp_context=ctx) as pool:
+        futures = {pool.submit(compile_one, name, arch, sources[name],
+                               options(arch, include_dir, manifest["compile_options"])): (name, arch)
+                   for name, arch in work}
+        for future in concurrent.futures.as_completed(futures):
+            results[futures[future]] = future.result()
+            if progress is not None:
+                progress(futures[future])
+    return [results[key] for key in work]
