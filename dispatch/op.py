@@ -1,0 +1,273 @@
+"""The call: check the arguments, pick the program, launch it on torch's current stream.
+
+The launch path does no device allocation (unless outputs are not passed in, when it takes them
+from torch's caching allocator, as any torch op does), no synchronization and no hashing of
+sources: programs are compiled and their launch state built once, at a workspace's first call
+of each program (or ahead of time with dispatch.warmup).
+"""
+from __future__ import annotations
+
+import ctypes
+from typing import NamedTuple, Optional
+
+import torch
+
+from . import registry
+
+QUANT_PROFILES = {None: "110", "nvfp4": "111"}
+MAX_TOP_K = 16
+
+
+class MoeFinalizeOutputs(NamedTuple):
+    norm_out: torch.Tensor
+    residual_out: torch.Tensor
+    quant_out: Optional[torch.Tensor]
+    scale_out: Optional[torch.Tensor]
+
+
+def scale_out_bytes(tokens: int, hidden: int) -> int:
+    """Bytes of the swizzled NVFP4 scale buffer: rows padded to 128, scale columns to 4."""
+    return -(-tokens // 128) * 128 * (-(-(hidden // 16) // 4) * 4)
+
+
+# ---- argument checks --------------------------------------------------------------------
+
+def _tensor(name, x, ws, dtypes, shape=None, ndim=None, align=16):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {x.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: {x.dim()} dimensions {tuple(x.shape)}, expected {ndim}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
+    if x.device != ws.device:
+        raise ValueError(f"{name}: on {x.device}, expected the workspace's device {ws.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    if x.data_ptr() % align:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
+    return x
+
+
+def _check_args(ws, a):
+    """Validate one call's keyword arguments (dict) in place; returns (T, K, R, profile)."""
+    D = ws.dtype
+    H = ws.hidden
+    idx = a["expanded_idx_to_permuted_idx"]
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+        raise ValueError(f"expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
+    T, K = idx.shape
+    _tensor("expanded_idx_to_permuted_idx", idx, ws, (torch.int32,), ndim=2, align=4)
+    if T > ws.max_tokens:
+        raise ValueError(f"expanded_idx_to_permuted_idx: {T} tokens, more than the workspace's max_tokens "
+                         f"{ws.max_tokens}")
+    if not 1 <= K <= MAX_TOP_K:
+        raise ValueError(f"expanded_idx_to_permuted_idx: top_k {K} out of range 1..{MAX_TOP_K}")
+    x = _tensor("allreduce_in", a["allreduce_in"], ws, (D,), ndim=2)
+    if x.shape[1] != H:
+        raise ValueError(f"allreduce_in: hidden {x.shape[1]}, the workspace was made for hidden {H}")
+    R = x.shape[0]
+    if R < T * K:
+        raise ValueError(f"allreduce_in: {R} rows, fewer than tokens * top_k = {T * K}")
+    if R >= 2 ** 31:
+        raise ValueError(f"allreduce_in: {R} rows, more than int32 indices can address")
+    if a.get("expert_scale_factor") is not None:
+        _tensor("expert_scale_factor", a["expert_scale_factor"], ws, (D, torch.float32), shape=(T, K), align=4)
+    if a.get("shared_expert_output") is not None:
+        _tensor("shared_expert_output", a["shared_expert_output"], ws, (D,), shape=(T, H))
+    _tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H))
+    _tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,))
+    quant = a.get("quant")
+    if quant not in QUANT_PROFILES:
+        raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
+    profile = QUANT_PROFILES[quant]
+    if quant == "nvfp4":
+        if a.get("global_scale") is None:
+            raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
+        _tensor("global_scale", a["global_scale"], ws, (torch.float32,), shape=(1,), align=4)
+    for name in ("eps", "routed_scaling_factor"):
+        if not isinstance(a[name], (int, float)):
+            raise ValueError(f"{name}: expected a Python float, got {type(a[name]).__name__}")
+    if a["weight_bias"] not in (0, 1):
+        raise ValueError(f"weight_bias: {a['weight_bias']!r}, expected 0 or 1")
+    _tensor("norm_out", a["norm_out"], ws, (D,), shape=(T, H)) if a.get("norm_out") is not None else None
+    _tensor("residual_out", a["residual_out"], ws, (D,), shape=(T, H)) if a.get("residual_out") is not None else None
+    if quant == "nvfp4":
+        if a.get("quant_out") is not None:
+            _tensor("quant_out", a["quant_out"], ws, (torch.uint8,), shape=(T, H // 2), align=4)
+        if a.get("scale_out") is not None:
+            s = _tensor("scale_out", a["scale_out"], ws, (torch.uint8,), ndim=1, align=1)
+            if s.numel() < scale_out_bytes(T, H):
+                raise ValueError(f"scale_out: {s.numel()} bytes, need {scale_out_bytes(T, H)}")
+    return T, K, R, profile
+
+
+_DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
+                 weight_bias=0, quant=None, global_scale=None, norm_out=None, residual_out=None, quant_out=None,
+                 scale_out=None, launch_with_pdl=False, program=None)
+
+
+def allocate_outputs(ws, kwargs: dict) -> dict:
+    """Fill in output tensors not given (used by EmulatedWorld.run before it forks streams)."""
+    T = kwargs["expanded_idx_to_permuted_idx"].shape[0]
+    H = ws.hidden
+    if kwargs.get("norm_out") is None:
+        kwargs["norm_out"] = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
+    if kwargs.get("residual_out") is None:
+        kwargs["residual_out"] = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
+    if kwargs.get("quant") == "nvfp4":
+        if kwargs.get("quant_out") is None:
+            kwargs["quant_out"] = torch.empty((T, H // 2), dtype=torch.uint8, device=ws.device)
+        if kwargs.get("scale_out") is None:
+            kwargs["scale_out"] = torch.empty((scale_out_bytes(T, H),), dtype=torch.uint8, device=ws.device)
+    return kwargs
+
+
+# ---- selection --------------------------------------------------------------------------
+
+def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str:
+    """The program the dispatcher runs for this call on this rank."""
+    if quant not in QUANT_PROFILES:
+        raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
+    profile = QUANT_PROFILES[quant]
+    family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared)
+    return registry.program_for(family, ws.dtype_name, ws.world_size, profile)
+
+
+# ---- launch -------------------------------------------------------------------------------
+
+class _Launcher:
+    """One program on one workspace: the loaded kernel, its grid limit, a reusable argument struct
+    with the per-workspace fields filled in, and prebuilt launch configurations."""
+
+    def __init__(self, ws, name: str):
+        from cuda.bindings import driver as cu
+        info = registry.program_info(name)
+        if info["dtype"] != ws.dtype_name or info["world_size"] != ws.world_size:
+            raise ValueError(f"program: {name} is for {info['dtype']} world size {info['world_size']}, the workspace "
+                             f"is {ws.dtype_name} world size {ws.world_size}")
+        self.name = name
+        self.family = info["family"]
+        self.profile = info["profile"]
+        self.sliced_units = self.family != "twoshot" and self.family != "twoshot_shared"
+        prog = registry.load(name, ws.device_index)
+        sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
+        per_sm = prog.max_blocks_per_sm(ws.threads)
+        if per_sm < 1:
+            raise ValueError(f"hidden: {ws.hidden} needs {ws.threads} threads a block, which {name} cannot run")
+        # Every block of every rank on this GPU must be resident at once: blocks spin on peers.
+        self.max_blocks = max(1, per_sm * sms // ws.ranks_on_device)
+        self.function = cu.CUfunction(prog.function_ptr)
+        self.args = registry.params_struct()()
+        a = self.args
+        for r, ptr in enumerate(ws.peer_buffer_ptrs):
+            a.peer_buffers[r] = ptr or None
+        a.state = ws._memory.state
+        a.error = ws._memory.error_host
+        a.buffer_elems = ws.buffer_elems
+        a.timeout_ns = ws.timeout_ns
+        a.hidden = ws.hidden
+        a.rank = ws.rank
+        a.vec_per_thread = ws.vec_per_thread
+        a.slices_per_row = ws.vec_per_thread if self.sliced_units else 1
+        self.arg_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(a))
+        self.arg_address = ctypes.addressof(self.arg_pointer)
+        self.configs = {pdl: self._config(cu, ws.threads, pdl) for pdl in (False, True)}
+        self.cu = cu
+
+    @staticmethod
+    def _config(cu, threads, pdl):
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = 1, 1, 1
+        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
+        config.sharedMemBytes = 0
+        if pdl:
+            attr = cu.CUlaunchAttribute()
+            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            config.attrs = [attr]
+            config.numAttrs = 1
+        else:
+            config.numAttrs = 0
+        return config
+
+    def launch(self, ws, T, K, R, a, pdl):
+        args = self.args
+        args.allreduce_in = a["allreduce_in"].data_ptr()
+        args.expanded_idx = a["expanded_idx_to_permuted_idx"].data_ptr()
+        scale = a["expert_scale_factor"]
+        args.expert_scale = scale.data_ptr() if scale is not None else None
+        args.scale_kind = 0 if scale is None else (1 if scale.dtype == torch.float32 else 2)
+        shared = a["shared_expert_output"]
+        args.shared_in = shared.data_ptr() if shared is not None else None
+        args.residual_in = a["residual_in"].data_ptr()
+        args.norm_weight = a["norm_weight"].data_ptr()
+        nvfp4 = self.profile == "111"
+        args.global_scale = a["global_scale"].data_ptr() if nvfp4 else None
+        args.norm_out = a["norm_out"].data_ptr()
+        args.residual_out = a["residual_out"].data_ptr()
+        args.quant_out = a["quant_out"].data_ptr() if nvfp4 else None
+        args.scale_out = a["scale_out"].data_ptr() if nvfp4 else None
+        args.tokens, args.top_k, args.rows = T, K, R
+        args.routed_scaling_factor = a["routed_scaling_factor"]
+        args.eps = a["eps"]
+        args.weight_bias = float(a["weight_bias"])
+        config = self.configs[bool(pdl)]
+        units = T * ws.vec_per_thread if self.sliced_units else T
+        config.gridDimX = min(units, self.max_blocks)
+        config.hStream = self.cu.CUstream(torch.cuda.current_stream(ws.device).cuda_stream)
+        err, = self.cu.cuLaunchKernelEx(config, self.function, self.arg_address, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: {err}")
+
+
+def _launcher(ws, name: str) -> _Launcher:
+    launcher = ws._launchers.get(name)
+    if launcher is None:
+        launcher = ws._launchers[name] = _Launcher(ws, name)
+    return launcher
+
+
+def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+                           **kwargs) -> MoeFinalizeOutputs:
+    """MoE finalize + all-reduce + residual add + RMSNorm (+ NVFP4) for this rank.
+
+    Shapes (T tokens, K = top_k, H = workspace.hidden, D = workspace.dtype):
+      allreduce_in [R, H] D (R >= T*K), expanded_idx_to_permuted_idx [T, K] int32 (< 0: dropped route),
+      expert_scale_factor [T, K] D or float32 (None: 1), routed_scaling_factor float,
+      shared_expert_output [T, H] D or None, residual_in [T, H] D, norm_weight [H] D, eps float,
+      weight_bias 0 or 1, quant None or "nvfp4" with global_scale [1] float32 on the device.
+    Outputs (allocated when not given): norm_out [T, H] D, residual_out [T, H] D, and for "nvfp4"
+      quant_out [T, H/2] uint8 and scale_out (1-D uint8, >= scale_out_bytes(T, H), 128x4 swizzled).
+    Every rank of the group must make the same sequence of calls with the same T. `program=` forces a
+    program by name. Raises ValueError naming the argument for a bad call, RuntimeError if an earlier
+    call of this workspace timed out waiting for a peer.
+    """
+    unknown = set(kwargs) - set(_DEFAULTS)
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: unknown argument")
+    a = dict(_DEFAULTS)
+    a.update(kwargs)
+    a.update(allreduce_in=allreduce_in, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
+             residual_in=residual_in, norm_weight=norm_weight)
+    workspace._ensure_open()
+    workspace._check_error_words()
+    T, K, R, profile = _check_args(workspace, a)
+    allocate_outputs(workspace, a)
+    out = MoeFinalizeOutputs(a["norm_out"], a["residual_out"],
+                             a["quant_out"] if profile == "111" else None,
+                             a["scale_out"] if profile == "111" else None)
+    if T == 0:
+        return out
+    name = a["program"]
+    if name is None:
+        name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None)
+    launcher = _launcher(workspace, name)
+    if launcher.profile != profile:
+        raise ValueError(f"program: {name} writes output profile {launcher.profile}, the call asks for {profile}")
+    if launcher.family == "oneshot" and T > workspace.oneshot_max_tokens:
+        raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
+                         f"{workspace.oneshot_max_tokens}")
+    launcher.launch(workspace, T, K, R, a, a["launch_with_pdl"])
+    return out

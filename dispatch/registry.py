@@ -1,0 +1,254 @@
+"""The committed programs: manifest, selection, compilation and the compile cache.
+
+Reads only generated/ (verified against its manifest first). Programs are
+compiled with NVRTC through CuPy's low-level bindings at first use, for the
+GPU's own target (sm_90a on H100/H200, sm_100a on B200), and kept in a disk
+cache keyed by a sha256 of everything compiled: the self-contained source text
+(body inlined), the options, the target and the NVRTC version. A cache entry
+carries its own checksum; a corrupt entry is recompiled, never loaded.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import threading
+import time
+
+from . import manifest as _manifest
+
+GENERATED_DIR = pathlib.Path(__file__).resolve().parent.parent / "generated"
+
+TARGET_FOR_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+
+
+class _ProgramSet:
+    """The verified manifest and lookups derived from it (built once per process)."""
+
+    def __init__(self, generated_dir: pathlib.Path):
+        self.dir = generated_dir
+        self.manifest = _manifest.load_verified_manifest(generated_dir)
+        self.by_name = {p["name"]: p for p in self.manifest["programs"]}
+        # (family, dtype, world_size, profile) -> program name; holes are absent.
+        self.cells = {(p["family"], p["dtype"], p["world_size"], p["profile"]): p["name"]
+                      for p in self.manifest["programs"]}
+        self.params = [tuple(x) for x in self.manifest["param_plan"]]
+        self.limits = self.manifest["limits"]
+        self.selection = {(s["dtype"], s["world_size"], s["profile"]): s
+                          for s in self.manifest["selection"]["boundaries"]}
+
+
+_lock = threading.Lock()
+
+
+@functools.lru_cache(maxsize=None)
+def program_set() -> _ProgramSet:
+    return _ProgramSet(GENERATED_DIR)
+
+
+def programs() -> list[str]:
+    """Names of every generated program."""
+    return sorted(program_set().by_name)
+
+
+def program_info(name: str) -> dict:
+    try:
+        return dict(program_set().by_name[name])
+    except KeyError:
+        raise ValueError(f"program: no program named {name!r} (see dispatch.programs())") from None
+
+
+# ---- the kernel argument --------------------------------------------------------------
+
+_CTYPES = {"c_void_p": ctypes.c_void_p, "c_int64": ctypes.c_int64, "c_uint64": ctypes.c_uint64,
+           "c_int32": ctypes.c_int32, "c_float": ctypes.c_float, "c_void_p*8": ctypes.c_void_p * 8}
+
+
+@functools.lru_cache(maxsize=None)
+def params_struct() -> type:
+    """A ctypes Structure laid out like the C++ `moe_ar::Params` (from the manifest's plan)."""
+    fields = [(name, _CTYPES[ct]) for name, _cpp, ct in program_set().params]
+    return type("Params", (ctypes.Structure,), {"_fields_": fields})
+
+
+# ---- selection --------------------------------------------------------------------------
+
+def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool) -> str:
+    """The family for a call, from the committed regime boundaries.
+
+    The token regime is chosen from T (the same on every rank); the shared-expert
+    variant from a rank-local fact, so it must stay within the protocol class of
+    the regime's base family, which it does by construction (spec.PROTOCOL).
+    """
+    ps = program_set()
+    bounds = ps.selection[(dtype, world_size, profile)]
+    if tokens <= bounds["oneshot_max_tokens"]:
+        return "oneshot"
+    family = "twoshot_early" if tokens <= bounds["early_max_tokens"] else "twoshot"
+    if has_shared and (family + "_shared", dtype, world_size, profile) in ps.cells:
+        return family + "_shared"
+    return family
+
+
+def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
+    """The program of a cell, falling back explicitly from a hole to the base family."""
+    cells = program_set().cells
+    seen = []
+    while True:
+        name = cells.get((family, dtype, world_size, profile))
+        if name is not None:
+            return name
+        seen.append(family)
+        base = _BASE_FAMILY.get(family, family)
+        if base == family:
+            raise ValueError(f"program: no program for {dtype} world size {world_size} profile {profile} "
+                             f"(tried families {seen})")
+        family = base
+
+
+_BASE_FAMILY = {"twoshot_early": "twoshot", "twoshot_shared": "twoshot", "twoshot_early_shared": "twoshot_early"}
+
+
+# ---- compilation ----------------------------------------------------------------------
+
+def cache_dir() -> pathlib.Path:
+    d = os.environ.get("MOE_AR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moe_ar")
+    return pathlib.Path(d)
+
+
+def _include_dirs() -> list[str]:
+    dirs = []
+    try:
+        import nvidia  # pip's nvidia-cuda-runtime headers
+        for root in nvidia.__path__:
+            for sub in ("cu13/include", "cuda_runtime/include"):
+                if os.path.isdir(os.path.join(root, sub)):
+                    dirs.append(os.path.join(root, sub))
+    except ImportError:
+        pass
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs.append("/usr/local/cuda/include")
+    return [d for d in dirs if os.path.isfile(os.path.join(d, "cuda_bf16.h"))][:1]
+
+
+def compile_cubin(source: str, name: str, target: str) -> tuple[bytes, str]:
+    """NVRTC: source -> cubin for `target`; returns (cubin, ptxas log). Raises on error."""
+    from cupy.cuda import nvrtc
+    options = [f"--gpu-architecture={target}", *program_set().manifest["compile_options"], "-Xptxas=-v"]
+    options += [f"-I{d}" for d in _include_dirs()]
+    prog = nvrtc.createProgram(source, f"{name}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, options)
+        except nvrtc.NVRTCError as e:
+            raise RuntimeError(f"NVRTC failed to compile {name} for {target}: {e}\n{nvrtc.getProgramLog(prog)}") from None
+        return nvrtc.getCUBIN(prog), nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def _cache_key(source: str, target: str) -> str:
+    from cupy.cuda import nvrtc
+    h = hashlib.sha256()
+    options = " ".join(program_set().manifest["compile_options"])
+    for part in (source, target, options, str(nvrtc.getVersion())):
+        h.update(part.encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def cached_cubin(name: str, target: str) -> tuple[bytes, dict]:
+    """The program's cubin, from the disk cache or freshly compiled. Returns (cubin, info)."""
+    ps = program_set()
+    source = _manifest.source_for(ps.manifest, ps.dir, name)  # re-verifies both files
+    key = _cache_key(source, target)
+    path = cache_dir() / f"{name}-{target}-{key[:32]}.cubin"
+    info = {"program": name, "target": target, "cache": str(path)}
+    t0 = time.perf_counter()
+    try:
+        blob = path.read_bytes()
+        digest, cubin = blob[:64], blob[64:]
+        if hashlib.sha256(cubin).hexdigest().encode() == digest:
+            info.update(source="cache", seconds=time.perf_counter() - t0)
+            return cubin, info
+        info["cache_corrupt"] = True  # fall through: recompile and overwrite
+    except FileNotFoundError:
+        pass
+    cubin, log = compile_cubin(source, name, target)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(hashlib.sha256(cubin).hexdigest().encode() + cubin)
+    os.replace(tmp, path)
+    info.update(source="compiled", seconds=time.perf_counter() - t0, ptxas=log)
+    return cubin, info
+
+
+class LoadedProgram:
+    """A program's kernel loaded on one device."""
+
+    def __init__(self, name: str, device_index: int):
+        import cupy
+        from cupy.cuda import function
+        self.name = name
+        self.entry = program_set().by_name[name]
+        with cupy.cuda.Device(device_index):
+            cc = cupy.cuda.Device(device_index).compute_capability  # e.g. "90"
+            capability = (int(cc[:-1]), int(cc[-1]))
+            target = TARGET_FOR_CAPABILITY.get(capability)
+            if target is None:
+                raise ValueError(f"device: compute capability {capability} is not a target of these programs "
+                                 f"({sorted(TARGET_FOR_CAPABILITY.values())})")
+            cubin, self.load_info = cached_cubin(name, target)
+            self.module = function.Module()
+            self.module.load(cubin)
+            self.function = self.module.get_function(self.entry["symbol"])
+        self.function_ptr = int(self.function.ptr)
+        self.device_index = device_index
+
+    def max_blocks_per_sm(self, threads: int) -> int:
+        from cuda.bindings import driver as cu
+        err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(self.function_ptr), threads, 0)
+        _check(err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+        return int(n)
+
+
+_loaded: dict[tuple[str, int], LoadedProgram] = {}
+
+
+def load(name: str, device_index: int) -> LoadedProgram:
+    key = (name, device_index)
+    prog = _loaded.get(key)
+    if prog is None:
+        with _lock:
+            prog = _loaded.get(key)
+            if prog is None:
+                prog = _loaded[key] = LoadedProgram(name, device_index)
+    return prog
+
+
+def warmup(names=None, device_index: int | None = None) -> list[dict]:
+    """Compile (or load from the cache) the named programs ahead of time; returns per-program info
+    with the seconds each took and whether it came from the cache."""
+    import torch
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    out = []
+    for name in (programs() if names is None else names):
+        program_info(name)
+        t0 = time.perf_counter()
+        prog = load(name, device_index)
+        info = {k: v for k, v in prog.load_info.items() if k != "ptxas"}
+        info["total_seconds"] = time.perf_counter() - t0
+        out.append(info)
+    return out
+
+
+def _check(err, what: str) -> None:
+    code = int(err) if not isinstance(err, tuple) else int(err[0])
+    if code != 0:
+        raise RuntimeError(f"{what} failed: CUDA error {err}")
