@@ -1,0 +1,570 @@
+// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
+// inputs sha256: fabae31ddf38c2a334ff897051d95fc6ccd17905eff9ce0eb90dfa6762ade79b
+// To change it, edit the template or generator/ and run `gen-programs`.
+// MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4), one kernel per rank.
+//
+// Every program is this body instantiated for one (dtype, world size, output profile, regime,
+// shared-expert prefetch); the thin files in programs/ only name the instantiation. The loader
+// compiles the program file with the line that includes this file replaced by this file's text.
+//
+// Exchange: Lamport. Every rank owns three rotating buffers in its own memory, pre-filled with the
+// -0.0 bit pattern (the sentinel). Peers store 16-byte vectors of payload straight into them over
+// NVLink (a payload -0.0 travels as +0.0); the owner polls its own buffer with volatile 16-byte
+// loads until no sentinel is left. Call n writes and reads buffer n % 3 and clears the buffer of
+// call n - 1, which no peer writes again before call n + 2 (a peer cannot finish call n + 1
+// before this rank has sent its call n + 1 data, so the clear is always done first).
+//
+//   one-shot:   partial -> every peer's slot[rank][t]      | poll W slots, sum in rank order,
+//                                                          | + residual, norm, quant (all tokens)
+//   two-shot:   partial -> owner(t)'s slot[rank][t]        | owner: poll W slots, sum, + residual,
+//               (owner(t) = t / ceil(T / W))               |   residual_out -> every rank's row t
+//                                                          | all: poll row t, norm, quant
+//
+// All state (call counter, extent written into each buffer) lives in this rank's device memory,
+// so a captured CUDA graph replays correctly, and both regimes share it, so T may cross regime
+// boundaries between calls. Every wait on a peer has a deadline (Params.timeout_ns): on expiry
+// the thread records rank and phase in the host-mapped error words and stops waiting.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+
+namespace moe_ar {
+
+enum class Profile { kPlain, kNvfp4 };
+enum class Regime { kOneShot, kTwoShot, kTwoShotEarly };
+
+constexpr int kMaxWorldSize = 8;
+constexpr int kMaxVecPerThread = 4;
+constexpr int kMaxThreads = 512;
+constexpr int kElemsPerVec = 8;             // a 16-byte vector holds 8 elements of a 2-byte dtype
+constexpr unsigned kSentinelWord = 0x80008000u;  // two -0.0 halves
+
+// Device state words of one rank (Params.state).
+// kBadRows counts routes skipped because their row was >= R (read by dispatch.check()).
+enum StateWord { kCallCounter = 0, kExtent0 = 1, kDoneBlocks = 4, kBadRows = 5, kStateWords = 8 };
+// Host-mapped error words (Params.error), read by the host without a synchronization.
+enum ErrorWord { kErrCode = 0, kErrPhase = 1, kErrRank = 2 };
+enum ErrorCode { kErrNone = 0, kErrTimeout = 1 };
+enum Phase { kPhaseNone = 0, kPhaseReduceScatter = 1, kPhaseAllGather = 2, kPhaseOneShot = 3 };
+
+// The kernel's only argument, passed by value. Field order and types come from generator/abi.py;
+// the manifest carries the same plan so the runtime fills a matching ctypes structure.
+struct Params {
+  const void* allreduce_in;  // [R, H] dtype, permuted expert rows (this rank's partials)
+  const int* expanded_idx;  // [T, K] int32 row of allreduce_in per (token, route); < 0 = dropped
+  const void* expert_scale;  // [T, K] dtype or fp32 router weights, or null (= 1)
+  const void* shared_in;  // [T, H] dtype shared-expert partial, or null
+  const void* residual_in;  // [T, H] dtype
+  const void* norm_weight;  // [H] dtype RMSNorm gamma
+  const float* global_scale;  // [1] fp32 NVFP4 global scale (profile 111), else null
+  void* norm_out;  // [T, H] dtype
+  void* residual_out;  // [T, H] dtype
+  void* quant_out;  // [T, H/2] uint8 packed E2M1 (profile 111), else null
+  void* scale_out;  // swizzled 128x4 E4M3 scales (profile 111), else null
+  void* peer_buffers[8];  // Lamport buffer base of every rank (3 rotating buffers each), by rank
+  unsigned* state;  // this rank's device state words (call counter, extents, done counter)
+  unsigned* error;  // host-mapped error words: code, phase, rank, bad-index count
+  long long buffer_elems;  // elements of dtype in one rotating buffer
+  unsigned long long timeout_ns;  // deadline for any wait on a peer, in ns (0 = none)
+  int tokens;  // T
+  int hidden;  // H
+  int top_k;  // K
+  int rows;  // R, rows of allreduce_in (indices >= R are skipped and counted)
+  int rank;  // this rank
+  int scale_kind;  // 0: no expert_scale, 1: fp32, 2: dtype
+  int vec_per_thread;  // 16-byte vectors of a row held by one thread
+  int slices_per_row;  // work units a row is split into in the exchange phases
+  float routed_scaling_factor;  // multiplies the routed sum
+  float eps;  // RMSNorm epsilon
+  float weight_bias;  // 0, or 1 for (1 + gamma)
+};
+
+// ---------------------------------------------------------------------------------------------
+// dtype helpers: 8 elements <-> 8 floats
+// ---------------------------------------------------------------------------------------------
+template <typename T> struct Vec;
+template <> struct Vec<__half> {
+  static __device__ __forceinline__ void to_float(uint4 v, float (&f)[8]) {
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 x = __half22float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+  }
+  static __device__ __forceinline__ uint4 from_float(const float (&f)[8]) {
+    uint4 v;
+    __half2* h = reinterpret_cast<__half2*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+  }
+  static __device__ __forceinline__ float scalar(const void* p, long long i) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  }
+};
+template <> struct Vec<__nv_bfloat16> {
+  static __device__ __forceinline__ void to_float(uint4 v, float (&f)[8]) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 x = __bfloat1622float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+  }
+  static __device__ __forceinline__ uint4 from_float(const float (&f)[8]) {
+    uint4 v;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return v;
+  }
+  static __device__ __forceinline__ float scalar(const void* p, long long i) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Lamport vectors, memory access, PDL, timer
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ bool has_sentinel(uint4 v) {
+  const unsigned w[4] = {v.x, v.y, v.z, v.w};
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) any |= ((w[i] & 0xffffu) == 0x8000u) | ((w[i] >> 16) == 0x8000u);
+  return any;
+}
+// A payload -0.0 would read as "not arrived yet": send it as +0.0.
+__device__ __forceinline__ uint4 without_sentinel(uint4 v) {
+  unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if ((w[i] & 0xffffu) == 0x8000u) w[i] &= 0xffff0000u;
+    if ((w[i] >> 16) == 0x8000u) w[i] &= 0x0000ffffu;
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 { %0, %1, %2, %3 }, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 load_readonly(const void* p) {
+  return __ldg(static_cast<const uint4*>(p));
+}
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Programmatic dependent launch: both are no-ops when the launch did not ask for it.
+__device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void allow_next_kernel() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
+struct Deadline {
+  unsigned long long at;  // 0: no deadline
+  bool expired;           // this thread gave up waiting (stays set: no further waits)
+};
+
+// Out of line: it runs at most once per thread. It takes scalars, not Params, so that the kernel
+// argument is never copied to local memory.
+__device__ __noinline__ void record_timeout(unsigned* error, int rank, int phase) {
+  volatile unsigned* e = error;
+  e[kErrPhase] = phase;
+  e[kErrRank] = rank;
+  __threadfence_system();
+  e[kErrCode] = kErrTimeout;
+}
+
+// Spin until the vector at `addr` holds no sentinel, or the deadline passes.
+__device__ __forceinline__ uint4 wait_vector(const uint4* addr, Deadline& d, const Params& p, int phase) {
+  uint4 v = load_volatile(addr);
+  while (has_sentinel(v) && !d.expired) {
+    if (d.at != 0 && global_timer_ns() > d.at) {
+      record_timeout(p.error, p.rank, phase);
+      d.expired = true;
+    }
+    v = load_volatile(addr);
+  }
+  return v;
+}
+
+// Rank q's buffer base. Selected with compile-time indices: a run-time index into the kernel
+// argument would copy the whole argument to local memory.
+template <int W>
+__device__ __forceinline__ void* buffer_of(const Params& p, int q) {
+  void* b = p.peer_buffers[0];
+#pragma unroll
+  for (int i = 1; i < W; ++i)
+    if (q == i) b = p.peer_buffers[i];
+  return b;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The layout of one call in a rotating buffer (elements of dtype)
+// ---------------------------------------------------------------------------------------------
+struct Layout {
+  int tokens_per_owner;  // two-shot: C = ceil(T / W); one-shot: T
+  long long gather_base; // two-shot: start of the all-gather rows; one-shot: unused
+  long long extent;      // elements written into each rank's buffer by this call
+};
+
+template <Regime R, int W>
+__device__ __forceinline__ Layout layout_of(int T, int H) {
+  Layout l;
+  if (R == Regime::kOneShot) {
+    l.tokens_per_owner = T;
+    l.gather_base = 0;
+    l.extent = (long long)W * T * H;
+  } else {
+    l.tokens_per_owner = (T + W - 1) / W;
+    l.gather_base = (long long)W * l.tokens_per_owner * H;
+    l.extent = l.gather_base + (long long)T * H;
+  }
+  return l;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Phase 1: this rank's partial of one 16-byte vector of token t, rounded once to the dtype.
+// ---------------------------------------------------------------------------------------------
+template <typename D, bool kSharedPrefetch>
+__device__ __forceinline__ uint4 partial_vector(const Params& p, int t, int v, unsigned& bad_rows) {
+  const int H = p.hidden, K = p.top_k;
+  float acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+  const int* idx = p.expanded_idx + (long long)t * K;
+  for (int k0 = 0; k0 < K; k0 += 4) {
+    // Four routes at a time: four independent 16-byte loads in flight.
+    uint4 rows[4];
+    float scale[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int k = k0 + j;
+      const int row = k < K ? idx[k] : -1;
+      const bool in_range = row >= 0 && row < p.rows;
+      if (row >= p.rows) ++bad_rows;
+      rows[j] = in_range ? *reinterpret_cast<const uint4*>(
+                               static_cast<const D*>(p.allreduce_in) + (long long)row * H + v * kElemsPerVec)
+                         : make_uint4(0, 0, 0, 0);
+      float s = 0.f;
+      if (in_range) {
+        if (p.scale_kind == 0) s = 1.f;
+        else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+        else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
+      }
+      scale[j] = s;
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      float x[8];
+      Vec<D>::to_float(rows[j], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(scale[j], x[i], acc[i]);
+    }
+  }
+  float out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = acc[i] * p.routed_scaling_factor;
+  if (p.shared_in != nullptr) {
+    const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H + v * kElemsPerVec;
+    const uint4 sv = kSharedPrefetch ? load_readonly(shared) : *reinterpret_cast<const uint4*>(shared);
+    float x[8];
+    Vec<D>::to_float(sv, x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] += x[i];
+  }
+  return without_sentinel(Vec<D>::from_float(out));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block-wide sum (deterministic for a given block size)
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ float block_sum(float x) {
+  __shared__ float warp_sums[kMaxThreads / 32];
+  __shared__ float total;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    float y = lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);
+    if (lane == 0) total = y;
+  }
+  __syncthreads();
+  const float r = total;
+  __syncthreads();  // total and warp_sums are reused by the next row
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
+// NVFP4: software E2M1 rounding (sm_90 has no cvt to e2m1), exact to the rule in the spec
+// ---------------------------------------------------------------------------------------------
+// Round |a| to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the even code, saturating at 6.
+__device__ __forceinline__ unsigned e2m1_magnitude_code(float a) {
+  if (a <= 0.25f) return 0;  // tie 0.25 -> 0 (code 0 is even)
+  if (a < 0.75f) return 1;   // tie 0.75 -> 1.0 (code 2)
+  if (a <= 1.25f) return 2;  // tie 1.25 -> 1.0 (code 2)
+  if (a < 1.75f) return 3;   // tie 1.75 -> 2.0 (code 4)
+  if (a <= 2.5f) return 4;   // tie 2.5 -> 2.0 (code 4)
+  if (a < 3.5f) return 5;    // tie 3.5 -> 4.0 (code 6)
+  if (a <= 5.0f) return 6;   // tie 5.0 -> 4.0 (code 6)
+  return 7;                  // saturate to 6.0
+}
+__device__ __forceinline__ unsigned e2m1_code(float q) {
+  return (signbit(q) ? 8u : 0u) | e2m1_magnitude_code(fabsf(q));
+}
+// Byte offset of scale (row m, scale column k) in the 128x4 swizzled layout.
+__device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num_k_tiles) {
+  return (long long)(m / 128) * (num_k_tiles * 512) + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
+}
+
+// Quantize one thread's 8 norm_out values; the thread holding vector v ^ 1 holds the other half of
+// the 16-element block. Every lane of the warp must call this (it shuffles).
+template <typename D>
+__device__ __forceinline__ void quantize_nvfp4(const Params& p, int t, int v, bool valid, const float (&x)[8]) {
+  float amax = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  if (!valid) return;
+  const float gs = *p.global_scale;
+  const float sf = __fdiv_rn(__fmul_rn(gs, amax), 6.0f);
+  const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
+  const float sf8_value = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf8, __NV_E4M3)));
+  const float scale = sf8 != 0 ? __fdiv_rn(1.0f, __fdiv_rn(sf8_value, gs)) : 0.0f;
+  unsigned packed = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(x[i], scale)) << (4 * i);
+  const int H = p.hidden;
+  reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (H / 2))[v] = packed;
+  if ((v & 1) == 0) {
+    const int num_k_tiles = (H + 63) / 64;
+    static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
+  }
+}
+
+// Zero the scale padding: columns past H/16 of row t (one thread), or whole padding rows.
+__device__ __forceinline__ void zero_scale_padding_of_row(const Params& p, int t) {
+  const int cols = p.hidden / 16, padded_cols = (cols + 3) / 4 * 4, num_k_tiles = (p.hidden + 63) / 64;
+  for (int k = cols; k < padded_cols; ++k)
+    static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, k, num_k_tiles)] = 0;
+}
+__device__ __forceinline__ void zero_scale_padding_rows(const Params& p) {
+  const int T = p.tokens, padded_T = (T + 127) / 128 * 128;
+  const int padded_cols = (p.hidden / 16 + 3) / 4 * 4, num_k_tiles = (p.hidden + 63) / 64;
+  const long long n = (long long)(padded_T - T) * padded_cols;
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+    const int m = T + (int)(i / padded_cols), k = (int)(i % padded_cols);
+    static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(m, k, num_k_tiles)] = 0;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Epilogue of one token row: residual_out values (already rounded, as floats, held in registers)
+// -> RMSNorm -> norm_out (+ NVFP4). The whole block calls it for the same row.
+// ---------------------------------------------------------------------------------------------
+template <typename D, Profile P>
+__device__ __forceinline__ void norm_row(const Params& p, int t, const float (&res)[kMaxVecPerThread][8]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec;
+  float sumsq = 0.f;
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    if (r < p.vec_per_thread && v < nvec) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sumsq = fmaf(res[r][i], res[r][i], sumsq);
+    }
+  }
+  const float rms = rsqrtf(__fdiv_rn(block_sum(sumsq), (float)H) + p.eps);
+  D* norm_out = static_cast<D*>(p.norm_out) + (long long)t * H;
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    if (r >= p.vec_per_thread) break;  // uniform across the block
+    const int v = r * blockDim.x + threadIdx.x;
+    const bool valid = v < nvec;
+    float y[8];
+    if (valid) {
+      const uint4 g = load_readonly(static_cast<const D*>(p.norm_weight) + v * kElemsPerVec);
+      float gamma[8];
+      Vec<D>::to_float(g, gamma);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(__fmul_rn(res[r][i], rms), gamma[i] + p.weight_bias);
+      const uint4 out = Vec<D>::from_float(y);
+      reinterpret_cast<uint4*>(norm_out)[v] = out;
+      Vec<D>::to_float(out, y);  // NVFP4 quantizes the dtype-rounded norm_out
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) y[i] = 0.f;
+    }
+    if (P == Profile::kNvfp4) quantize_nvfp4<D>(p, t, v, valid, y);
+  }
+  if (P == Profile::kNvfp4 && threadIdx.x == 0) zero_scale_padding_of_row(p, t);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel body
+// ---------------------------------------------------------------------------------------------
+template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch>
+__device__ __forceinline__ void run(const Params& p) {
+  static_assert(W >= 2 && W <= kMaxWorldSize, "world size");
+  const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  // Whole rows per work unit, or one blockDim-wide slice of a row ("round") per unit.
+  const bool sliced_send = R != Regime::kTwoShot;
+  wait_for_previous_kernel();  // inputs and workspace belong to the previous kernel until here
+
+  Deadline deadline{p.timeout_ns ? global_timer_ns() + p.timeout_ns : 0ull, false};
+  unsigned bad_rows = 0;
+
+  const unsigned call = p.state[kCallCounter];
+  const int cur = call % 3, prev = (call + 2) % 3;
+  const long long prev_extent = p.state[kExtent0 + prev];
+  const Layout lay = layout_of<R, W>(T, H);
+  D* my_buffer = static_cast<D*>(buffer_of<W>(p, p.rank)) + cur * p.buffer_elems;
+
+  // Shared-expert variants: pull this block's shared rows toward L2 before anything waits.
+  if (kSharedPrefetch && p.shared_in != nullptr) {
+    const int units = sliced_send ? T * vpt : T;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const int t = sliced_send ? u / vpt : u;
+      for (int r = sliced_send ? u % vpt : 0; r < (sliced_send ? u % vpt + 1 : vpt); ++r) {
+        const int v = r * blockDim.x + threadIdx.x;
+        if (v < nvec) prefetch_l2(static_cast<const D*>(p.shared_in) + (long long)t * H + v * kElemsPerVec);
+      }
+    }
+  }
+
+  // ---- phase 1: send this rank's partial of every token ------------------------------------
+  {
+    const int units = sliced_send ? T * vpt : T;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const int t = sliced_send ? u / vpt : u;
+      const int r_begin = sliced_send ? u % vpt : 0, r_end = sliced_send ? r_begin + 1 : vpt;
+      for (int r = r_begin; r < r_end; ++r) {
+        const int v = r * blockDim.x + threadIdx.x;
+        if (v >= nvec) continue;
+        const uint4 partial = partial_vector<D, kSharedPrefetch>(p, t, v, bad_rows);
+        if (R == Regime::kOneShot) {
+          const long long offset = cur * p.buffer_elems + ((long long)p.rank * T + t) * H + v * kElemsPerVec;
+#pragma unroll
+          for (int q = 0; q < W; ++q)
+            *reinterpret_cast<uint4*>(static_cast<D*>(p.peer_buffers[q]) + offset) = partial;
+        } else {
+          const int owner = t / lay.tokens_per_owner, j = t - owner * lay.tokens_per_owner;
+          const long long offset =
+              cur * p.buffer_elems + ((long long)p.rank * lay.tokens_per_owner + j) * H + v * kElemsPerVec;
+          *reinterpret_cast<uint4*>(static_cast<D*>(buffer_of<W>(p, owner)) + offset) = partial;
+        }
+      }
+    }
+  }
+  allow_next_kernel();
+
+  // ---- clear the buffer of the previous call (and the NVFP4 scale padding rows) ------------
+  {
+    uint4* prev_buffer = reinterpret_cast<uint4*>(static_cast<D*>(buffer_of<W>(p, p.rank)) + prev * p.buffer_elems);
+    const long long n = prev_extent / kElemsPerVec;
+    const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+      prev_buffer[i] = sentinel;
+    if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
+  }
+
+  // ---- two-shot phase 2: the owner reduces its tokens and sends residual_out to every rank --
+  if (R != Regime::kOneShot) {
+    const int C = lay.tokens_per_owner;
+    const int first = p.rank * C, mine = max(0, min(C, T - first));
+    const bool sliced = R == Regime::kTwoShotEarly;
+    const int units = sliced ? mine * vpt : mine;
+    for (int u = blockIdx.x; u < units; u += gridDim.x) {
+      const int j = sliced ? u / vpt : u, t = first + j;
+      const int r_begin = sliced ? u % vpt : 0, r_end = sliced ? r_begin + 1 : vpt;
+      for (int r = r_begin; r < r_end; ++r) {
+        const int v = r * blockDim.x + threadIdx.x;
+        if (v >= nvec) continue;
+        float s[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = 0.f;
+#pragma unroll
+        for (int q = 0; q < W; ++q) {  // rank order: the same sum on every rank
+          const uint4 in = wait_vector(
+              reinterpret_cast<const uint4*>(my_buffer + ((long long)q * C + j) * H + v * kElemsPerVec), deadline, p,
+              kPhaseReduceScatter);
+          float x[8];
+          Vec<D>::to_float(in, x);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s[i] += x[i];
+        }
+        float x[8];
+        Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
+                                                         v * kElemsPerVec), x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] += x[i];
+        const uint4 res = without_sentinel(Vec<D>::from_float(s));
+        const long long offset = cur * p.buffer_elems + lay.gather_base + (long long)t * H + v * kElemsPerVec;
+#pragma unroll
+        for (int q = 0; q < W; ++q) *reinterpret_cast<uint4*>(static_cast<D*>(p.peer_buffers[q]) + offset) = res;
+      }
+    }
+  }
+
+  // ---- last phase, whole rows: residual_out, RMSNorm, quant --------------------------------
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    float res[kMaxVecPerThread][8];
+#pragma unroll
+    for (int r = 0; r < kMaxVecPerThread; ++r) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) res[r][i] = 0.f;
+      const int v = r * blockDim.x + threadIdx.x;
+      if (r >= vpt || v >= nvec) continue;
+      uint4 out;
+      if (R == Regime::kOneShot) {
+        float s[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] = 0.f;
+#pragma unroll
+        for (int q = 0; q < W; ++q) {  // rank order: the same sum on every rank
+          const uint4 in = wait_vector(
+              reinterpret_cast<const uint4*>(my_buffer + ((long long)q * T + t) * H + v * kElemsPerVec), deadline, p,
+              kPhaseOneShot);
+          float x[8];
+          Vec<D>::to_float(in, x);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s[i] += x[i];
+        }
+        float x[8];
+        Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
+                                                         v * kElemsPerVec), x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] += x[i];
+        out = Vec<D>::from_float(s);
+      } else {
+        out = wait_vector(reinterpret_cast<const uint4*>(my_buffer + lay.gather_base + (long long)t * H + v * kElemsPerVec),
+                          deadline, p, kPhaseAllGather);
+      }
+      reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = out;
+      Vec<D>::to_float(out, res[r]);
+    }
+    norm_row<D, P>(p, t, res);
+  }
+
+  // ---- bookkeeping: the last block to finish advances this rank's state ---------------------
+  if (bad_rows) atomicAdd(p.state + kBadRows, bad_rows);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned done = atomicAdd(p.state + kDoneBlocks, 1u);
+    if (done == gridDim.x - 1) {
+      p.state[kExtent0 + cur] = (unsigned)lay.extent;
+      p.state[kExtent0 + prev] = 0;
+      p.state[kCallCounter] = call + 1;
+      p.state[kDoneBlocks] = 0;
+      __threadfence();
+    }
+  }
+}
+
+}  // namespace moe_ar

@@ -1,0 +1,40 @@
+// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
+// inputs sha256: fabae31ddf38c2a334ff897051d95fc6ccd17905eff9ce0eb90dfa6762ade79b
+// To change it, edit the template or generator/ and run `gen-programs`.
+#pragma once
+
+// Kernel table of family twoshot_shared (protocol lamport2, base family twoshot):
+//   twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
+// Each entry is a program's kernel symbol; nullptr is a hole, and selection
+// runs the fallback family named in the entry's comment instead.
+// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111]
+static const char* const kTwoShotSharedKernels[2][3][2] = {
+    {  // fp16
+        {  // fp16 ws2
+            nullptr,  // fp16 ws2 o110 hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+            nullptr,  // fp16 ws2 o111 hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+        },
+        {  // fp16 ws4
+            "moe_ar_tss_fp16_ws4_o110",  // fp16 ws4 o110
+            "moe_ar_tss_fp16_ws4_o111",  // fp16 ws4 o111
+        },
+        {  // fp16 ws8
+            "moe_ar_tss_fp16_ws8_o110",  // fp16 ws8 o110
+            "moe_ar_tss_fp16_ws8_o111",  // fp16 ws8 o111
+        },
+    },
+    {  // bf16
+        {  // bf16 ws2
+            nullptr,  // bf16 ws2 o110 hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+            nullptr,  // bf16 ws2 o111 hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+        },
+        {  // bf16 ws4
+            "moe_ar_tss_bf16_ws4_o110",  // bf16 ws4 o110
+            "moe_ar_tss_bf16_ws4_o111",  // bf16 ws4 o111
+        },
+        {  // bf16 ws8
+            "moe_ar_tss_bf16_ws8_o110",  // bf16 ws8 o110
+            "moe_ar_tss_bf16_ws8_o111",  // bf16 ws8 o111
+        },
+    },
+};
