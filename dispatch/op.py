@@ -157,7 +157,10 @@ class _Launcher:
         if per_sm < 1:
             raise ValueError(f"hidden: {ws.hidden} needs {ws.threads} threads a block, which {name} cannot run")
         # Every block of every rank on this GPU must be resident at once: blocks spin on peers.
-        self.max_blocks = max(1, per_sm * sms // ws.ranks_on_device)
+        # When ranks share a GPU (emulation), keep half of it free as well, so that a rank's next
+        # kernel, started early by PDL, can never hold the slots another rank's current kernel needs.
+        sharing = ws.ranks_on_device * (2 if ws.ranks_on_device > 1 else 1)
+        self.max_blocks = max(1, per_sm * sms // sharing)
         self.function = cu.CUfunction(prog.function_ptr)
         self.args = registry.params_struct()()
         a = self.args
