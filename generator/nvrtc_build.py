@@ -109,6 +109,9 @@ def compile_one(program: str, arch: str, source: str, opts: list[str]) -> Compil
         except nvrtc.NVRTCError:
             ok = False
         log = nvrtc.getProgramLog(prog)
+        if isinstance(log, bytes):
+            log = log.decode("utf-8", "replace")
+        log = log.rstrip("\x00")
         cubin = nvrtc.getCUBIN(prog) if ok else b""
     finally:
         nvrtc.destroyProgram(prog)

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: fabae31ddf38c2a334ff897051d95fc6ccd17905eff9ce0eb90dfa6762ade79b
+// inputs sha256: de7c86feb9751ed0fc1c6b9de6901b0fa1e140674c03f058913fcb200193867a
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_bf16_ws8_o110: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype bf16, world size 8, output profile 110 (norm_out + residual_out (input dtype))
