@@ -1,0 +1,608 @@
+"""Reference for MoE finalize + all-reduce + residual add + RMSNorm (+ NVFP4).
+
+Pure torch; every function works on CPU tensors (and on CUDA tensors, for cheap
+checks inside GPU tests). Follows /work/shared/spec/op.md:
+
+* Precision contract: each rank's partial is computed in float64 and rounded
+  ONCE to the dtype D (it travels as D); the cross-rank sum plus residual_in is
+  float64, rounded once to D -> residual_out; norm_out is D of the float64
+  RMSNorm of residual_out (as float64).
+* Rounding float64 -> D is done correctly (single rounding). torch converts
+  float64 -> bf16/fp16 through float32, which is a double rounding; we round to
+  odd at float32 first (24 >= p + 2 bits), which makes the second rounding exact.
+* NVFP4 follows op.md step by step in float32 arithmetic: every multiply and
+  division is a float32 tensor op (tensor / tensor, never tensor / python scalar,
+  which CUDA torch turns into a multiply by a rounded reciprocal).
+
+Besides the reference values, this module derives the set of results a correct
+kernel may legally produce (the kernel accumulates in float32, not float64):
+`reference()` returns per-element bounds [residual_lo, residual_hi] and
+`norm_bracket()` gives the same for norm_out given the kernel's own residual_out.
+The derivation is in the docstrings; `check_outputs()` applies them.
+"""
+from __future__ import annotations
+
+import math
+import secrets
+
+import torch
+
+# ---- dtypes and rounding -----------------------------------------------------------
+
+NAME_TO_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPE_TO_NAME = {v: k for k, v in NAME_TO_DTYPE.items()}
+_DTYPE_ALIASES = {"float16": "fp16", "half": "fp16", "bfloat16": "bf16"}
+
+U32 = 2.0 ** -24  # unit roundoff of float32
+# Unit roundoff u (half the spacing at 1.0) of each format: RN error <= u * |x|.
+UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: U32}
+# Smallest subnormal spacing: absolute RN error <= half of it near zero.
+SUBNORMAL_SPACING = {torch.float16: 2.0 ** -24, torch.bfloat16: 2.0 ** -133, torch.float32: 2.0 ** -149}
+
+POISON_BYTE = 0xAB
+
+
+def as_torch_dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    name = str(d).replace("torch.", "")
+    name = _DTYPE_ALIASES.get(name, name)
+    return NAME_TO_DTYPE[name]
+
+
+def dtype_name(d) -> str:
+    return DTYPE_TO_NAME[as_torch_dtype(d)]
+
+
+def f32(x) -> float:
+    """A python number rounded to float32 (the kernel takes eps, rsf, gs as fp32)."""
+    return float(torch.tensor(float(x), dtype=torch.float32))
+
+
+def gamma(n: int, u: float = U32) -> float:
+    """Higham's gamma_n = n u / (1 - n u): bound on the relative error of n roundings."""
+    return n * u / (1.0 - n * u)
+
+
+def round_to_dtype(x: torch.Tensor, dtype) -> torch.Tensor:
+    """Correctly rounded (RNE) float64 -> dtype, one rounding.
+
+    float64 -> float32 with round-to-odd, then float32 -> dtype with RNE. Round to
+    odd keeps a sticky bit, so the second rounding equals the direct one whenever
+    the intermediate has at least p + 2 bits (24 >= 11 + 2).
+    """
+    dtype = dtype if isinstance(dtype, torch.dtype) else as_torch_dtype(dtype)
+    x = x.to(torch.float64)
+    if dtype == torch.float64:
+        return x
+    f = x.to(torch.float32)
+    if dtype == torch.float32:
+        return f
+    back = f.to(torch.float64)
+    inexact = back != x  # NaN: False (NaN stays NaN)
+    even = (f.view(torch.int32) & 1) == 0
+    fix = inexact & even & torch.isfinite(f)
+    toward = torch.where(x > back, torch.full_like(f, math.inf), torch.full_like(f, -math.inf))
+    f = torch.where(fix, torch.nextafter(f, toward), f)
+    return f.to(dtype)
+
+
+# ---- the op in float64 --------------------------------------------------------------
+
+def _partial_and_magnitude(allreduce_in, idx, scale, rsf, shared):
+    """(partial, magnitude): float64 [T, H]
+
+    partial = rsf * sum_k scale[t,k] * allreduce_in[idx[t,k]] (skip idx < 0) + shared
+    magnitude = |rsf| * sum_k |scale * row| + |shared|  (for error bounds)
+    """
+    dev = allreduce_in.device
+    idx = idx.to(dev).long()
+    T, K = idx.shape
+    H = allreduce_in.shape[1]
+    acc = torch.zeros(T, H, dtype=torch.float64, device=dev)
+    mag = torch.zeros(T, H, dtype=torch.float64, device=dev)
+    ones = torch.ones(T, dtype=torch.float64, device=dev)
+    for k in range(K):
+        col = idx[:, k]
+        valid = (col >= 0)[:, None]
+        rows = allreduce_in.index_select(0, col.clamp(min=0)).to(torch.float64)
+        w = scale[:, k].to(dev).to(torch.float64) if scale is not None else ones
+        # where(), not a multiply by 0: unreferenced rows may hold NaN on purpose.
+        term = torch.where(valid, w[:, None] * rows, torch.zeros((), dtype=torch.float64, device=dev))
+        acc += term
+        mag += term.abs()
+    r = f32(rsf)
+    acc *= r
+    mag *= abs(r)
+    if shared is not None:
+        s = shared.to(dev).to(torch.float64)
+        acc += s
+        mag += s.abs()
+    return acc, mag
+
+
+def finalize_partial(allreduce_in, idx, scale, rsf, shared) -> torch.Tensor:
+    """rsf * sum_k scale[t,k] * allreduce_in[idx[t,k]] (skip idx < 0) + shared, float64 [T, H]."""
+    return _partial_and_magnitude(allreduce_in, idx, scale, rsf, shared)[0]
+
+
+def rmsnorm_f64(residual, norm_weight, eps, weight_bias) -> torch.Tensor:
+    """float64 x * 1/sqrt(mean(x^2) + eps) * (gamma + weight_bias); eps taken as fp32."""
+    x = residual.to(torch.float64)
+    ms = (x * x).mean(-1, keepdim=True)
+    inv = 1.0 / torch.sqrt(ms + f32(eps))
+    g = norm_weight.to(x.device).to(torch.float64) + float(weight_bias)
+    return x * inv * g
+
+
+def reference(per_rank, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
+    """The precision contract, in float64 with single roundings to dtype.
+
+    Returns (all on rank 0's device):
+      residual_out, norm_out: dtype tensors (the contract's results)
+      residual_out_f64: float64 sum of the rounded partials + residual_in, before rounding
+      norm_out_f64: float64 RMSNorm of residual_out, before rounding
+      partials: list of per-rank partials rounded to dtype
+      residual_lo, residual_hi: dtype bounds of what a float32-accumulating kernel
+        may legally produce for residual_out (see residual_bracket)
+    """
+    dtype = as_torch_dtype(dtype)
+    dev = per_rank[0]["allreduce_in"].device
+    W = len(per_rank)
+    K = per_rank[0]["expanded_idx_to_permuted_idx"].shape[1]
+    residual_in = per_rank[0]["residual_in"].to(dev)  # replicated across ranks
+    norm_weight = per_rank[0]["norm_weight"].to(dev)
+    res64 = residual_in.to(torch.float64)
+
+    n_partial = K + 4  # K products, K-1 adds, rsf multiply, shared add, one spare
+    s = res64.clone()
+    s_lo = res64.clone()
+    s_hi = res64.clone()
+    absum = res64.abs()
+    partials = []
+    for kw in per_rank:
+        p, mag = _partial_and_magnitude(
+            kw["allreduce_in"].to(dev), kw["expanded_idx_to_permuted_idx"],
+            kw.get("expert_scale_factor"), routed_scaling_factor, kw.get("shared_expert_output"))
+        pd = round_to_dtype(p, dtype)
+        partials.append(pd)
+        s += pd.to(torch.float64)
+        # float32 accumulation error bound, plus a float64 margin for p itself
+        err = (gamma(n_partial) + 2.0 ** -50) * mag
+        lo = round_to_dtype(p - err, dtype).to(torch.float64)
+        hi = round_to_dtype(p + err, dtype).to(torch.float64)
+        s_lo += lo
+        s_hi += hi
+        absum += torch.maximum(lo.abs(), hi.abs())
+    sum_err = gamma(W + 1) * absum  # W+1 dtype values summed in float32, any order
+    residual_out = round_to_dtype(s, dtype)
+    norm64 = rmsnorm_f64(residual_out, norm_weight, eps, weight_bias)
+    return dict(
+        residual_out=residual_out,
+        norm_out=round_to_dtype(norm64, dtype),
+        residual_out_f64=s,
+        norm_out_f64=norm64,
+        partials=partials,
+        residual_lo=round_to_dtype(s_lo - sum_err, dtype),
+        residual_hi=round_to_dtype(s_hi + sum_err, dtype),
+    )
+
+
+RESIDUAL_BRACKET_DOC = """
+residual_out bracket. The kernel computes rank r's partial in float32: at most
+K + 4 roundings (products, adds, rsf, shared add), so its float32 value y_r is
+within gamma(K+4) * m_r of the exact partial x_r, with m_r = |rsf| sum|scale*row|
++ |shared|. It rounds y_r to D; RN is monotone, so the partial it sends lies in
+[D(x_r - e_r), D(x_r + e_r)]; that interval is the single value D(x_r) unless x_r
+is within e_r of a rounding boundary of D. The W partials and residual_in
+(all D values, exact in float32) are summed in float32 in some order: error <=
+gamma(W+1) * sum|terms|. Rounding once to D (monotone) gives
+residual_out in [D(sum lo_r + res - e_s), D(sum hi_r + res + e_s)].
+"""
+
+
+def norm_rel_bound(hidden: int) -> float:
+    """Relative error bound of a float32 RMSNorm evaluation, before rounding to D.
+
+    x^2 of a D value is exact in float32 (<= 22 significant bits). Sum of H
+    non-negative terms, any order: gamma(H-1); 1/H (rounded), the multiply or
+    divide by H, and the eps add: 3 more roundings -> mean square within
+    gamma(H+2); the square root halves a relative error (x1.01 for the second-order
+    term). rsqrtf: at most 2 ulp (CUDA math docs) = 4u; x * r, (gamma +
+    weight_bias), * g: 3u; 1u spare.
+    """
+    return 0.5 * 1.01 * gamma(hidden + 2) + 8 * U32
+
+
+def norm_bracket(residual_out, norm_weight, eps, weight_bias, dtype):
+    """(y64, lo, hi): what norm_out may be, given this residual_out (a kernel's own)."""
+    dtype = as_torch_dtype(dtype)
+    y = rmsnorm_f64(residual_out, norm_weight, eps, weight_bias)
+    d = norm_rel_bound(residual_out.shape[-1]) * y.abs()
+    return y, round_to_dtype(y - d, dtype), round_to_dtype(y + d, dtype)
+
+
+# ---- NVFP4 --------------------------------------------------------------------------
+
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7
+# Boundary between code c and c+1: (midpoint, does an exact tie go up?).
+# Ties go to the even code: up exactly when c + 1 is even (c odd).
+E2M1_BOUNDARIES = (
+    (0.25, False),  # 0 | 0.5   -> tie to 0   (code 0)
+    (0.75, True),   # 0.5 | 1   -> tie to 1   (code 2)
+    (1.25, False),  # 1 | 1.5   -> tie to 1   (code 2)
+    (1.75, True),   # 1.5 | 2   -> tie to 2   (code 4)
+    (2.5, False),   # 2 | 3     -> tie to 2   (code 4)
+    (3.5, True),    # 3 | 4     -> tie to 4   (code 6)
+    (5.0, False),   # 4 | 6     -> tie to 4   (code 6); above 6 saturates at code 7
+)
+E4M3_MAX = 448.0
+
+
+def e2m1_nibbles(v: torch.Tensor) -> torch.Tensor:
+    """float32 values -> E2M1 nibbles (uint8 0..15): RNE, saturating to 6, sign kept.
+
+    The sign bit comes from v's sign bit: -0.0 and negatives that round to 0 give 0x8.
+    """
+    mag = v.abs()
+    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
+    for mid, tie_up in E2M1_BOUNDARIES:
+        code += (mag >= mid if tie_up else mag > mid).to(torch.uint8)
+    return code | (torch.signbit(v).to(torch.uint8) << 3)
+
+
+def e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=nibbles.device)
+    n = nibbles.to(torch.int64)
+    mag = table[n & 7]
+    return torch.where((n & 8) != 0, -mag, mag)
+
+
+def e4m3_satfinite_bytes(sf: torch.Tensor) -> torch.Tensor:
+    """float32 (>= 0) -> E4M3 bytes, RNE, saturating to 448 (clamp, then torch's RNE convert)."""
+    return sf.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _roundup(a: int, b: int) -> int:
+    return (a + b - 1) // b * b
+
+
+def scale_bytes_len(tokens: int, hidden: int) -> int:
+    return _roundup(tokens, 128) * _roundup(hidden // 16, 4)
+
+
+def swizzle_offsets(tokens: int, hidden: int, device="cpu") -> torch.Tensor:
+    """int64 [tokens, hidden/16]: byte offset of scale (m, k) in the 128x4 layout."""
+    num_k_tiles = (hidden + 63) // 64
+    m = torch.arange(tokens, dtype=torch.int64, device=device)[:, None]
+    k = torch.arange(hidden // 16, dtype=torch.int64, device=device)[None, :]
+    return ((m // 128) * (num_k_tiles * 512) + (k // 4) * 512
+            + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4))
+
+
+def unswizzle(scale_bytes: torch.Tensor, tokens: int, hidden: int) -> torch.Tensor:
+    """Decoder rule: reshape (rows/128, cols/4, 32, 4, 4), permute (0, 3, 2, 1, 4)."""
+    rows, cols = _roundup(tokens, 128), _roundup(hidden // 16, 4)
+    b = scale_bytes.reshape(-1)[: rows * cols]
+    return (b.reshape(rows // 128, cols // 4, 32, 4, 4).permute(0, 3, 2, 1, 4)
+            .reshape(rows, cols)[:tokens, : hidden // 16])
+
+
+def _gs_float(global_scale) -> float:
+    return float(torch.as_tensor(global_scale).detach().to("cpu", torch.float32).reshape(-1)[0])
+
+
+def nvfp4_block_scales(x: torch.Tensor, global_scale):
+    """Blocked float32 x [T, H/16, 16] -> (amax, sf, sf8 bytes, scale), each [T, H/16].
+
+    op.md step by step, every operation a float32 tensor op (correctly rounded).
+    """
+    amax = x.abs().amax(-1)
+    gs = torch.full_like(amax, _gs_float(global_scale))
+    sf = (gs * amax) / torch.full_like(amax, 6.0)
+    sf8 = e4m3_satfinite_bytes(sf)
+    sf8f = sf8.view(torch.float8_e4m3fn).to(torch.float32)
+    t = sf8f / gs
+    scale = torch.where(sf8f != 0, torch.ones_like(t) / t, torch.zeros_like(t))
+    return amax, sf, sf8, scale
+
+
+def nvfp4_ref(norm_out: torch.Tensor, global_scale):
+    """(quant [T, H/2] uint8, scale_bytes 1-D uint8 of roundup(T,128)*roundup(H/16,4)).
+
+    norm_out is the D-rounded norm output; global_scale a float or [1] tensor (fp32).
+    Element 2i goes to the low nibble, 2i+1 to the high one; padding bytes are 0.
+    """
+    T, H = norm_out.shape
+    assert H % 16 == 0, H
+    x = norm_out.to(torch.float32).reshape(T, H // 16, 16)
+    _, _, sf8, scale = nvfp4_block_scales(x, global_scale)
+    q = e2m1_nibbles(x * scale[..., None]).reshape(T, H)
+    quant = q[:, 0::2] | (q[:, 1::2] << 4)
+    sb = torch.zeros(scale_bytes_len(T, H), dtype=torch.uint8, device=norm_out.device)
+    sb[swizzle_offsets(T, H, device=norm_out.device).reshape(-1)] = sf8.reshape(-1)
+    return quant, sb
+
+
+def nvfp4_dequant(quant: torch.Tensor, scale_bytes: torch.Tensor, global_scale, tokens: int, hidden: int):
+    """float32 [T, H]: e2m1 value * float(sf8) / gs."""
+    q = quant.reshape(tokens, hidden // 2)
+    nib = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(tokens, hidden)
+    vals = e2m1_decode(nib).reshape(tokens, hidden // 16, 16)
+    sf = unswizzle(scale_bytes, tokens, hidden).contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+    gs = torch.full_like(sf, _gs_float(global_scale))
+    return (vals * (sf / gs)[..., None]).reshape(tokens, hidden)
+
+
+# ---- random cases -------------------------------------------------------------------
+
+class Case(list):
+    """A list of per-rank kwargs dicts (runtime parameter names), plus .meta."""
+
+    def __init__(self, ranks, meta):
+        super().__init__(ranks)
+        self.meta = meta
+
+    @property
+    def seed(self):
+        return self.meta["seed"]
+
+    def describe(self) -> str:
+        m = self.meta
+        return (f"seed={m['seed']} W={m['world_size']} T={m['tokens']} H={m['hidden']} K={m['top_k']} "
+                f"dtype={dtype_name(m['dtype'])} padded_rows={m['padded_rows']} drop_frac={m['drop_frac']} "
+                f"scale={m['scale_kind']} shared={m['shared']} rsf={m['rsf']} wb={m['weight_bias']} eps={m['eps']}")
+
+
+def make_case(world_size, tokens, hidden, top_k, dtype, *, padded_rows=0, drop_frac=0.15,
+              scale_kind="fp32", shared=True, rsf=1.0, weight_bias=0, eps=1e-6, seed=None,
+              device="cpu", gen_device=None, poison_unused_rows=True) -> Case:
+    """Random inputs for every rank (reproducible from seed).
+
+    device: one device for all ranks, or a list with one device per rank.
+    gen_device: where the random numbers are drawn (default: rank 0's device).
+    Each rank gets its own allreduce_in and shared_expert_output; routing,
+    expert scales, residual_in and norm_weight have the same values on every rank
+    (cloned per rank). Rows of allreduce_in that no valid route references are
+    NaN when poison_unused_rows (a kernel must never read them into a result).
+    """
+    assert scale_kind in (None, "fp32", "dtype"), scale_kind
+    dtype = as_torch_dtype(dtype)
+    if seed is None:
+        seed = secrets.randbits(62)
+    devices = list(device) if isinstance(device, (list, tuple)) else [device] * world_size
+    devices = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in devices]
+    assert len(devices) == world_size
+    gdev = torch.device(gen_device) if gen_device is not None else devices[0]
+    g = torch.Generator(device=gdev)
+    g.manual_seed(seed)
+    T, H, K, R = tokens, hidden, top_k, tokens * top_k + padded_rows
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device=gdev, dtype=torch.float32)
+
+    def rand(*shape):
+        return torch.rand(*shape, generator=g, device=gdev, dtype=torch.float32)
+
+    perm = torch.randperm(R, generator=g, device=gdev)[: T * K].reshape(T, K).to(torch.int32)
+    dropped = rand(T, K) < drop_frac
+    idx = torch.where(dropped, torch.full_like(perm, -1), perm)
+    referenced = torch.zeros(R, dtype=torch.bool, device=gdev)
+    referenced[idx[idx >= 0].long()] = True
+    if scale_kind is None:
+        scale = None
+    else:
+        scale = rand(T, K) * 0.95 + 0.05
+        if scale_kind == "dtype":
+            scale = scale.to(dtype)
+    residual = (randn(T, H) * 1.5).to(dtype)
+    gamma_w = (randn(H) * 0.1 + (1.0 if weight_bias == 0 else 0.0)).to(dtype)
+    ranks = []
+    for r in range(world_size):
+        mag = 0.5 + 1.5 * float(rand(1))
+        x = randn(R, H) * mag
+        if poison_unused_rows:
+            x[~referenced] = math.nan
+        x = x.to(dtype)
+        sh = (randn(T, H) * mag * 0.5).to(dtype) if shared else None
+        dev = devices[r]
+        ranks.append(dict(
+            allreduce_in=x.to(dev),
+            expanded_idx_to_permuted_idx=idx.clone().to(dev),
+            expert_scale_factor=None if scale is None else scale.clone().to(dev),
+            routed_scaling_factor=f32(rsf),
+            shared_expert_output=None if sh is None else sh.to(dev),
+            residual_in=residual.clone().to(dev),
+            norm_weight=gamma_w.clone().to(dev),
+            eps=eps,
+            weight_bias=weight_bias,
+        ))
+    meta = dict(seed=seed, world_size=world_size, tokens=T, hidden=H, top_k=K, dtype=dtype,
+                padded_rows=padded_rows, drop_frac=drop_frac, scale_kind=scale_kind, shared=shared,
+                rsf=f32(rsf), weight_bias=weight_bias, eps=eps)
+    return Case(ranks, meta)
+
+
+def reference_for(case: Case) -> dict:
+    m = case.meta
+    return reference(list(case), m["eps"], m["weight_bias"], m["rsf"], m["dtype"])
+
+
+def typical_global_scale(norm_out: torch.Tensor) -> float:
+    """The usual NVFP4 global scale: 448 * 6 / amax (as fp32)."""
+    return f32(E4M3_MAX * 6.0 / float(norm_out.abs().max().float()))
+
+
+# ---- outputs and checks -------------------------------------------------------------
+
+def alloc_outputs(case: Case, quant=None, *, extra_scale_bytes=0, poison_byte=POISON_BYTE):
+    """Per-rank dicts of preallocated, poisoned outputs (NaN floats, poison_byte uint8)."""
+    m = case.meta
+    T, H, dtype = m["tokens"], m["hidden"], m["dtype"]
+    outs = []
+    for kw in case:
+        dev = kw["residual_in"].device
+        d = dict(norm_out=torch.full((T, H), math.nan, dtype=dtype, device=dev),
+                 residual_out=torch.full((T, H), math.nan, dtype=dtype, device=dev))
+        if quant == "nvfp4":
+            d["quant_out"] = torch.full((T, H // 2), poison_byte, dtype=torch.uint8, device=dev)
+            d["scale_out"] = torch.full((scale_bytes_len(T, H) + extra_scale_bytes,), poison_byte,
+                                        dtype=torch.uint8, device=dev)
+        outs.append(d)
+    return outs
+
+
+def repoison(outputs: dict, poison_byte=POISON_BYTE):
+    for k, t in outputs.items():
+        t.fill_(poison_byte if t.dtype == torch.uint8 else math.nan)
+
+
+_PRECISION = {torch.float16: (11, -14), torch.bfloat16: (8, -126), torch.float32: (24, -126)}
+
+
+def ulp(x: torch.Tensor, dtype) -> torch.Tensor:
+    """float64 spacing of dtype at |x| (the gap above |x|'s binade floor)."""
+    p, emin = _PRECISION[as_torch_dtype(dtype)]
+    x = x.to(torch.float64).abs()
+    _, e = torch.frexp(x)  # |x| in [2^(e-1), 2^e)
+    e = torch.where(x == 0, emin, torch.clamp(e.to(torch.int64) - 1, min=emin))
+    return torch.pow(2.0, (e - p + 1).to(torch.float64))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
+
+
+def _first_bad(mask, *tensors, limit=5):
+    idx = mask.nonzero()[:limit].tolist()
+    rows = []
+    for i in idx:
+        rows.append(f"{tuple(i)}: " + ", ".join(f"{float(t[tuple(i)]):.9g}" for t in tensors))
+    return "; ".join(rows)
+
+
+def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=None,
+                  ref=None, poison_byte=POISON_BYTE, nvfp4_device="cpu", label="") -> dict:
+    """Check every rank's outputs against the contract; raise AssertionError listing all failures.
+
+    outs: list (index = rank) or dict rank -> MoeFinalizeOutputs-like (norm_out,
+      residual_out, quant_out, scale_out).
+    provided: same indexing, the preallocated poisoned output dicts (from
+      alloc_outputs) that were passed to the kernel; checked instead of the
+      returned tensors where given (and identity of the returned tensors checked).
+    Checks: every element written (no poison left), residual_out in the derived
+    bracket, norm_out in the derived bracket of its own residual_out, norm-relative
+    error bounds, bit-identical outputs across the ranks given, NVFP4 bytes exactly
+    equal to nvfp4_ref(own norm_out), scale padding zero, bytes past the scale
+    buffer's required length untouched.
+    """
+    m = case.meta
+    dtype, T, H = m["dtype"], m["tokens"], m["hidden"]
+    u = UNIT_ROUNDOFF[dtype]
+    if ref is None:
+        ref = reference_for(case)
+    dev = ref["residual_out"].device
+    items = list(outs.items()) if isinstance(outs, dict) else list(enumerate(outs))
+    prov = (dict(provided.items()) if isinstance(provided, dict) else dict(enumerate(provided))) if provided else {}
+    fails = []
+    stats = {"max_res_ulp_from_ref": 0.0}
+    ref_res = ref["residual_out"].to(torch.float64)
+    lo = ref["residual_lo"].to(torch.float64)
+    hi = ref["residual_hi"].to(torch.float64)
+    s64 = ref["residual_out_f64"]
+    # norm-relative bound for residual_out: RN error (u|s| + subnormal half-spacing)
+    # plus the derived width of the flip bracket.
+    width = torch.maximum(hi - s64, s64 - lo).clamp(min=0)
+    res_l2_bound = float(u * s64.norm() + width.norm() + SUBNORMAL_SPACING[dtype] / 2 * math.sqrt(s64.numel()))
+    first = None
+    gs_val = None
+    for r, o in items:
+        p = prov.get(r, {})
+        tag = f"rank {r}"
+        res_t = p.get("residual_out", o.residual_out)
+        nrm_t = p.get("norm_out", o.norm_out)
+        for name in ("residual_out", "norm_out"):
+            if name in p and getattr(o, name) is not None and getattr(o, name).data_ptr() != p[name].data_ptr():
+                fails.append(f"{tag}: returned {name} is not the preallocated tensor")
+        shape_ok = True
+        for name, t in (("residual_out", res_t), ("norm_out", nrm_t)):
+            if t is None or tuple(t.shape) != (T, H) or t.dtype != dtype:
+                fails.append(f"{tag}: {name} shape/dtype {None if t is None else (tuple(t.shape), t.dtype)}")
+                shape_ok = False
+        if not shape_ok:
+            continue
+        res = res_t.to(dev).to(torch.float64)
+        nrm = nrm_t.to(dev).to(torch.float64)
+        for name, t in (("residual_out", res), ("norm_out", nrm)):
+            nan = torch.isnan(t)
+            if nan.any():
+                fails.append(f"{tag}: {name} has {int(nan.sum())} unwritten/NaN elements, first at "
+                             f"{nan.nonzero()[:3].tolist()}")
+        bad = ~((res >= lo) & (res <= hi))
+        if bad.any():
+            fails.append(f"{tag}: residual_out outside the derived bracket at {int(bad.sum())}/{bad.numel()} "
+                         f"elements (idx: kernel, ref, lo, hi, exact) {_first_bad(bad, res, ref_res, lo, hi, s64)}")
+        err = float((res - s64).nan_to_num(nan=math.inf).norm())
+        if not err <= res_l2_bound:
+            fails.append(f"{tag}: ||residual_out - exact||_2 = {err:.6g} > derived bound {res_l2_bound:.6g}")
+        spacing = ulp(ref_res, dtype)
+        stats["max_res_ulp_from_ref"] = max(stats["max_res_ulp_from_ref"],
+                                            float(((res - ref_res).abs() / spacing).nan_to_num(0).max()))
+        # norm_out against the RMSNorm of this rank's own residual_out
+        y, nlo, nhi = norm_bracket(res_t.to(dev), case[0]["norm_weight"].to(dev), m["eps"], m["weight_bias"], dtype)
+        nlo, nhi = nlo.to(torch.float64), nhi.to(torch.float64)
+        bad = ~((nrm >= nlo) & (nrm <= nhi))
+        if bad.any():
+            fails.append(f"{tag}: norm_out outside the derived bracket at {int(bad.sum())}/{bad.numel()} "
+                         f"elements (idx: kernel, y64, lo, hi) {_first_bad(bad, nrm, y, nlo, nhi)}")
+        nb = float((u + norm_rel_bound(H)) * y.norm() + SUBNORMAL_SPACING[dtype] / 2 * math.sqrt(y.numel()))
+        nerr = float((nrm - y).nan_to_num(nan=math.inf).norm())
+        if not nerr <= nb:
+            fails.append(f"{tag}: ||norm_out - rmsnorm64(own residual)||_2 = {nerr:.6g} > derived bound {nb:.6g}")
+        # NVFP4
+        q_t = p.get("quant_out", o.quant_out)
+        s_t = p.get("scale_out", o.scale_out)
+        if quant is None:
+            if o.quant_out is not None or o.scale_out is not None:
+                fails.append(f"{tag}: quant=None but quant_out/scale_out returned")
+        else:
+            n = scale_bytes_len(T, H)
+            if q_t is None or s_t is None:
+                fails.append(f"{tag}: nvfp4 outputs missing")
+            elif tuple(q_t.shape) != (T, H // 2) or q_t.dtype != torch.uint8 or s_t.dtype != torch.uint8 \
+                    or s_t.dim() != 1 or s_t.numel() < n:
+                fails.append(f"{tag}: nvfp4 output shapes quant {tuple(q_t.shape)} {q_t.dtype}, "
+                             f"scale {tuple(s_t.shape)} {s_t.dtype} (need >= {n} bytes)")
+            else:
+                gs_val = _gs_float(global_scale if not isinstance(global_scale, (list, tuple)) else global_scale[r])
+                qref, sref = nvfp4_ref(nrm_t.to(nvfp4_device), gs_val)
+                qk = q_t.to(nvfp4_device)
+                sk = s_t.to(nvfp4_device)
+                bad = qk != qref
+                if bad.any():
+                    fails.append(f"{tag}: quant_out differs from nvfp4_ref(own norm_out) in {int(bad.sum())}/"
+                                 f"{bad.numel()} bytes (idx: kernel, ref) {_first_bad(bad, qk, qref)} gs={gs_val!r}")
+                bad = sk[:n] != sref
+                if bad.any():
+                    where = bad.nonzero()[:5].reshape(-1).tolist()
+                    fails.append(f"{tag}: scale_out differs from nvfp4_ref in {int(bad.sum())}/{n} bytes, "
+                                 f"at offsets {where}: kernel {sk[where].tolist()} ref {sref[where].tolist()} "
+                                 f"(padding bytes must be 0) gs={gs_val!r}")
+                if s_t.numel() > n and "scale_out" in p:
+                    tail = sk[n:]
+                    if (tail != poison_byte).any():
+                        fails.append(f"{tag}: wrote {int((tail != poison_byte).sum())} bytes past the "
+                                     f"{n} scale bytes it owns")
+        # cross-rank bit identity
+        mine = [res_t, nrm_t] + ([q_t, s_t[: scale_bytes_len(T, H)]] if quant else [])
+        if first is None:
+            first = (r, [t.to(dev) for t in mine])
+        else:
+            for name, a, b in zip(("residual_out", "norm_out", "quant_out", "scale_out"), first[1], mine):
+                if not torch.equal(_bits(a), _bits(b.to(dev))):
+                    nd = int((_bits(a) != _bits(b.to(dev))).sum())
+                    fails.append(f"{tag}: {name} not bit-identical to rank {first[0]} ({nd} elements differ)")
+    if fails:
+        raise AssertionError(f"{label} [{case.describe()}{'' if gs_val is None else f' gs={gs_val!r}'}]\n  "
+                             + "\n  ".join(fails))
+    return stats
