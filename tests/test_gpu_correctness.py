@@ -1,0 +1,445 @@
+"""Every generated program against the float64 reference, in an emulated world (all ranks in this
+process, co-resident on one GPU, or spread over two GPUs when there are two).
+
+What is checked on every call (tests/reference.py: check_outputs):
+  * every output element written (outputs are poisoned first: NaN, 0xAB bytes);
+  * residual_out inside the per-element bracket derived from the precision contract
+    (float32 accumulation, one rounding per rank partial, one for the sum), and a
+    norm-relative bound; norm_out inside the bracket of the RMSNorm of the kernel's own
+    residual_out (float32 sums, rsqrtf), and a norm-relative bound;
+  * outputs bit-identical across ranks;
+  * NVFP4: quant_out and scale_out bytes exactly equal to nvfp4_ref(kernel's norm_out),
+    scale padding zero, and bytes past the required scale length left untouched.
+
+Seeds come from conftest (fresh per run; --seed N reproduces); every failure names the case.
+Set MOE_AR_RESULTS=path to append a JSON line per test summary.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+
+import pytest
+import torch
+
+import reference as ref
+from generator import policy
+from generator import spec as gspec
+
+pytestmark = pytest.mark.gpu
+
+HIDDENS = (2048, 2880, 4096, 5120, 7168, 8192)
+ODD_COLUMN_HIDDEN = 2064  # H/16 = 129 scale columns: exercises the column padding of the scale layout
+MAX_TOKENS = 512
+SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s)),
+               key=lambda s: (s.world_size, s.dtype, s.profile, s.family))
+PROFILE_QUANT = {"110": None, "111": "nvfp4"}
+
+
+def _dispatch():
+    import dispatch
+    return dispatch
+
+
+def _devices(kind: str, ws: int):
+    if kind == "one_gpu":
+        return None
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    return [r % 2 for r in range(ws)]
+
+
+def _sync(world):
+    for d in sorted(set(world.devices)):
+        torch.cuda.synchronize(d)
+
+
+class _Worlds:
+    """Keeps the last emulated world alive for consecutive tests with the same key."""
+
+    def __init__(self):
+        self.key = None
+        self.world = None
+
+    def get(self, ws, max_tokens, hidden, dtype, devices):
+        key = (ws, max_tokens, hidden, dtype, tuple(devices) if devices else None)
+        if key != self.key:
+            self.close()
+            self.world = _dispatch().EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0)
+            self.key = key
+        return self.world
+
+    def close(self):
+        if self.world is not None:
+            w, self.world, self.key = self.world, None, None
+            w.close()
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    w = _Worlds()
+    yield w
+    w.close()
+
+
+@contextlib.contextmanager
+def recording(record_result, **fields):
+    info = dict(fields, cases=0)
+    t0 = time.time()
+    try:
+        yield info
+    except pytest.skip.Exception:
+        raise
+    except BaseException as e:
+        record_result(**info, passed=False, error=str(e)[:2000], seconds=round(time.time() - t0, 2))
+        raise
+    record_result(**info, passed=True, seconds=round(time.time() - t0, 2))
+
+
+def run_world(world, case, *, quant, programs=None, gs_factor=1.0, pdl=False, extra_scale_bytes=16,
+              nvfp4_device="cpu", label=""):
+    """One call on every rank with poisoned preallocated outputs, then the full check."""
+    W = len(case)
+    if not isinstance(programs, (list, tuple)):
+        programs = [programs] * W
+    r0 = ref.reference_for(case)
+    provided = ref.alloc_outputs(case, quant, extra_scale_bytes=extra_scale_bytes)
+    gs_val = None
+    kwargs = []
+    for r, kw in enumerate(case):
+        d = dict(kw)
+        d.update(provided[r])
+        d.update(quant=quant, program=programs[r], launch_with_pdl=pdl)
+        if quant == "nvfp4":
+            gs_val = ref.f32(ref.typical_global_scale(r0["norm_out"]) * gs_factor)
+            d["global_scale"] = torch.tensor([gs_val], dtype=torch.float32, device=kw["residual_in"].device)
+        kwargs.append(d)
+    outs = world.run(kwargs)
+    _sync(world)
+    world.check()
+    return ref.check_outputs(case, outs, provided, quant=quant, global_scale=gs_val, ref=r0,
+                             nvfp4_device=nvfp4_device if nvfp4_device != "same" else r0["norm_out"].device,
+                             label=f"{label} programs={programs} pdl={pdl}")
+
+
+def _token_plan(W, max_tokens, n, rnd):
+    """T = 1, T < W, T = max_tokens, T % W != 0 past 128 rows, then random; all different kinds."""
+    small = rnd.randint(2, W - 1) if W > 2 else 3
+    odd = rnd.randint(129, max_tokens - 1)
+    if odd % W == 0:
+        odd += 1
+    plan = [1, small, max_tokens, odd, rnd.randint(2, 64), rnd.randint(65, max_tokens)]
+    while len(plan) < n:
+        plan.append(rnd.randint(1, max_tokens))
+    return plan[:n]
+
+
+GS_FACTORS = (1.0, "random", 3.0, 3e-6)  # typical; random; saturating at 448; zero/subnormal E4M3 scales
+
+
+def _case_kwargs(i, rnd):
+    return dict(scale_kind=(None, "fp32", "dtype")[i % 3], shared=i % 2 == 0, weight_bias=(i // 2) % 2,
+                rsf=1.0 if i % 3 == 1 else ref.f32(rnd.uniform(0.3, 2.5)),
+                padded_rows=rnd.choice([0, 0, rnd.randint(1, 50)]), drop_frac=rnd.choice([0.0, 0.1, 0.3]))
+
+
+def _gs_factor(i, rnd):
+    f = GS_FACTORS[i % len(GS_FACTORS)]
+    return rnd.uniform(0.05, 0.9) if f == "random" else f
+
+
+# ---- every program, forced ---------------------------------------------------------------------
+
+PROGRAM_PARAMS = [pytest.param(kind, s.name, id=f"{s.name}-{kind}")
+                  for kind in ("one_gpu", "two_gpus") for s in SPECS]
+
+
+@pytest.mark.parametrize("devices_kind,program", PROGRAM_PARAMS)
+def test_program_matches_reference(devices_kind, program, worlds, seed_for, base_seed, record_result):
+    dispatch = _dispatch()
+    s = gspec.parse(program)
+    assert program in dispatch.programs(), f"{program} is a supported cell but dispatch does not list it"
+    devices = _devices(devices_kind, s.world_size)
+    dtype = ref.NAME_TO_DTYPE[s.dtype]
+    quant = PROFILE_QUANT[s.profile]
+    # one hidden per (world size, dtype) per run, so consecutive programs share a world
+    hidden = random.Random(f"{base_seed}:{s.world_size}:{s.dtype}:{devices_kind}").choice(HIDDENS)
+    world = worlds.get(s.world_size, MAX_TOKENS, hidden, dtype, devices)
+    rnd = random.Random(seed_for("plan"))
+    n = 6 if devices_kind == "one_gpu" else 3
+    with recording(record_result, program=program, devices=devices_kind, hidden=hidden) as info:
+        for i, T in enumerate(_token_plan(s.world_size, MAX_TOKENS, n, rnd)):
+            K = 8 if i == 0 else rnd.randint(1, 8)
+            case = ref.make_case(s.world_size, T, hidden, K, dtype, seed=seed_for(f"case{i}"),
+                                 device=devices or "cuda", **_case_kwargs(i, rnd))
+            run_world(world, case, quant=quant, programs=program, gs_factor=_gs_factor(i, rnd),
+                      pdl=bool(i % 2), label=program)
+            info["cases"] += 1
+
+
+# ---- hidden sizes ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ws", gspec.WORLD_SIZES)
+@pytest.mark.parametrize("hidden", HIDDENS + (ODD_COLUMN_HIDDEN,))
+def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
+    """Every program of one (world size, random dtype) at this H, one random case each."""
+    dispatch = _dispatch()
+    rnd = random.Random(seed_for("plan"))
+    dname = rnd.choice(gspec.DTYPES)
+    dtype = ref.NAME_TO_DTYPE[dname]
+    names = [s.name for s in SPECS if s.world_size == ws and s.dtype == dname]
+    max_tokens = 384
+    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, timeout_s=10.0)
+    try:
+        with recording(record_result, program=f"all ws{ws} {dname}", hidden=hidden) as info:
+            for j, name in enumerate(names):
+                s = gspec.parse(name)
+                T = rnd.choice([rnd.randint(1, 16), rnd.randint(129, max_tokens), max_tokens, rnd.randint(17, 128)])
+                case = ref.make_case(ws, T, hidden, rnd.randint(1, 8), dtype, seed=seed_for(f"case{j}"),
+                                     device="cuda", **_case_kwargs(j + rnd.randint(0, 5), rnd))
+                run_world(world, case, quant=PROFILE_QUANT[s.profile], programs=name,
+                          gs_factor=_gs_factor(j, rnd), pdl=rnd.random() < 0.5, label=f"{name} H={hidden}")
+                info["cases"] += 1
+    finally:
+        world.close()
+
+
+# ---- mixed programs of one protocol class --------------------------------------------------------
+
+@pytest.mark.parametrize("devices_kind", ["one_gpu", "two_gpus"])
+@pytest.mark.parametrize("profile", gspec.OUTPUT_PROFILES)
+@pytest.mark.parametrize("dname", gspec.DTYPES)
+@pytest.mark.parametrize("ws", [4, 8])
+def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, seed_for, record_result):
+    """Rank 0 runs a shared-prefetch variant, the others the base two-shot (same class); also with
+    only rank 0 holding a shared-expert operand, and random mixes of the whole class."""
+    dispatch = _dispatch()
+    devices = _devices(devices_kind, ws)
+    dtype = ref.NAME_TO_DTYPE[dname]
+    quant = PROFILE_QUANT[profile]
+    rnd = random.Random(seed_for("plan"))
+    hidden = rnd.choice(HIDDENS)
+    cls = [s for s in SPECS if s.world_size == ws and s.dtype == dname and s.profile == profile
+           and gspec.PROTOCOL[s.family] == "lamport2"]
+    infos = {s.name: dispatch.program_info(s.name) for s in cls}
+    assert len({i["protocol_class"] for i in infos.values()}) == 1, infos
+    base = next(s.name for s in cls if s.family == "twoshot")
+    shared_variants = [s.name for s in cls if s.family.endswith("_shared")]
+    assert shared_variants, f"no shared variant at ws{ws} {dname} o{profile}"
+    max_tokens = 384
+    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0)
+    try:
+        with recording(record_result, program=f"mixed lamport2 ws{ws} {dname} o{profile}", hidden=hidden,
+                       devices=devices_kind) as info:
+            plans = []
+            for v in shared_variants:
+                plans.append(("all_shared", [v] + [base] * (ws - 1)))
+                plans.append(("rank0_shared", [v] + [base] * (ws - 1)))
+            for _ in range(3):
+                plans.append(("random", [rnd.choice(list(infos)) for _ in range(ws)]))
+            for j, (mode, progs) in enumerate(plans):
+                T = rnd.choice([rnd.randint(1, ws + 3), rnd.randint(ws, 128), rnd.randint(129, max_tokens)])
+                case = ref.make_case(ws, T, hidden, rnd.randint(1, 8), dtype, seed=seed_for(f"case{j}"),
+                                     device=devices or "cuda", shared=True,
+                                     scale_kind=rnd.choice([None, "fp32", "dtype"]),
+                                     rsf=rnd.choice([1.0, ref.f32(rnd.uniform(0.5, 2))]), weight_bias=rnd.randint(0, 1))
+                if mode == "rank0_shared":
+                    for kw in case[1:]:
+                        kw["shared_expert_output"] = None
+                elif mode == "random":
+                    for kw in case:
+                        if rnd.random() < 0.5:
+                            kw["shared_expert_output"] = None
+                case.meta["shared"] = [kw["shared_expert_output"] is not None for kw in case]
+                run_world(world, case, quant=quant, programs=progs, gs_factor=_gs_factor(j, rnd),
+                          pdl=rnd.random() < 0.5, label=f"mixed {mode}")
+                info["cases"] += 1
+    finally:
+        world.close()
+
+
+# ---- automatic selection: 1,000 calls crossing every regime boundary -------------------------------
+
+def regime_boundaries(dispatch, ws_obj, max_tokens):
+    """Token counts T where the selected program differs from T - 1's, for any (quant, shared).
+
+    Also asserts the rank-local shared-expert choice never leaves the protocol class."""
+    combos = [(q, sh) for q in (None, "nvfp4") for sh in (False, True)]
+    sel = {c: [dispatch.select_program(ws_obj, T, c[0], c[1]) for T in range(1, max_tokens + 1)] for c in combos}
+    for q in (None, "nvfp4"):
+        for T in range(1, max_tokens + 1):
+            a, b = sel[(q, False)][T - 1], sel[(q, True)][T - 1]
+            ca, cb = dispatch.program_info(a)["protocol_class"], dispatch.program_info(b)["protocol_class"]
+            assert ca == cb, f"T={T} quant={q}: {a} ({ca}) without shared, {b} ({cb}) with: ranks would deadlock"
+    bounds = sorted({T for c in combos for T in range(2, max_tokens + 1) if sel[c][T - 1] != sel[c][T - 2]})
+    return bounds, sel
+
+
+def crossing_sequence(bounds, max_tokens, n, rnd, W):
+    specials = sorted({1, max(1, W - 1), W, W + 1, max_tokens})
+    seq, prev = [], 1
+    while len(seq) < n:
+        x = rnd.random()
+        if bounds and x < 0.7:
+            b = rnd.choice(bounds)
+            T = b - 1 - rnd.randint(0, 2) if prev >= b else b + rnd.randint(0, 2)
+        elif x < 0.8:
+            T = rnd.choice(specials)
+        else:
+            T = rnd.randint(1, max_tokens)
+        T = min(max(T, 1), max_tokens)
+        seq.append(T)
+        prev = T
+    return seq
+
+
+def _crossings(seq, b):
+    up = sum(1 for a, c in zip(seq, seq[1:]) if a < b <= c)
+    down = sum(1 for a, c in zip(seq, seq[1:]) if c < b <= a)
+    return up, down
+
+
+AUTO_MAX_TOKENS = 1536
+AUTO_HIDDEN = 2048
+
+
+def _random_call_case(W, T, hidden, dtype, seed, rnd, device="cuda"):
+    shared_mode = rnd.choice(["none", "all", "rank0"])
+    case = ref.make_case(W, T, hidden, rnd.randint(1, 8), dtype, seed=seed, device=device,
+                         shared=shared_mode != "none", scale_kind=rnd.choice([None, "fp32", "dtype"]),
+                         rsf=rnd.choice([1.0, ref.f32(rnd.uniform(0.5, 2))]), weight_bias=rnd.randint(0, 1),
+                         padded_rows=rnd.choice([0, 7]), drop_frac=rnd.choice([0.0, 0.2]))
+    if shared_mode == "rank0":
+        for kw in case[1:]:
+            kw["shared_expert_output"] = None
+    case.meta["shared"] = shared_mode
+    return case
+
+
+@pytest.mark.parametrize("ws", gspec.WORLD_SIZES)
+def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result):
+    dispatch = _dispatch()
+    rnd = random.Random(seed_for("plan"))
+    dname = rnd.choice(gspec.DTYPES)
+    dtype = ref.NAME_TO_DTYPE[dname]
+    world = dispatch.EmulatedWorld(ws, AUTO_MAX_TOKENS, AUTO_HIDDEN, dtype, timeout_s=10.0)
+    try:
+        bounds, _ = regime_boundaries(dispatch, world.workspaces[0], AUTO_MAX_TOKENS)
+        assert bounds, "automatic selection never changes program over 1..max_tokens"
+        seq = crossing_sequence(bounds, AUTO_MAX_TOKENS, 1000, rnd, ws)
+        for b in bounds:
+            up, down = _crossings(seq, b)
+            assert up and down, (b, up, down)
+        with recording(record_result, program=f"auto ws{ws} {dname}", boundaries=bounds) as info:
+            for i, T in enumerate(seq):
+                case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"call{i}"), rnd)
+                quant = rnd.choice([None, "nvfp4"])
+                run_world(world, case, quant=quant, programs=None, gs_factor=_gs_factor(i, rnd),
+                          pdl=rnd.random() < 0.5, nvfp4_device="cpu" if i % 50 == 0 else "same",
+                          label=f"auto call {i} of {len(seq)} (previous T={seq[i - 1] if i else None})")
+                info["cases"] += 1
+    finally:
+        world.close()
+
+
+# ---- CUDA graphs -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("ws", gspec.WORLD_SIZES)
+def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
+    """One graph per (T, PDL), T in every regime; replays interleaved across graphs and with eager
+    calls of other T, fresh input values copied into the static tensors before every replay."""
+    dispatch = _dispatch()
+    rnd = random.Random(seed_for("plan"))
+    dname = rnd.choice(gspec.DTYPES)
+    dtype = ref.NAME_TO_DTYPE[dname]
+    world = dispatch.EmulatedWorld(ws, AUTO_MAX_TOKENS, AUTO_HIDDEN, dtype, timeout_s=10.0)
+    try:
+        bounds, _ = regime_boundaries(dispatch, world.workspaces[0], AUTO_MAX_TOKENS)
+        edges = [1] + bounds + [AUTO_MAX_TOKENS + 1]
+        token_counts = [rnd.randint(lo, hi - 1) for lo, hi in zip(edges, edges[1:])]
+        graphs = []
+        for gi, T in enumerate(token_counts):
+            for pdl in (False, True):
+                quant = rnd.choice([None, "nvfp4"])
+                case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"static{gi}{pdl}"), rnd)
+                provided = ref.alloc_outputs(case, quant)
+                gs = [torch.ones(1, dtype=torch.float32, device="cuda") for _ in range(ws)]
+                kwargs = []
+                for r, kw in enumerate(case):
+                    d = dict(kw)
+                    d.update(provided[r], quant=quant, launch_with_pdl=pdl, program=None)
+                    if quant:
+                        d["global_scale"] = gs[r]
+                    kwargs.append(d)
+                world.run(kwargs)  # eager warm-up: builds the launchers
+                _sync(world)
+                world.check()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    outs = world.run(kwargs)
+                _sync(world)
+                graphs.append(dict(graph=g, case=case, provided=provided, gs=gs, outs=outs, quant=quant, T=T,
+                                   pdl=pdl))
+        with recording(record_result, program=f"graphs ws{ws} {dname}", token_counts=token_counts) as info:
+            order = [i % len(graphs) for i in range(len(graphs) * 20)]
+            rnd.shuffle(order)
+            for i, gi in enumerate(order):
+                st = graphs[gi]
+                c0 = st["case"]
+                m = c0.meta
+                fresh = ref.make_case(ws, m["tokens"], AUTO_HIDDEN, m["top_k"], dtype, seed=seed_for(f"replay{i}"),
+                                      device="cuda", shared=m["shared"] != "none", scale_kind=m["scale_kind"],
+                                      rsf=m["rsf"], weight_bias=m["weight_bias"], padded_rows=m["padded_rows"],
+                                      drop_frac=m["drop_frac"])
+                for r, (dst, src) in enumerate(zip(c0, fresh)):
+                    if dst["shared_expert_output"] is None:
+                        src["shared_expert_output"] = None
+                    for k, v in dst.items():
+                        if isinstance(v, torch.Tensor):
+                            v.copy_(src[k])
+                fresh.meta["shared"] = m["shared"]
+                gs_val = None
+                if st["quant"]:
+                    r0 = ref.reference_for(fresh)
+                    gs_val = ref.f32(ref.typical_global_scale(r0["norm_out"]) * _gs_factor(i, rnd))
+                    for t in st["gs"]:
+                        t.fill_(gs_val)
+                for p in st["provided"]:
+                    ref.repoison(p)
+                st["graph"].replay()
+                _sync(world)
+                world.check()
+                ref.check_outputs(fresh, st["outs"], st["provided"], quant=st["quant"], global_scale=gs_val,
+                                  nvfp4_device="cpu" if i % 40 == 0 else "cuda",
+                                  label=f"replay {i}: graph T={st['T']} pdl={st['pdl']}")
+                info["cases"] += 1
+                if i % 4 == 3:  # an eager call of another T between replays
+                    T = rnd.randint(1, AUTO_MAX_TOKENS)
+                    case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"eager{i}"), rnd)
+                    run_world(world, case, quant=rnd.choice([None, "nvfp4"]), pdl=rnd.random() < 0.5,
+                              nvfp4_device="same", label=f"eager between replays {i}")
+                    info["cases"] += 1
+    finally:
+        world.close()
+
+
+# ---- the reference itself on the GPU ---------------------------------------------------------------
+
+def test_nvfp4_ref_on_gpu_equals_cpu(seed_for):
+    """The cheap per-call checks run nvfp4_ref on the GPU: it must agree with the CPU byte for byte."""
+    seed = seed_for("x")
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (torch.randn(300, 7168, generator=g) * torch.rand(300, 1, generator=g) * 4).to(dtype)
+        for gs in (ref.typical_global_scale(x), 1.0, 3e-6 * ref.typical_global_scale(x), 1e4):
+            qc, sc = ref.nvfp4_ref(x, gs)
+            qg, sg = ref.nvfp4_ref(x.cuda(), gs)
+            assert torch.equal(qc, qg.cpu()) and torch.equal(sc, sg.cpu()), (seed, dtype, gs)
+    # and the float64 reference on the GPU equals the CPU one
+    case = ref.make_case(4, 37, 2048, 6, torch.bfloat16, seed=seed, shared=True, rsf=1.5)
+    rc = ref.reference_for(case)
+    rg = ref.reference_for(ref.Case([{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+                                     for kw in case], case.meta))
+    for k in ("residual_out", "norm_out", "residual_lo", "residual_hi"):
+        assert torch.equal(rc[k], rg[k].cpu()), (seed, k)
