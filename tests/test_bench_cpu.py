@@ -1,0 +1,309 @@
+"""The benchmark's pure-Python parts, on CPU: roofline byte counts, statistics, the record schema,
+the summary, option parsing, and the torch pieces that run the same on CPU (the unfused
+baseline's math, NVFP4 dequantization, the scale layout). The GPU sweep itself is not run here."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import dispatch
+from dispatch import bench
+
+
+# ---- roofline byte counts, by hand --------------------------------------------------------------
+
+def test_hbm_bytes_small_case_by_hand():
+    # T=2 tokens, H=32, top_k=3, shared expert, bf16 (2 bytes), profile 110
+    b = bench.hbm_bytes(2, 32, 3, True, "110", 2)
+    assert b["expert_rows"] == 2 * 3 * 32 * 2 == 384
+    assert b["routing"] == 2 * 3 * (4 + 4) == 48  # int32 index + fp32 router weight per route
+    assert b["shared"] == 2 * 32 * 2 == 128
+    assert b["residual"] == 128
+    assert b["norm_weight"] == 32 * 2 == 64
+    assert b["outputs"] == 2 * 2 * 32 * 2 == 256  # residual_out and norm_out
+    assert b["nvfp4"] == 0
+    assert b["total"] == 384 + 48 + 128 + 128 + 64 + 256 == 1008
+
+
+def test_hbm_bytes_nvfp4_no_shared_and_dropped_routes():
+    b = bench.hbm_bytes(2, 32, 3, False, "111", 2, dropped_routes=2)
+    assert b["shared"] == 0
+    assert b["expert_rows"] == (6 - 2) * 32 * 2 == 256  # dropped routes read no row
+    # quant_out T*H/2 = 32 bytes; scales: rows padded to 128, H/16 = 2 columns padded to 4 -> 512
+    assert b["nvfp4"] == 32 + 128 * 4 == 544
+    assert b["total"] == 256 + 48 + 0 + 128 + 64 + 256 + 544
+
+
+def test_hbm_bytes_deepseek_shape():
+    T, H, K = 16384, 7168, 8
+    b = bench.hbm_bytes(T, H, K, True, "110")
+    assert b["total"] == T * K * H * 2 + T * K * 8 + T * H * 2 * 4 + H * 2
+
+
+def test_scale_out_bytes_matches_dispatch():
+    for T, H in [(1, 16), (1, 7168), (127, 4096), (128, 64), (129, 80), (16384, 7168)]:
+        assert bench.scale_out_bytes(T, H) == dispatch.scale_out_bytes(T, H)
+    assert bench.scale_out_bytes(1, 16) == 128 * 4
+    assert bench.scale_out_bytes(129, 7168) == 256 * 448
+
+
+def test_nvlink_bytes_by_regime():
+    payload = 2 * 32 * 2  # T=2, H=32, bf16
+    assert bench.nvlink_bytes(2, 32, 2, "one_shot") == 1 * payload
+    assert bench.nvlink_bytes(2, 32, 2, "two_shot") == payload  # 2 * (W-1)/W = 1 at W=2
+    assert bench.nvlink_bytes(2, 32, 4, "one_shot") == 3 * payload
+    assert bench.nvlink_bytes(2, 32, 4, "two_shot") == 1.5 * payload
+    assert bench.nvlink_bytes(2, 32, 8, "two_shot") == 1.75 * payload
+    with pytest.raises(ValueError):
+        bench.nvlink_bytes(2, 32, 2, "multicast")
+
+
+def test_roofline_is_the_larger_time():
+    r = bench.roofline(4.2e9, 390e6, 4200.0, 390.0)  # 1 ms of HBM, 1 ms of NVLink
+    assert r["hbm_us"] == pytest.approx(1000.0)
+    assert r["nvlink_us"] == pytest.approx(1000.0)
+    r = bench.roofline(4.2e9, 780e6, 4200.0, 390.0)
+    assert r["roofline_us"] == pytest.approx(2000.0) and r["bound"] == "nvlink"
+    r = bench.roofline(8.4e9, 390e6, 4200.0, 390.0)
+    assert r["roofline_us"] == pytest.approx(2000.0) and r["bound"] == "hbm"
+
+
+def test_regime_of_family():
+    assert bench.regime_of_family("oneshot") == "one_shot"
+    for fam in ("twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared"):
+        assert bench.regime_of_family(fam) == "two_shot"
+
+
+# ---- NVFP4 scale layout and dequantization -------------------------------------------------------
+
+def test_swizzle_offsets_by_hand():
+    H = 7168  # 112 k-tiles of 64 elements
+    assert bench.swizzle_offset(0, 0, H) == 0
+    assert bench.swizzle_offset(0, 1, H) == 1
+    assert bench.swizzle_offset(1, 0, H) == 16
+    assert bench.swizzle_offset(32, 0, H) == 4
+    assert bench.swizzle_offset(0, 4, H) == 512
+    assert bench.swizzle_offset(128, 0, H) == 112 * 512
+
+
+def test_swizzle_is_op_md_decoder_inverse():
+    T, H = 256, 128  # 2 row tiles, 8 scale columns
+    rows, cols = T, H // 16
+    buf = torch.zeros(bench.scale_out_bytes(T, H), dtype=torch.int64)
+    for m in range(rows):
+        for k in range(cols):
+            buf[bench.swizzle_offset(m, k, H)] = m * 1000 + k
+    decoded = buf.reshape(rows // 128, cols // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(rows, cols)
+    expect = torch.arange(rows)[:, None] * 1000 + torch.arange(cols)[None, :]
+    assert torch.equal(decoded, expect)
+
+
+def test_nvfp4_dequant_nibble_order_sign_and_scale():
+    T, H = 1, 16
+    # elements 0..15: low nibble is the even element, bit 3 the sign
+    codes = [1, 0x9, 2, 0xA, 7, 0xF, 0, 0x8, 3, 4, 5, 6, 0xB, 0xC, 0xD, 0xE]
+    quant = torch.tensor([codes[2 * i] | (codes[2 * i + 1] << 4) for i in range(8)], dtype=torch.uint8)
+    scale = torch.zeros(bench.scale_out_bytes(T, H), dtype=torch.uint8)
+    scale[0] = torch.tensor([2.0]).to(torch.float8_e4m3fn).view(torch.uint8)[0]
+    out = bench.nvfp4_dequant(quant, scale, 0.5, T, H)  # value * sf / gs = value * 4
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    expect = [(-1 if c & 8 else 1) * e2m1[c & 7] * 4.0 for c in codes]
+    assert out.shape == (1, 16)
+    assert out[0].tolist() == expect
+    assert math.copysign(1.0, float(out[0, 7])) == -1.0  # nibble 0x8 is -0.0
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+def test_median_percentile():
+    assert bench.median([3, 1, 2]) == 2
+    assert bench.median([4, 1, 2, 3]) == 2.5
+    assert bench.percentile([1, 2, 3, 4, 5], 0) == 1
+    assert bench.percentile([1, 2, 3, 4, 5], 100) == 5
+    assert bench.percentile([1, 2, 3, 4, 5], 25) == 2
+    assert bench.percentile([10, 20], 50) == 15
+    with pytest.raises(ValueError):
+        bench.median([])
+
+
+def test_pair_ratio_is_median_of_per_replay_ratios():
+    assert bench.pair_ratio([1.0, 2.0, 30.0], [2.0, 2.0, 10.0]) == 1.0  # ratios 0.5, 1, 3
+    # not the ratio of the medians: here the per-replay ratios are 1, 0.25, 2.5 (median 1),
+    # while median(a) / median(b) = 1 / 4
+    a, b = [1.0, 1.0, 10.0], [1.0, 4.0, 4.0]
+    assert bench.pair_ratio(a, b) == 1.0
+    assert bench.median(a) / bench.median(b) == 0.25
+    with pytest.raises(ValueError):
+        bench.pair_ratio([1.0], [1.0, 2.0])
+
+
+def test_slowest_rank_takes_max_per_replay():
+    assert bench.slowest_rank([[1, 5, 3], [2, 4, 3]]) == [2, 5, 3]
+
+
+def test_input_sets_for():
+    L2 = 50 * 2 ** 20
+    assert bench.input_sets_for(1, L2, 10) == 10  # tiny sets: one per captured call
+    assert bench.input_sets_for(10 * L2, L2, 10) == 1  # huge sets: one
+    per_set = 36_700_160  # T=256, H=7168, K=8, shared + residual
+    n = bench.input_sets_for(per_set, L2, 10)
+    assert n * per_set >= 2 * L2 and (n - 1) * per_set < 2 * L2
+
+
+# ---- records -------------------------------------------------------------------------------------
+
+def _record(**kw):
+    base = dict(system="auto", world_size=2, dtype="bf16", hidden=7168, top_k=8, shared=True, profile="110",
+                tokens=64, median_us=12.5, roofline_us=3.25, valid=True)
+    base.update(kw)
+    return bench.make_record(**base)
+
+
+def test_record_schema():
+    r = _record(ratio_vs_nccl_torch=0.5, program="moe_ar_os_bf16_ws2_o110")
+    assert tuple(r)[:len(bench.RECORD_KEYS)] == bench.RECORD_KEYS
+    assert r["emulated"] is False
+    assert r["ratio_vs_nccl_torch"] == 0.5 and r["program"] == "moe_ar_os_bf16_ws2_o110"
+    json.dumps(r)
+    # a voided leg keeps its time, flagged
+    assert _record(valid=False)["valid"] is False
+    assert _record(valid=False, median_us=None)["median_us"] is None
+
+
+@pytest.mark.parametrize("bad", [dict(system=""), dict(dtype="fp32"), dict(profile="112"), dict(tokens=0),
+                                 dict(hidden=7168.0), dict(top_k=True), dict(median_us=-1.0),
+                                 dict(median_us=None)])  # the last: valid but no time
+def test_record_rejects_bad_fields(bad):
+    with pytest.raises(ValueError):
+        _record(**bad)
+
+
+def test_jsonable_makes_strict_json():
+    out = bench.jsonable({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2}})
+    assert out == {"a": None, "b": [1.0, None], "c": {"d": 2}}
+    json.dumps(out, allow_nan=False)
+
+
+# ---- summary -------------------------------------------------------------------------------------
+
+def test_summary_picks_best_and_reports_ratios():
+    recs = [
+        _record(system="nccl+torch", median_us=40.0),
+        _record(system="symm+torch", variant="one_shot", median_us=30.0),
+        _record(system="symm+torch", variant="two_shot", median_us=35.0),
+        _record(system="moe_ar_os_bf16_ws2_o110", median_us=12.0),
+        _record(system="moe_ar_ts_bf16_ws2_o110", median_us=9.0, valid=False),  # faster but wrong: ignored
+        _record(system="moe_ar_tse_bf16_ws2_o110", median_us=14.0),
+        _record(system="auto", median_us=12.5, program="moe_ar_os_bf16_ws2_o110", ratio_vs_nccl_torch=0.31,
+                ratio_vs_symm_torch=0.42, ratio_vs_best_program=1.04),
+    ]
+    rows = bench.summary_rows(recs)
+    assert len(rows) == 1
+    r = rows[0]
+    assert r["auto_us"] == 12.5 and r["nccl_torch_us"] == 40.0
+    assert r["symm_torch_us"] == 30.0 and r["symm_variant"] == "one_shot"
+    assert r["best_program"] == "moe_ar_os_bf16_ws2_o110" and r["best_program_us"] == 12.0
+    assert r["auto_vs_nccl"] == 0.31 and r["auto_vs_best"] == 1.04
+    assert r["roofline_fraction"] == pytest.approx(3.25 / 12.5)
+    assert r["invalid"] == ["moe_ar_ts_bf16_ws2_o110"]
+    text = bench.format_summary(rows)
+    assert "7168/8s" in text and "os;os" in text and "INVALID:ts" in text and "0.31" in text
+
+
+def test_summary_order_follows_the_sweep():
+    recs = [_record(hidden=7168, tokens=2), _record(hidden=7168, tokens=1), _record(hidden=4096, tokens=1),
+            _record(hidden=7168, tokens=1, profile="111")]
+    keys = [(r["hidden"], r["profile"], r["tokens"]) for r in bench.summary_rows(recs)]
+    assert keys == [(7168, "110", 1), (7168, "110", 2), (7168, "111", 1), (4096, "110", 1)]
+
+
+def test_short_program():
+    assert bench.short_program("moe_ar_tses_fp16_ws8_o111") == "tses"
+    assert bench.short_program("nccl+torch") == "nccl+torch"
+    assert bench.short_program(None) == "-"
+
+
+# ---- parsing and the command line ----------------------------------------------------------------
+
+def test_defaults_are_measure_md_table():
+    shapes = bench.parse_shapes(bench.DEFAULT_SHAPES)
+    assert shapes == [bench.Shape(7168, 8, True), bench.Shape(7168, 8, False), bench.Shape(7168, 4, True),
+                      bench.Shape(4096, 8, False)]
+    assert bench.parse_tokens(bench.DEFAULT_TOKENS) == [2 ** i for i in range(15)]
+
+
+def test_parse_tokens_and_shapes():
+    assert bench.parse_tokens("1-16") == [1, 2, 4, 8, 16]
+    assert bench.parse_tokens("64,3,64") == [3, 64]
+    for bad in ("", "0", "-3"):
+        with pytest.raises(ValueError):
+            bench.parse_tokens(bad)
+    for bad in ("7168", "7168:8:yes", "100:8", "7168:0", ""):
+        with pytest.raises(ValueError):
+            bench.parse_shapes(bad)
+    with pytest.raises(ValueError):
+        bench.parse_list("110,112", bench.PROFILES, "profile")
+
+
+def test_cli_rejects_bad_options_without_a_gpu():
+    runner = CliRunner()
+    assert runner.invoke(bench.main, ["--help"]).exit_code == 0
+    r = runner.invoke(bench.main, ["--shapes", "7168:8:nope"])
+    assert r.exit_code == 2 and "HIDDEN:TOP_K" in r.output
+    r = runner.invoke(bench.main, ["--systems", "auto,not_a_program"])
+    assert r.exit_code == 2 and "not_a_program" in r.output
+
+
+def test_default_out_path():
+    import datetime
+    p = bench.default_out_path("2xH200 / host", datetime.datetime(2025, 1, 2, 3, 4, 5))
+    assert str(p) == "bench_results/2xH200_host-20250102-030405.json"
+
+
+def test_import_works_without_a_gpu_and_plots_lazily():
+    code = "import sys, dispatch.bench; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- the unfused baseline's torch math -----------------------------------------------------------
+
+def test_torch_baseline_matches_float64_on_cpu():
+    shape = bench.Shape(64, 4, True)
+    T = 5
+    x = bench.make_input_sets(shape, T, 1, torch.bfloat16, rank=0, seed=3, device="cpu")[0]
+    partial = torch.empty(T, 64, dtype=torch.bfloat16)
+    bench.torch_finalize(x, partial)
+    exact = torch.zeros(T, 64, dtype=torch.float64)
+    for t in range(T):
+        for k in range(4):
+            exact[t] += float(x.scale[t, k]) * x.allreduce_in[int(x.idx[t, k])].double()
+    exact = exact * bench.ROUTED_SCALING_FACTOR + x.shared.double()
+    assert bench.rel_err(partial, exact.float()) < 4 * bench.UNIT_ROUNDOFF["bf16"]
+
+    out = {"residual_out": torch.empty(T, 64, dtype=torch.bfloat16), "norm_out": torch.empty(T, 64, dtype=torch.bfloat16)}
+    bench.torch_epilogue(partial, x, out)
+    res = partial.double() + x.residual.double()
+    norm = res / torch.sqrt(res.square().mean(-1, keepdim=True) + bench.EPS) * x.norm_weight.double()
+    assert bench.rel_err(out["residual_out"], res.float()) < 4 * bench.UNIT_ROUNDOFF["bf16"]
+    assert bench.rel_err(out["norm_out"], norm.float()) < 4 * bench.UNIT_ROUNDOFF["bf16"]
+    # the check that voids a leg does see a wrong result
+    assert bench.rel_err(torch.zeros_like(out["norm_out"]), norm.float()) > bench.TOLERANCE_U * \
+        bench.UNIT_ROUNDOFF["bf16"]
+
+
+def test_inputs_share_routing_across_ranks_but_not_partials():
+    shape = bench.Shape(32, 2, True)
+    a = bench.make_input_sets(shape, 3, 2, torch.bfloat16, rank=0, seed=9, device="cpu")
+    b = bench.make_input_sets(shape, 3, 2, torch.bfloat16, rank=1, seed=9, device="cpu")
+    for x, y in zip(a, b):
+        assert torch.equal(x.idx, y.idx) and torch.equal(x.scale, y.scale)
+        assert torch.equal(x.residual, y.residual) and torch.equal(x.norm_weight, y.norm_weight)
+        assert not torch.equal(x.allreduce_in, y.allreduce_in)
+        assert sorted(x.idx.reshape(-1).tolist()) == list(range(6))  # every row used once, none dropped
+    assert not torch.equal(a[0].residual, a[1].residual)  # the rotated sets differ
