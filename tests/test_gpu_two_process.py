@@ -1,0 +1,302 @@
+"""Real process groups: one process per GPU, peers over CUDA IPC (needs 2 GPUs).
+
+* every world-size-2 program, forced, on random cases: each rank checks its own outputs against
+  the float64 reference (both processes build the same inputs from one seed, on the CPU), and
+  all outputs are compared bit for bit across the processes with all_gather;
+* the workspace rendezvous uses the group it is given: a 3-process world with a gloo default
+  group, where only global ranks 1 and 2 (group ranks 0 and 1) build the workspace;
+* a lost peer: one rank skips a call, the other times out with an error naming its rank and
+  phase, and a collective reset brings correct results back.
+
+Failures in a child propagate: a child raises (torch.multiprocessing reports its traceback) and
+the parent kills the children that are left if the deadline passes.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+
+import pytest
+import torch
+
+import reference as ref
+from generator import policy
+from generator import spec as gspec
+
+pytestmark = pytest.mark.gpu
+
+ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+HIDDENS = (2048, 2880, 4096, 5120, 7168, 8192)
+MAX_TOKENS = 384
+CASES_PER_PROGRAM = 4
+WS2_PROGRAMS = sorted(s.name for s in gspec.all_cells() if policy.is_supported(s) and s.world_size == 2)
+
+
+@pytest.fixture(autouse=True)
+def _two_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+# ---- parent side ------------------------------------------------------------------------------
+
+def _spawn(fn_name, nprocs, args, timeout_s):
+    import torch.multiprocessing as mp
+    os.environ.update(ENV)
+    here = str(pathlib.Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    fn = getattr(importlib.import_module("test_gpu_two_process"), fn_name)  # picklable by this name
+    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=5):  # raises if a child raised or died
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+            for p in ctx.processes:
+                p.join(10)
+            pytest.fail(f"{fn_name}: children still running after {timeout_s} s (a hang)")
+
+
+def _read_summaries(out_dir):
+    rows = []
+    for p in sorted(pathlib.Path(out_dir).glob("rank*.json")):
+        rows.extend(json.loads(p.read_text()))
+    return rows
+
+
+def test_all_world_size_2_programs_two_processes(tmp_path, base_seed, record_result):
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        _spawn("_worker_sweep", 2, (str(tmp_path / "init"), str(out), base_seed), timeout_s=570)
+    finally:
+        rows = _read_summaries(out)
+        for r in rows:
+            record_result(**r)
+    ran = {r["program"] for r in rows if r["rank"] == 0}
+    assert ran == set(WS2_PROGRAMS), sorted(set(WS2_PROGRAMS) - ran)
+    assert all(r["passed"] and r["cases"] == CASES_PER_PROGRAM for r in rows), rows
+
+
+def test_workspace_uses_the_given_group(tmp_path, base_seed, record_result):
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        _spawn("_worker_subgroup", 3, (str(tmp_path / "init"), str(out), base_seed), timeout_s=300)
+    finally:
+        rows = _read_summaries(out)
+        for r in rows:
+            record_result(**r)
+    assert len(rows) == 2 and all(r["passed"] and r["cases"] > 0 for r in rows), rows
+
+
+def test_lost_peer_times_out_and_reset_recovers(tmp_path, base_seed, record_result):
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        _spawn("_worker_lost_peer", 2, (str(tmp_path / "init"), str(out), base_seed), timeout_s=300)
+    finally:
+        rows = _read_summaries(out)
+        for r in rows:
+            record_result(**r)
+    assert len(rows) == 2 and all(r["passed"] for r in rows), rows
+
+
+# ---- child side -------------------------------------------------------------------------------
+
+def _child_setup(rank, world_size, init_file, backend, device_index):
+    os.environ.update(ENV)
+    import torch.distributed as dist
+    if device_index is not None:
+        torch.cuda.set_device(device_index)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    return dist
+
+
+def _plan(rnd, i, T_max):
+    T = [1, rnd.randint(2, 64), rnd.randint(129, T_max), T_max][i % 4]
+    return dict(T=T, K=rnd.randint(1, 8), scale_kind=(None, "fp32", "dtype")[i % 3], shared=i % 2 == 0,
+                weight_bias=(i // 2) % 2, rsf=1.0 if i % 3 == 1 else ref.f32(rnd.uniform(0.3, 2.5)),
+                padded_rows=rnd.choice([0, 13]), drop_frac=rnd.choice([0.0, 0.2]),
+                gs_factor=(1.0, rnd.uniform(0.05, 0.9), 3.0, 3e-6)[i % 4], pdl=rnd.random() < 0.5)
+
+
+def _one_call(dist, ws, rank, dev, case, quant, gs_factor, pdl, program, data_group, label):
+    """This rank's call, its full check, and the cross-process bit comparison. Returns failures."""
+    import dispatch
+    W = len(case)
+    r0 = ref.reference_for(case)
+    provided = ref.alloc_outputs(case, quant, extra_scale_bytes=16)[rank]
+    kw = dict(case[rank])
+    kw.update(provided, quant=quant, program=program, launch_with_pdl=pdl)
+    gs_val = None
+    if quant:
+        box = [ref.f32(ref.typical_global_scale(r0["norm_out"]) * gs_factor)]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(data_group, 0), group=data_group)
+        gs_val = box[0]
+        kw["global_scale"] = torch.tensor([gs_val], dtype=torch.float32, device=dev)
+    # both processes must hold the same inputs (drawn on the CPU from one seed)
+    fp = torch.stack([c["allreduce_in"].view(torch.int16).long().sum() for c in case]
+                     + [case[0]["residual_in"].view(torch.int16).long().sum()]).to(dev)
+    fps = [torch.empty_like(fp) for _ in range(W)]
+    dist.all_gather(fps, fp, group=data_group)
+    assert all(torch.equal(f, fps[0]) for f in fps), f"{label}: the processes built different inputs"
+    out = dispatch.moe_finalize_allreduce(ws, **kw)
+    torch.cuda.synchronize()
+    dispatch.check()
+    fails = []
+    try:
+        ref.check_outputs(case, {rank: out}, {rank: provided}, quant=quant, global_scale=gs_val, ref=r0,
+                          label=label)
+    except AssertionError as e:
+        fails.append(str(e))
+    mine = [("residual_out", provided["residual_out"]), ("norm_out", provided["norm_out"])]
+    if quant:
+        mine += [("quant_out", provided["quant_out"]),
+                 ("scale_out", provided["scale_out"][: ref.scale_bytes_len(*provided["norm_out"].shape)])]
+    for name, t in mine:
+        b = t.contiguous().view(torch.uint8).reshape(-1)
+        allb = [torch.empty_like(b) for _ in range(W)]
+        dist.all_gather(allb, b, group=data_group)
+        for r in range(W):
+            if not torch.equal(allb[r], allb[0]):
+                fails.append(f"{label}: {name} of rank {r} differs from rank 0 in "
+                             f"{int((allb[r] != allb[0]).sum())} bytes")
+    return fails
+
+
+def _write(out_dir, rank, rows):
+    pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(rows, default=str))
+
+
+def _worker_sweep(rank, init_file, out_dir, base_seed):
+    dist = _child_setup(rank, 2, init_file, "nccl", rank)
+    import dispatch
+    dev = torch.device("cuda", rank)
+    rows, failures = [], []
+    try:
+        group = dist.new_group([0, 1])  # not the default group: the workspace must use this one
+        for dname in gspec.DTYPES:
+            dtype = ref.NAME_TO_DTYPE[dname]
+            rnd = random.Random(f"{base_seed}:{dname}")  # the same plan in both processes
+            hidden = rnd.choice(HIDDENS)
+            ws = dispatch.Workspace(group, MAX_TOKENS, hidden, dtype, timeout_s=10.0)
+            assert ws.rank == rank and ws.world_size == 2
+            try:
+                for name in (n for n in WS2_PROGRAMS if gspec.parse(n).dtype == dname):
+                    quant = "nvfp4" if gspec.parse(name).profile == "111" else None
+                    row = dict(rank=rank, program=name, hidden=hidden, cases=0, seeds=[], mode="two processes")
+                    mine = []
+                    for i in range(CASES_PER_PROGRAM):
+                        p = _plan(rnd, i, MAX_TOKENS)
+                        seed = rnd.getrandbits(62)
+                        row["seeds"].append(seed)
+                        case = ref.make_case(2, p["T"], hidden, p["K"], dtype, seed=seed, device=dev, gen_device="cpu",
+                                             scale_kind=p["scale_kind"], shared=p["shared"], rsf=p["rsf"],
+                                             weight_bias=p["weight_bias"], padded_rows=p["padded_rows"],
+                                             drop_frac=p["drop_frac"])
+                        mine += _one_call(dist, ws, rank, dev, case, quant, p["gs_factor"], p["pdl"], name, group,
+                                          f"{name} rank {rank} case {i}")
+                        row["cases"] += 1
+                    row["passed"] = not mine
+                    row["failures"] = mine[:5]
+                    failures += mine
+                    rows.append(row)
+            finally:
+                ws.close()
+    finally:
+        _write(out_dir, rank, rows)
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}: {len(failures)} failures:\n" + "\n".join(failures[:10]))
+
+
+def _worker_subgroup(rank, init_file, out_dir, base_seed):
+    # global rank 0 takes no part in the workspace and never touches a GPU
+    dist = _child_setup(rank, 3, init_file, "gloo", None if rank == 0 else rank - 1)
+    group = dist.new_group([1, 2], backend="nccl")
+    data_group = dist.new_group([1, 2], backend="nccl")
+    rows, failures = [], []
+    if rank != 0:
+        import dispatch
+        dev = torch.device("cuda", rank - 1)
+        grank = rank - 1
+        try:
+            rnd = random.Random(f"{base_seed}:subgroup")
+            dname = rnd.choice(gspec.DTYPES)
+            dtype = ref.NAME_TO_DTYPE[dname]
+            hidden = rnd.choice(HIDDENS)
+            ws = dispatch.Workspace(group, MAX_TOKENS, hidden, dtype, timeout_s=10.0)
+            assert ws.rank == grank and ws.world_size == 2, (ws.rank, ws.world_size)
+            row = dict(rank=rank, program=f"auto ws2 {dname} on a subgroup", hidden=hidden, cases=0)
+            try:
+                for i in range(8):
+                    p = _plan(rnd, i, MAX_TOKENS)
+                    case = ref.make_case(2, p["T"], hidden, p["K"], dtype, seed=rnd.getrandbits(62), device=dev,
+                                         gen_device="cpu", scale_kind=p["scale_kind"], shared=p["shared"],
+                                         rsf=p["rsf"], weight_bias=p["weight_bias"])
+                    failures += _one_call(dist, ws, grank, dev, case, rnd.choice([None, "nvfp4"]), p["gs_factor"],
+                                          p["pdl"], None, data_group, f"subgroup rank {rank} call {i}")
+                    row["cases"] += 1
+            finally:
+                ws.close()
+            row["passed"] = not failures
+            row["failures"] = failures[:5]
+            rows.append(row)
+        finally:
+            _write(out_dir, rank, rows)
+    dist.barrier()  # the gloo default group, all three ranks
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}: " + "\n".join(failures[:10]))
+
+
+def _worker_lost_peer(rank, init_file, out_dir, base_seed):
+    dist = _child_setup(rank, 2, init_file, "nccl", rank)
+    import dispatch
+    dev = torch.device("cuda", rank)
+    group = dist.new_group([0, 1])
+    rnd = random.Random(f"{base_seed}:lost")
+    dtype = torch.bfloat16
+    hidden = 2048
+    ws = dispatch.Workspace(group, 256, hidden, dtype, timeout_s=1.0)
+    row = dict(rank=rank, program="lost peer ws2", cases=0)
+    failures = []
+    try:
+        for T in (rnd.randint(1, 64), rnd.randint(65, 256)):  # one-shot and two-shot regimes
+            case = ref.make_case(2, T, hidden, 4, dtype, seed=rnd.getrandbits(62), device=dev, gen_device="cpu")
+            failures += _one_call(dist, ws, rank, dev, case, None, 1.0, False, None, group, f"before, T={T}")
+            if rank == 0:  # rank 1 skips this call
+                t0 = time.monotonic()
+                dispatch.moe_finalize_allreduce(ws, **case[0])
+                torch.cuda.synchronize()
+                waited = time.monotonic() - t0
+                try:
+                    dispatch.check()
+                    failures.append(f"T={T}: no timeout reported after rank 1 skipped a call")
+                except RuntimeError as e:
+                    if "rank 0" not in str(e) or "phase" not in str(e):
+                        failures.append(f"T={T}: timeout error does not name rank 0 and the phase: {e}")
+                if waited > 8.0:
+                    failures.append(f"T={T}: rank 0 waited {waited:.1f} s on a 1 s deadline")
+            ws.reset()  # collective
+            case = ref.make_case(2, T, hidden, 4, dtype, seed=rnd.getrandbits(62), device=dev, gen_device="cpu")
+            failures += _one_call(dist, ws, rank, dev, case, "nvfp4", 1.0, True, None, group, f"after reset, T={T}")
+            row["cases"] += 3
+    finally:
+        row["passed"] = not failures
+        row["failures"] = failures[:5]
+        _write(out_dir, rank, [row])
+        ws.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}: " + "\n".join(failures))
