@@ -10,14 +10,16 @@ pytestmark = pytest.mark.gpu
 dispatch = pytest.importorskip("dispatch")
 
 
-def _inputs(ws, T, K, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
+def _inputs(ws, T, K, seed, rank):
+    """Rank-own expert rows and routing; residual and gamma replicated, as tensor parallelism has them."""
+    g = torch.Generator(device="cpu").manual_seed(seed * 100 + rank)
+    shared = torch.Generator(device="cpu").manual_seed(seed)
     H, D, dev = ws.hidden, ws.dtype, ws.device
     R = T * K
     idx = torch.randperm(R, generator=g).view(T, K).int()
     return dict(allreduce_in=torch.randn(R, H, generator=g).to(dev, D), expanded_idx_to_permuted_idx=idx.to(dev),
-                residual_in=torch.randn(T, H, generator=g).to(dev, D),
-                norm_weight=(torch.randn(H, generator=g) * 0.1 + 1).to(dev, D), eps=1e-6)
+                residual_in=torch.randn(T, H, generator=shared).to(dev, D),
+                norm_weight=(torch.randn(H, generator=shared) * 0.1 + 1).to(dev, D), eps=1e-6)
 
 
 def _expected_residual(kws, D):
@@ -35,7 +37,7 @@ def test_missing_rank_times_out_and_reset_recovers(tokens):
     world = dispatch.EmulatedWorld(2, 256, 2048, torch.bfloat16, timeout_s=0.5)
     try:
         seed = int(time.time())
-        kws = [_inputs(w, tokens, 4, seed + r) for r, w in enumerate(world.workspaces)]
+        kws = [_inputs(w, tokens, 4, seed, r) for r, w in enumerate(world.workspaces)]
         # Only rank 0 launches: it must give up after the deadline, not hang.
         t0 = time.perf_counter()
         dispatch.moe_finalize_allreduce(world.workspaces[0], **kws[0])
@@ -64,7 +66,7 @@ def test_out_of_range_rows_are_skipped_and_reported():
         pytest.skip("no GPU")
     world = dispatch.EmulatedWorld(2, 16, 2048, torch.bfloat16, timeout_s=5.0)
     try:
-        kws = [_inputs(w, 4, 2, 7 + r) for r, w in enumerate(world.workspaces)]
+        kws = [_inputs(w, 4, 2, 7, r) for r, w in enumerate(world.workspaces)]
         for kw in kws:
             kw["expanded_idx_to_permuted_idx"][0, 0] = kw["allreduce_in"].shape[0] + 5  # outside allreduce_in
         outs = world.run(kws)
