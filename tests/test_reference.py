@@ -462,20 +462,36 @@ def test_check_outputs_accepts_reference_and_catches_faults(seed_for):
         p["scale_out"][: sb.numel()].copy_(sb)
     outs = [Out(p["norm_out"], p["residual_out"], p["quant_out"], p["scale_out"]) for p in prov]
     ref.check_outputs(case, outs, prov, quant="nvfp4", global_scale=gs, ref=r)
+    # one-ulp faults where the bracket is a single value
+    i_res = int((r["residual_lo"] == r["residual_hi"]).reshape(-1).nonzero()[0])
+    _, nlo, nhi = ref.norm_bracket(r["residual_out"], case[0]["norm_weight"], case.meta["eps"],
+                                   case.meta["weight_bias"], BF16)
+    i_nrm = int((nlo == nhi).reshape(-1).nonzero()[0])
+
+    def one_ulp_up(t, i):
+        v = t.view(-1)[i].double()
+        t.view(-1)[i] = ref.round_to_dtype(v + ref.ulp(v, BF16), BF16)
+
+    # (message expected when the fault is on every rank, the fault)
     faults = [
-        ("residual_out", lambda p: p["residual_out"].view(-1).__setitem__(7, math.nan)),
-        ("residual_out", lambda p: p["residual_out"].view(-1).__setitem__(9, p["residual_out"].view(-1)[9] * 1.01)),
-        ("norm_out", lambda p: p["norm_out"].view(-1).__setitem__(3, p["norm_out"].view(-1)[3] * 1.02)),
-        ("quant_out", lambda p: p["quant_out"].view(-1).__setitem__(5, p["quant_out"].view(-1)[5] ^ 1)),
-        ("scale_out", lambda p: p["scale_out"].__setitem__(sb.numel() - 1, 3)),  # padding byte
+        ("residual_out has 1 unwritten", lambda p: p["residual_out"].view(-1).__setitem__(7, math.nan)),
+        ("residual_out outside the derived bracket", lambda p: one_ulp_up(p["residual_out"], i_res)),
+        ("norm_out outside the derived bracket", lambda p: one_ulp_up(p["norm_out"], i_nrm)),
+        ("quant_out differs", lambda p: p["quant_out"].view(-1).__setitem__(5, p["quant_out"].view(-1)[5] ^ 1)),
+        ("scale_out differs", lambda p: p["scale_out"].__setitem__(sb.numel() - 1, 3)),  # a padding byte
         ("past the", lambda p: p["scale_out"].__setitem__(sb.numel() + 2, 0)),
     ]
     for needle, fault in faults:
-        prov2 = [{k: v.clone() for k, v in p.items()} for p in prov]
-        fault(prov2[1])
-        outs2 = [Out(p["norm_out"], p["residual_out"], p["quant_out"], p["scale_out"]) for p in prov2]
-        with pytest.raises(AssertionError, match=needle):
-            ref.check_outputs(case, outs2, prov2, quant="nvfp4", global_scale=gs, ref=r)
+        for ranks, expect in (([1], needle if needle == "past the" else "not bit-identical"), ([0, 1], needle)):
+            prov2 = [{k: v.clone() for k, v in p.items()} for p in prov]
+            for rank in ranks:
+                fault(prov2[rank])
+            outs2 = [Out(p["norm_out"], p["residual_out"], p["quant_out"], p["scale_out"]) for p in prov2]
+            with pytest.raises(AssertionError, match=expect):
+                ref.check_outputs(case, outs2, prov2, quant="nvfp4", global_scale=gs, ref=r)
+            if ranks == [1]:  # the differing rank is checked in full as well
+                with pytest.raises(AssertionError, match=needle):
+                    ref.check_outputs(case, outs2, prov2, quant="nvfp4", global_scale=gs, ref=r)
 
 
 # ---- make_case ----------------------------------------------------------------------
