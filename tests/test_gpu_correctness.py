@@ -35,6 +35,7 @@ MAX_TOKENS = 512
 SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s)),
                key=lambda s: (s.world_size, s.dtype, s.profile, s.family))
 PROFILE_QUANT = {"110": None, "111": "nvfp4"}
+DEVICE = "cuda"  # where single-GPU worlds and their inputs live
 
 
 def _dispatch():
@@ -97,13 +98,14 @@ def recording(record_result, **fields):
     record_result(**info, passed=True, seconds=round(time.time() - t0, 2))
 
 
-def run_world(world, case, *, quant, programs=None, gs_factor=1.0, pdl=False, extra_scale_bytes=16,
-              nvfp4_device="cpu", label=""):
-    """One call on every rank with poisoned preallocated outputs, then the full check."""
+def prepare_call(case, *, quant, programs=None, gs_factor=1.0, pdl=False, extra_scale_bytes=16,
+                 nvfp4_device="cpu", label="", ref_=None):
+    """Reference, poisoned preallocated outputs and every rank's kwargs for one call (no launch).
+    The returned dict keeps every tensor the kernels use referenced until it is checked."""
     W = len(case)
     if not isinstance(programs, (list, tuple)):
         programs = [programs] * W
-    r0 = ref.reference_for(case)
+    r0 = ref_ if ref_ is not None else ref.reference_for(case)
     provided = ref.alloc_outputs(case, quant, extra_scale_bytes=extra_scale_bytes)
     gs_val = None
     kwargs = []
@@ -115,12 +117,52 @@ def run_world(world, case, *, quant, programs=None, gs_factor=1.0, pdl=False, ex
             gs_val = ref.f32(ref.typical_global_scale(r0["norm_out"]) * gs_factor)
             d["global_scale"] = torch.tensor([gs_val], dtype=torch.float32, device=kw["residual_in"].device)
         kwargs.append(d)
-    outs = world.run(kwargs)
+    return dict(case=case, outs=None, provided=provided, quant=quant, gs=gs_val, ref=r0, kwargs=kwargs,
+                nvfp4_device=nvfp4_device if nvfp4_device != "same" else r0["norm_out"].device,
+                label=f"{label} programs={programs} pdl={pdl}")
+
+
+def launch_world(world, case, **kw):
+    """One call on every rank through world.run (joined back to the current stream); no sync."""
+    call = prepare_call(case, **kw)
+    call["outs"] = world.run(call["kwargs"])
+    return call
+
+
+def launch_direct(world, calls, rnd, streams):
+    """Several calls launched rank by rank on the ranks' own streams, in a random interleaving
+    that keeps each rank's call order, with no join between calls: a rank may start call n+1
+    while its peers are still in call n, as separate processes do."""
+    dispatch = _dispatch()
+    W = len(world.workspaces)
+    for c in calls:
+        c["outs"] = [None] * W
+    for d, s in zip(world.devices, streams):
+        s.wait_stream(torch.cuda.current_stream(d))
+    todo = [r for r in range(W) for _ in calls]
+    rnd.shuffle(todo)
+    nxt = [0] * W
+    for r in todo:
+        c = calls[nxt[r]]
+        nxt[r] += 1
+        with torch.cuda.stream(streams[r]):
+            c["outs"][r] = dispatch.moe_finalize_allreduce(world.workspaces[r], **c["kwargs"][r])
+    for d, s in zip(world.devices, streams):
+        torch.cuda.current_stream(d).wait_stream(s)
+    return calls
+
+
+def finish_world(world, calls):
+    """Synchronize, check for timeouts, then check every call in full."""
     _sync(world)
     world.check()
-    return ref.check_outputs(case, outs, provided, quant=quant, global_scale=gs_val, ref=r0,
-                             nvfp4_device=nvfp4_device if nvfp4_device != "same" else r0["norm_out"].device,
-                             label=f"{label} programs={programs} pdl={pdl}")
+    return [ref.check_outputs(c["case"], c["outs"], c["provided"], quant=c["quant"], global_scale=c["gs"],
+                              ref=c["ref"], nvfp4_device=c["nvfp4_device"], label=c["label"]) for c in calls]
+
+
+def run_world(world, case, **kw):
+    """One call on every rank, synchronized and checked in full."""
+    return finish_world(world, [launch_world(world, case, **kw)])[0]
 
 
 def _token_plan(W, max_tokens, n, rnd):
@@ -172,7 +214,7 @@ def test_program_matches_reference(devices_kind, program, worlds, seed_for, base
         for i, T in enumerate(_token_plan(s.world_size, MAX_TOKENS, n, rnd)):
             K = 8 if i == 0 else rnd.randint(1, 8)
             case = ref.make_case(s.world_size, T, hidden, K, dtype, seed=seed_for(f"case{i}"),
-                                 device=devices or "cuda", **_case_kwargs(i, rnd))
+                                 device=devices or DEVICE, **_case_kwargs(i, rnd))
             run_world(world, case, quant=quant, programs=program, gs_factor=_gs_factor(i, rnd),
                       pdl=bool(i % 2), label=program)
             info["cases"] += 1
@@ -197,7 +239,7 @@ def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
                 s = gspec.parse(name)
                 T = rnd.choice([rnd.randint(1, 16), rnd.randint(129, max_tokens), max_tokens, rnd.randint(17, 128)])
                 case = ref.make_case(ws, T, hidden, rnd.randint(1, 8), dtype, seed=seed_for(f"case{j}"),
-                                     device="cuda", **_case_kwargs(j + rnd.randint(0, 5), rnd))
+                                     device=DEVICE, **_case_kwargs(j + rnd.randint(0, 5), rnd))
                 run_world(world, case, quant=PROFILE_QUANT[s.profile], programs=name,
                           gs_factor=_gs_factor(j, rnd), pdl=rnd.random() < 0.5, label=f"{name} H={hidden}")
                 info["cases"] += 1
@@ -241,7 +283,7 @@ def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, 
             for j, (mode, progs) in enumerate(plans):
                 T = rnd.choice([rnd.randint(1, ws + 3), rnd.randint(ws, 128), rnd.randint(129, max_tokens)])
                 case = ref.make_case(ws, T, hidden, rnd.randint(1, 8), dtype, seed=seed_for(f"case{j}"),
-                                     device=devices or "cuda", shared=True,
+                                     device=devices or DEVICE, shared=True,
                                      scale_kind=rnd.choice([None, "fp32", "dtype"]),
                                      rsf=rnd.choice([1.0, ref.f32(rnd.uniform(0.5, 2))]), weight_bias=rnd.randint(0, 1))
                 if mode == "rank0_shared":
@@ -304,9 +346,9 @@ AUTO_MAX_TOKENS = 1536
 AUTO_HIDDEN = 2048
 
 
-def _random_call_case(W, T, hidden, dtype, seed, rnd, device="cuda"):
+def _random_call_case(W, T, hidden, dtype, seed, rnd, device=None):
     shared_mode = rnd.choice(["none", "all", "rank0"])
-    case = ref.make_case(W, T, hidden, rnd.randint(1, 8), dtype, seed=seed, device=device,
+    case = ref.make_case(W, T, hidden, rnd.randint(1, 8), dtype, seed=seed, device=device or DEVICE,
                          shared=shared_mode != "none", scale_kind=rnd.choice([None, "fp32", "dtype"]),
                          rsf=rnd.choice([1.0, ref.f32(rnd.uniform(0.5, 2))]), weight_bias=rnd.randint(0, 1),
                          padded_rows=rnd.choice([0, 7]), drop_frac=rnd.choice([0.0, 0.2]))
@@ -332,23 +374,77 @@ def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result)
             up, down = _crossings(seq, b)
             assert up and down, (b, up, down)
         with recording(record_result, program=f"auto ws{ws} {dname}", boundaries=bounds) as info:
-            for i, T in enumerate(seq):
-                case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"call{i}"), rnd)
-                quant = rnd.choice([None, "nvfp4"])
-                run_world(world, case, quant=quant, programs=None, gs_factor=_gs_factor(i, rnd),
-                          pdl=rnd.random() < 0.5, nvfp4_device="cpu" if i % 50 == 0 else "same",
-                          label=f"auto call {i} of {len(seq)} (previous T={seq[i - 1] if i else None})")
-                info["cases"] += 1
+            streams = [torch.cuda.Stream(device=d) for d in world.devices]
+            i = 0
+            while i < len(seq):
+                # mostly one call at a time through world.run; sometimes a burst launched rank by
+                # rank with no join between calls, so ranks run different calls at once
+                burst = rnd.choice([1, 1, 1, 4, 8])
+                calls = []
+                for T in seq[i:i + burst]:
+                    case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"call{i}"), rnd)
+                    calls.append(prepare_call(
+                        case, quant=rnd.choice([None, "nvfp4"]), programs=None, gs_factor=_gs_factor(i, rnd),
+                        pdl=rnd.random() < 0.5, nvfp4_device="cpu" if i % 50 == 0 else "same",
+                        label=f"auto call {i} of {len(seq)} (burst of {burst}, previous T={seq[i - 1] if i else None})"))
+                    i += 1
+                if burst == 1:
+                    calls[0]["outs"] = world.run(calls[0]["kwargs"])
+                else:
+                    launch_direct(world, calls, rnd, streams)
+                finish_world(world, calls)
+                info["cases"] += len(calls)
     finally:
         world.close()
 
 
 # ---- CUDA graphs -------------------------------------------------------------------------------------
 
+def _static_call(world, ws, T, dtype, seed, rnd, pdl):
+    """Static inputs, poisoned outputs and kwargs for one captured world.run call."""
+    quant = rnd.choice([None, "nvfp4"])
+    case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed, rnd)
+    provided = ref.alloc_outputs(case, quant)
+    gs = [torch.ones(1, dtype=torch.float32, device=DEVICE) for _ in range(ws)]
+    kwargs = []
+    for r, kw in enumerate(case):
+        d = dict(kw)
+        d.update(provided[r], quant=quant, launch_with_pdl=pdl, program=None)
+        if quant:
+            d["global_scale"] = gs[r]
+        kwargs.append(d)
+    return dict(case=case, provided=provided, gs=gs, kwargs=kwargs, quant=quant, T=T)
+
+
+def _refresh(call, ws, dtype, seed, gs_factor):
+    """Copy fresh random values into the static inputs; returns (case with those values, gs)."""
+    c0 = call["case"]
+    m = c0.meta
+    fresh = ref.make_case(ws, m["tokens"], AUTO_HIDDEN, m["top_k"], dtype, seed=seed, device=DEVICE,
+                          shared=m["shared"] != "none", scale_kind=m["scale_kind"], rsf=m["rsf"],
+                          weight_bias=m["weight_bias"], padded_rows=m["padded_rows"], drop_frac=m["drop_frac"])
+    for dst, src in zip(c0, fresh):
+        if dst["shared_expert_output"] is None:
+            src["shared_expert_output"] = None
+        for k, v in dst.items():
+            if isinstance(v, torch.Tensor):
+                v.copy_(src[k])
+    fresh.meta["shared"] = m["shared"]
+    gs_val = None
+    if call["quant"]:
+        gs_val = ref.f32(ref.typical_global_scale(ref.reference_for(fresh)["norm_out"]) * gs_factor)
+        for t in call["gs"]:
+            t.fill_(gs_val)
+    for p in call["provided"]:
+        ref.repoison(p)
+    return fresh, gs_val
+
+
 @pytest.mark.parametrize("ws", gspec.WORLD_SIZES)
 def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
-    """One graph per (T, PDL), T in every regime; replays interleaved across graphs and with eager
-    calls of other T, fresh input values copied into the static tensors before every replay."""
+    """One graph per (T, PDL) with T in every regime, plus graphs of three back-to-back calls of
+    different T; replays interleaved across graphs and with eager calls of other T, fresh input
+    values (and global scale) copied into the static tensors before every replay."""
     dispatch = _dispatch()
     rnd = random.Random(seed_for("plan"))
     dname = rnd.choice(gspec.DTYPES)
@@ -358,62 +454,41 @@ def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
         bounds, _ = regime_boundaries(dispatch, world.workspaces[0], AUTO_MAX_TOKENS)
         edges = [1] + bounds + [AUTO_MAX_TOKENS + 1]
         token_counts = [rnd.randint(lo, hi - 1) for lo, hi in zip(edges, edges[1:])]
+        shapes = [[T] for T in token_counts] + [rnd.sample(token_counts, len(token_counts))]
+        streams = [torch.cuda.Stream(device=d) for d in world.devices]
         graphs = []
-        for gi, T in enumerate(token_counts):
+        for gi, Ts in enumerate(shapes):
             for pdl in (False, True):
-                quant = rnd.choice([None, "nvfp4"])
-                case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"static{gi}{pdl}"), rnd)
-                provided = ref.alloc_outputs(case, quant)
-                gs = [torch.ones(1, dtype=torch.float32, device="cuda") for _ in range(ws)]
-                kwargs = []
-                for r, kw in enumerate(case):
-                    d = dict(kw)
-                    d.update(provided[r], quant=quant, launch_with_pdl=pdl, program=None)
-                    if quant:
-                        d["global_scale"] = gs[r]
-                    kwargs.append(d)
-                world.run(kwargs)  # eager warm-up: builds the launchers
+                calls = [_static_call(world, ws, T, dtype, seed_for(f"static{gi}.{j}.{pdl}"), rnd, pdl)
+                         for j, T in enumerate(Ts)]
+                for c in calls:  # eager warm-up: builds the launchers
+                    world.run(c["kwargs"])
                 _sync(world)
                 world.check()
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g):
-                    outs = world.run(kwargs)
+                    if len(calls) == 1:
+                        calls[0]["outs"] = world.run(calls[0]["kwargs"])
+                    else:  # back to back, no join between calls (ranks overlap consecutive calls)
+                        launch_direct(world, calls, rnd, streams)
                 _sync(world)
-                graphs.append(dict(graph=g, case=case, provided=provided, gs=gs, outs=outs, quant=quant, T=T,
-                                   pdl=pdl))
+                graphs.append(dict(graph=g, calls=calls, pdl=pdl))
         with recording(record_result, program=f"graphs ws{ws} {dname}", token_counts=token_counts) as info:
-            order = [i % len(graphs) for i in range(len(graphs) * 20)]
+            order = [i % len(graphs) for i in range(len(graphs) * 16)]
             rnd.shuffle(order)
             for i, gi in enumerate(order):
                 st = graphs[gi]
-                c0 = st["case"]
-                m = c0.meta
-                fresh = ref.make_case(ws, m["tokens"], AUTO_HIDDEN, m["top_k"], dtype, seed=seed_for(f"replay{i}"),
-                                      device="cuda", shared=m["shared"] != "none", scale_kind=m["scale_kind"],
-                                      rsf=m["rsf"], weight_bias=m["weight_bias"], padded_rows=m["padded_rows"],
-                                      drop_frac=m["drop_frac"])
-                for r, (dst, src) in enumerate(zip(c0, fresh)):
-                    if dst["shared_expert_output"] is None:
-                        src["shared_expert_output"] = None
-                    for k, v in dst.items():
-                        if isinstance(v, torch.Tensor):
-                            v.copy_(src[k])
-                fresh.meta["shared"] = m["shared"]
-                gs_val = None
-                if st["quant"]:
-                    r0 = ref.reference_for(fresh)
-                    gs_val = ref.f32(ref.typical_global_scale(r0["norm_out"]) * _gs_factor(i, rnd))
-                    for t in st["gs"]:
-                        t.fill_(gs_val)
-                for p in st["provided"]:
-                    ref.repoison(p)
+                fresh = [_refresh(c, ws, dtype, seed_for(f"replay{i}.{j}"), _gs_factor(i + j, rnd))
+                         for j, c in enumerate(st["calls"])]
                 st["graph"].replay()
                 _sync(world)
                 world.check()
-                ref.check_outputs(fresh, st["outs"], st["provided"], quant=st["quant"], global_scale=gs_val,
-                                  nvfp4_device="cpu" if i % 40 == 0 else "cuda",
-                                  label=f"replay {i}: graph T={st['T']} pdl={st['pdl']}")
-                info["cases"] += 1
+                for j, (c, (case, gs_val)) in enumerate(zip(st["calls"], fresh)):
+                    ref.check_outputs(case, c["outs"], c["provided"], quant=c["quant"], global_scale=gs_val,
+                                      nvfp4_device="cpu" if i % 40 == 0 else DEVICE,
+                                      label=f"replay {i}: graph of T={[x['T'] for x in st['calls']]} call {j} "
+                                            f"pdl={st['pdl']}")
+                    info["cases"] += 1
                 if i % 4 == 3:  # an eager call of another T between replays
                     T = rnd.randint(1, AUTO_MAX_TOKENS)
                     case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"eager{i}"), rnd)
