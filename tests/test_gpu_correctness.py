@@ -17,6 +17,7 @@ Set MOE_AR_RESULTS=path to append a JSON line per test summary.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import time
 
@@ -36,6 +37,9 @@ SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s)),
                key=lambda s: (s.world_size, s.dtype, s.profile, s.family))
 PROFILE_QUANT = {"110": None, "111": "nvfp4"}
 DEVICE = "cuda"  # where single-GPU worlds and their inputs live
+# Knobs for a quick run (defaults are the full test): cases per forced program, eager auto calls.
+CASES_PER_PROGRAM = int(os.environ.get("MOE_AR_CASES_PER_PROGRAM", "6"))
+AUTO_CALLS = int(os.environ.get("MOE_AR_AUTO_CALLS", "1000"))
 
 
 def _dispatch():
@@ -191,6 +195,27 @@ def _gs_factor(i, rnd):
     return rnd.uniform(0.05, 0.9) if f == "random" else f
 
 
+# ---- the reference itself on the GPU ---------------------------------------------------------------
+
+def test_nvfp4_ref_on_gpu_equals_cpu(seed_for):
+    """Most per-call checks run nvfp4_ref on the GPU (runs first): it must agree with the CPU byte for byte."""
+    seed = seed_for("x")
+    g = torch.Generator().manual_seed(seed)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (torch.randn(300, 7168, generator=g) * torch.rand(300, 1, generator=g) * 4).to(dtype)
+        for gs in (ref.typical_global_scale(x), 1.0, 3e-6 * ref.typical_global_scale(x), 1e4):
+            qc, sc = ref.nvfp4_ref(x, gs)
+            qg, sg = ref.nvfp4_ref(x.cuda(), gs)
+            assert torch.equal(qc, qg.cpu()) and torch.equal(sc, sg.cpu()), (seed, dtype, gs)
+    # and the float64 reference on the GPU equals the CPU one
+    case = ref.make_case(4, 37, 2048, 6, torch.bfloat16, seed=seed, shared=True, rsf=1.5)
+    rc = ref.reference_for(case)
+    rg = ref.reference_for(ref.Case([{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+                                     for kw in case], case.meta))
+    for k in ("residual_out", "norm_out", "residual_lo", "residual_hi"):
+        assert torch.equal(rc[k], rg[k].cpu()), (seed, k)
+
+
 # ---- every program, forced ---------------------------------------------------------------------
 
 PROGRAM_PARAMS = [pytest.param(kind, s.name, id=f"{s.name}-{kind}")
@@ -209,14 +234,14 @@ def test_program_matches_reference(devices_kind, program, worlds, seed_for, base
     hidden = random.Random(f"{base_seed}:{s.world_size}:{s.dtype}:{devices_kind}").choice(HIDDENS)
     world = worlds.get(s.world_size, MAX_TOKENS, hidden, dtype, devices)
     rnd = random.Random(seed_for("plan"))
-    n = 6 if devices_kind == "one_gpu" else 3
+    n = CASES_PER_PROGRAM if devices_kind == "one_gpu" else max(1, CASES_PER_PROGRAM // 2)
     with recording(record_result, program=program, devices=devices_kind, hidden=hidden) as info:
         for i, T in enumerate(_token_plan(s.world_size, MAX_TOKENS, n, rnd)):
             K = 8 if i == 0 else rnd.randint(1, 8)
             case = ref.make_case(s.world_size, T, hidden, K, dtype, seed=seed_for(f"case{i}"),
                                  device=devices or DEVICE, **_case_kwargs(i, rnd))
             run_world(world, case, quant=quant, programs=program, gs_factor=_gs_factor(i, rnd),
-                      pdl=bool(i % 2), label=program)
+                      pdl=bool(i % 2), nvfp4_device="cpu" if i == 0 else "same", label=program)
             info["cases"] += 1
 
 
@@ -241,7 +266,8 @@ def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
                 case = ref.make_case(ws, T, hidden, rnd.randint(1, 8), dtype, seed=seed_for(f"case{j}"),
                                      device=DEVICE, **_case_kwargs(j + rnd.randint(0, 5), rnd))
                 run_world(world, case, quant=PROFILE_QUANT[s.profile], programs=name,
-                          gs_factor=_gs_factor(j, rnd), pdl=rnd.random() < 0.5, label=f"{name} H={hidden}")
+                          gs_factor=_gs_factor(j, rnd), pdl=rnd.random() < 0.5,
+                          nvfp4_device="cpu" if j == 0 else "same", label=f"{name} H={hidden}")
                 info["cases"] += 1
     finally:
         world.close()
@@ -369,7 +395,7 @@ def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result)
     try:
         bounds, _ = regime_boundaries(dispatch, world.workspaces[0], AUTO_MAX_TOKENS)
         assert bounds, "automatic selection never changes program over 1..max_tokens"
-        seq = crossing_sequence(bounds, AUTO_MAX_TOKENS, 1000, rnd, ws)
+        seq = crossing_sequence(bounds, AUTO_MAX_TOKENS, AUTO_CALLS, rnd, ws)
         for b in bounds:
             up, down = _crossings(seq, b)
             assert up and down, (b, up, down)
@@ -497,24 +523,3 @@ def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
                     info["cases"] += 1
     finally:
         world.close()
-
-
-# ---- the reference itself on the GPU ---------------------------------------------------------------
-
-def test_nvfp4_ref_on_gpu_equals_cpu(seed_for):
-    """The cheap per-call checks run nvfp4_ref on the GPU: it must agree with the CPU byte for byte."""
-    seed = seed_for("x")
-    g = torch.Generator().manual_seed(seed)
-    for dtype in (torch.bfloat16, torch.float16):
-        x = (torch.randn(300, 7168, generator=g) * torch.rand(300, 1, generator=g) * 4).to(dtype)
-        for gs in (ref.typical_global_scale(x), 1.0, 3e-6 * ref.typical_global_scale(x), 1e4):
-            qc, sc = ref.nvfp4_ref(x, gs)
-            qg, sg = ref.nvfp4_ref(x.cuda(), gs)
-            assert torch.equal(qc, qg.cpu()) and torch.equal(sc, sg.cpu()), (seed, dtype, gs)
-    # and the float64 reference on the GPU equals the CPU one
-    case = ref.make_case(4, 37, 2048, 6, torch.bfloat16, seed=seed, shared=True, rsf=1.5)
-    rc = ref.reference_for(case)
-    rg = ref.reference_for(ref.Case([{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-                                     for kw in case], case.meta))
-    for k in ("residual_out", "norm_out", "residual_lo", "residual_hi"):
-        assert torch.equal(rc[k], rg[k].cpu()), (seed, k)
