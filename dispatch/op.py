@@ -97,7 +97,7 @@ def _check_args(ws, a):
         if a.get("quant_out") is not None:
             _tensor("quant_out", a["quant_out"], ws, (torch.uint8,), shape=(T, H // 2), align=4)
         if a.get("scale_out") is not None:
-            s = _tensor("scale_out", a["scale_out"], ws, (torch.uint8,), ndim=1, align=1)
+            s = _tensor("scale_out", a["scale_out"], ws, (torch.uint8,), ndim=1, align=4)
             if s.numel() < scale_out_bytes(T, H):
                 raise ValueError(f"scale_out: {s.numel()} bytes, need {scale_out_bytes(T, H)}")
     return T, K, R, profile
@@ -243,17 +243,43 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
       weight_bias 0 or 1, quant None or "nvfp4" with global_scale [1] float32 on the device.
     Outputs (allocated when not given): norm_out [T, H] D, residual_out [T, H] D, and for "nvfp4"
       quant_out [T, H/2] uint8 and scale_out (1-D uint8, >= scale_out_bytes(T, H), 128x4 swizzled).
-    Every rank of the group must make the same sequence of calls with the same T. `program=` forces a
-    program by name. Raises ValueError naming the argument for a bad call, RuntimeError if an earlier
-    call of this workspace timed out waiting for a peer.
+    Every rank of the group must make the same sequence of calls with the same T; residual_in and
+    norm_weight must hold the same values on every rank (tensor parallelism replicates them).
+    `program=` forces a program by name. `launch_with_pdl=True` lets the kernel start while the
+    previous kernel on the stream finishes (programmatic dependent launch).
+    Raises ValueError naming the argument for a bad call, RuntimeError if an earlier call of this
+    workspace timed out waiting for a peer.
     """
-    unknown = set(kwargs) - set(_DEFAULTS)
+    call = prepare_call(workspace, dict(kwargs, allreduce_in=allreduce_in,
+                                        expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
+                                        residual_in=residual_in, norm_weight=norm_weight))
+    return call.launch()
+
+
+class _Call(NamedTuple):
+    workspace: object
+    launcher: Optional[_Launcher]
+    tokens: int
+    top_k: int
+    rows: int
+    args: dict
+    outputs: MoeFinalizeOutputs
+
+    def launch(self) -> MoeFinalizeOutputs:
+        if self.launcher is not None:
+            self.launcher.launch(self.workspace, self.tokens, self.top_k, self.rows, self.args,
+                                 self.args["launch_with_pdl"])
+        return self.outputs
+
+
+def prepare_call(workspace, kwargs: dict) -> _Call:
+    """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use)."""
+    unknown = set(kwargs) - set(_DEFAULTS) - {"allreduce_in", "expanded_idx_to_permuted_idx", "residual_in",
+                                                "norm_weight"}
     if unknown:
         raise ValueError(f"{sorted(unknown)[0]}: unknown argument")
     a = dict(_DEFAULTS)
     a.update(kwargs)
-    a.update(allreduce_in=allreduce_in, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-             residual_in=residual_in, norm_weight=norm_weight)
     workspace._ensure_open()
     workspace._check_error_words()
     T, K, R, profile = _check_args(workspace, a)
@@ -262,7 +288,7 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
                              a["quant_out"] if profile == "111" else None,
                              a["scale_out"] if profile == "111" else None)
     if T == 0:
-        return out
+        return _Call(workspace, None, T, K, R, a, out)
     name = a["program"]
     if name is None:
         name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None)
@@ -272,5 +298,4 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     if launcher.family == "oneshot" and T > workspace.oneshot_max_tokens:
         raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
                          f"{workspace.oneshot_max_tokens}")
-    launcher.launch(workspace, T, K, R, a, a["launch_with_pdl"])
-    return out
+    return _Call(workspace, launcher, T, K, R, a, out)

@@ -105,7 +105,7 @@ class _WorkspaceBase:
         if dtype not in DTYPES:
             raise ValueError(f"dtype: {dtype} is not supported (use torch.float16 or torch.bfloat16)")
         if world_size not in ps.manifest["axes"]["world_sizes"]:
-            raise ValueError(f"world_size: {world_size} is not generated (have {ps.manifest['axes']['world_size']})")
+            raise ValueError(f"world_size: {world_size} is not generated (have {ps.manifest['axes']['world_sizes']})")
         if not isinstance(hidden, int) or hidden <= 0 or hidden % 16 or hidden > limits["max_hidden"]:
             raise ValueError(f"hidden: {hidden} must be a positive multiple of 16, at most {limits['max_hidden']}")
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -280,16 +280,18 @@ class EmulatedWorld:
     def run(self, per_rank_kwargs: list[dict]) -> list:
         """One call on every rank, co-resident on per-rank streams, joined back to each device's
         current stream. Capturable in a CUDA graph (single-device worlds)."""
-        from .op import allocate_outputs, moe_finalize_allreduce
+        from .op import prepare_call
         if len(per_rank_kwargs) != self.world_size:
             raise ValueError(f"per_rank_kwargs: {len(per_rank_kwargs)} entries for world size {self.world_size}")
-        kwargs = [allocate_outputs(w, dict(kw)) for w, kw in zip(self.workspaces, per_rank_kwargs)]
+        # Every rank's call is checked (and its outputs allocated on the caller's stream) before any
+        # rank launches: a rank launched alone would wait for its peers until the deadline.
+        calls = [prepare_call(w, dict(kw)) for w, kw in zip(self.workspaces, per_rank_kwargs)]
         for d, s in zip(self.devices, self.streams):
             s.wait_stream(torch.cuda.current_stream(d))
         outs = []
-        for w, s, kw in zip(self.workspaces, self.streams, kwargs):
+        for call, s in zip(calls, self.streams):
             with torch.cuda.stream(s):
-                outs.append(moe_finalize_allreduce(w, **kw))
+                outs.append(call.launch())
         for d, s in zip(self.devices, self.streams):
             torch.cuda.current_stream(d).wait_stream(s)
         return outs

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: de7c86feb9751ed0fc1c6b9de6901b0fa1e140674c03f058913fcb200193867a
+// inputs sha256: a45445886bed47cbdb39062969b9145688ec6a1f0a995d1297e9722c490b3753
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4), one kernel per rank.
 //
@@ -176,17 +176,57 @@ __device__ __noinline__ void record_timeout(unsigned* error, int rank, int phase
   e[kErrCode] = kErrTimeout;
 }
 
-// Spin until the vector at `addr` holds no sentinel, or the deadline passes.
-__device__ __forceinline__ uint4 wait_vector(const uint4* addr, Deadline& d, const Params& p, int phase) {
-  uint4 v = load_volatile(addr);
-  while (has_sentinel(v) && !d.expired) {
+// s += residual_in[t], vector v (fp32; the caller rounds once).
+template <typename D>
+__device__ __forceinline__ void add_residual(const Params& p, int t, int v, float (&s)[8]) {
+  float x[8];
+  Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * p.hidden +
+                                                   v * kElemsPerVec), x);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] += x[i];
+}
+
+// Wait for kSources Lamport slots of this thread's vectors in rounds [r_begin, r_end) and reduce them:
+// vector v = r * blockDim.x + threadIdx.x of slot q is at base + q * slot_stride + v * 8.
+// out[r] = D(sum over q in rank order (+ residual_in[t] if kAddResidual)), rounded once, so every
+// rank computes the same bits. A pass issues every slot's load of a round before using any (one
+// memory latency per round, not one per vector); passes repeat until no vector holds the sentinel,
+// or the deadline passes.
+template <typename D, int kSources, bool kAddResidual>
+__device__ __forceinline__ void wait_and_reduce(const D* base, long long slot_stride, int r_begin, int r_end, int t,
+                                                uint4 (&out)[kMaxVecPerThread], Deadline& d, const Params& p,
+                                                int phase) {
+  const int nvec = p.hidden / kElemsPerVec;
+  while (true) {
+    bool arrived = true;
+#pragma unroll
+    for (int r = 0; r < kMaxVecPerThread; ++r) {
+      const int v = r * blockDim.x + threadIdx.x;
+      if (r < r_begin || r >= r_end || v >= nvec) continue;
+      uint4 in[kSources];
+#pragma unroll
+      for (int q = 0; q < kSources; ++q)
+        in[q] = load_volatile(reinterpret_cast<const uint4*>(base + q * slot_stride + (long long)v * kElemsPerVec));
+      float s[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] = 0.f;
+#pragma unroll
+      for (int q = 0; q < kSources; ++q) {  // rank order
+        arrived &= !has_sentinel(in[q]);
+        float x[8];
+        Vec<D>::to_float(in[q], x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s[i] += x[i];
+      }
+      if (kAddResidual) add_residual<D>(p, t, v, s);
+      out[r] = kSources == 1 && !kAddResidual ? in[0] : Vec<D>::from_float(s);
+    }
+    if (arrived || d.expired) return;
     if (d.at != 0 && global_timer_ns() > d.at) {
       record_timeout(p.error, p.rank, phase);
       d.expired = true;
     }
-    v = load_volatile(addr);
   }
-  return v;
 }
 
 // Rank q's buffer base. Selected with compile-time indices: a run-time index into the kernel
@@ -303,16 +343,12 @@ __device__ __forceinline__ float block_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // NVFP4: software E2M1 rounding (sm_90 has no cvt to e2m1), exact to the rule in the spec
 // ---------------------------------------------------------------------------------------------
-// Round |a| to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}, ties to the even code, saturating at 6.
+// Round |a| to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} (codes 0..7), ties to the even code,
+// saturating at 6: the code is the number of midpoints a lies above. A midpoint whose upper
+// neighbour has the even code counts when a equals it (>=); otherwise only when a exceeds it (>).
+// Branch-free on purpose: lanes of a warp take different codes.
 __device__ __forceinline__ unsigned e2m1_magnitude_code(float a) {
-  if (a <= 0.25f) return 0;  // tie 0.25 -> 0 (code 0 is even)
-  if (a < 0.75f) return 1;   // tie 0.75 -> 1.0 (code 2)
-  if (a <= 1.25f) return 2;  // tie 1.25 -> 1.0 (code 2)
-  if (a < 1.75f) return 3;   // tie 1.75 -> 2.0 (code 4)
-  if (a <= 2.5f) return 4;   // tie 2.5 -> 2.0 (code 4)
-  if (a < 3.5f) return 5;    // tie 3.5 -> 4.0 (code 6)
-  if (a <= 5.0f) return 6;   // tie 5.0 -> 4.0 (code 6)
-  return 7;                  // saturate to 6.0
+  return (unsigned)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
 }
 __device__ __forceinline__ unsigned e2m1_code(float q) {
   return (signbit(q) ? 8u : 0u) | e2m1_magnitude_code(fabsf(q));
@@ -325,13 +361,12 @@ __device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num
 // Quantize one thread's 8 norm_out values; the thread holding vector v ^ 1 holds the other half of
 // the 16-element block. Every lane of the warp must call this (it shuffles).
 template <typename D>
-__device__ __forceinline__ void quantize_nvfp4(const Params& p, int t, int v, bool valid, const float (&x)[8]) {
+__device__ __forceinline__ void quantize_nvfp4(const Params& p, float gs, int t, int v, bool valid, const float (&x)[8]) {
   float amax = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[i]));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   if (!valid) return;
-  const float gs = *p.global_scale;
   const float sf = __fdiv_rn(__fmul_rn(gs, amax), 6.0f);
   const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
   const float sf8_value = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf8, __NV_E4M3)));
@@ -353,34 +388,36 @@ __device__ __forceinline__ void zero_scale_padding_of_row(const Params& p, int t
   for (int k = cols; k < padded_cols; ++k)
     static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, k, num_k_tiles)] = 0;
 }
+// The 4 scale columns 4g..4g+3 of a row are 4 contiguous bytes: one 32-bit store each.
 __device__ __forceinline__ void zero_scale_padding_rows(const Params& p) {
   const int T = p.tokens, padded_T = (T + 127) / 128 * 128;
-  const int padded_cols = (p.hidden / 16 + 3) / 4 * 4, num_k_tiles = (p.hidden + 63) / 64;
-  const long long n = (long long)(padded_T - T) * padded_cols;
-  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-    const int m = T + (int)(i / padded_cols), k = (int)(i % padded_cols);
-    static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(m, k, num_k_tiles)] = 0;
-  }
+  const int groups = (p.hidden / 16 + 3) / 4, num_k_tiles = (p.hidden + 63) / 64;
+  for (int m = T + blockIdx.x; m < padded_T; m += gridDim.x)
+    for (int g = threadIdx.x; g < groups; g += blockDim.x)
+      *reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.scale_out) + swizzled_scale_offset(m, 4 * g, num_k_tiles)) = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Epilogue of one token row: residual_out values (already rounded, as floats, held in registers)
+// Epilogue of one token row: residual_out values (in the dtype, held in registers)
 // -> RMSNorm -> norm_out (+ NVFP4). The whole block calls it for the same row.
 // ---------------------------------------------------------------------------------------------
 template <typename D, Profile P>
-__device__ __forceinline__ void norm_row(const Params& p, int t, const float (&res)[kMaxVecPerThread][8]) {
+__device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec;
   float sumsq = 0.f;
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     const int v = r * blockDim.x + threadIdx.x;
     if (r < p.vec_per_thread && v < nvec) {
+      float x[8];
+      Vec<D>::to_float(res[r], x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sumsq = fmaf(res[r][i], res[r][i], sumsq);
+      for (int i = 0; i < 8; ++i) sumsq = fmaf(x[i], x[i], sumsq);
     }
   }
   const float rms = rsqrtf(__fdiv_rn(block_sum(sumsq), (float)H) + p.eps);
   D* norm_out = static_cast<D*>(p.norm_out) + (long long)t * H;
+  const float gs = P == Profile::kNvfp4 ? *p.global_scale : 0.f;  // once: stores below may alias it
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     if (r >= p.vec_per_thread) break;  // uniform across the block
@@ -389,10 +426,11 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const float (&r
     float y[8];
     if (valid) {
       const uint4 g = load_readonly(static_cast<const D*>(p.norm_weight) + v * kElemsPerVec);
-      float gamma[8];
+      float gamma[8], x[8];
       Vec<D>::to_float(g, gamma);
+      Vec<D>::to_float(res[r], x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(__fmul_rn(res[r][i], rms), gamma[i] + p.weight_bias);
+      for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(__fmul_rn(x[i], rms), gamma[i] + p.weight_bias);
       const uint4 out = Vec<D>::from_float(y);
       reinterpret_cast<uint4*>(norm_out)[v] = out;
       Vec<D>::to_float(out, y);  // NVFP4 quantizes the dtype-rounded norm_out
@@ -400,7 +438,7 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const float (&r
 #pragma unroll
       for (int i = 0; i < 8; ++i) y[i] = 0.f;
     }
-    if (P == Profile::kNvfp4) quantize_nvfp4<D>(p, t, v, valid, y);
+    if (P == Profile::kNvfp4) quantize_nvfp4<D>(p, gs, t, v, valid, y);
   }
   if (P == Profile::kNvfp4 && threadIdx.x == 0) zero_scale_padding_of_row(p, t);
 }
@@ -424,6 +462,19 @@ __device__ __forceinline__ void run(const Params& p) {
   const long long prev_extent = p.state[kExtent0 + prev];
   const Layout lay = layout_of<R, W>(T, H);
   D* my_buffer = static_cast<D*>(buffer_of<W>(p, p.rank)) + cur * p.buffer_elems;
+
+  // Pull what the waits are followed by toward L2 now, so it is not a DRAM trip after the wait:
+  // gamma, and the residual row of this block's first reduced token.
+  {
+    const int first_reduced = R == Regime::kOneShot ? blockIdx.x : p.rank * lay.tokens_per_owner + blockIdx.x;
+    for (int r = 0; r < vpt; ++r) {
+      const int v = r * blockDim.x + threadIdx.x;
+      if (v >= nvec) break;
+      prefetch_l2(static_cast<const D*>(p.norm_weight) + v * kElemsPerVec);
+      if (first_reduced < T)
+        prefetch_l2(static_cast<const D*>(p.residual_in) + (long long)first_reduced * H + v * kElemsPerVec);
+    }
+  }
 
   // Shared-expert variants: pull this block's shared rows toward L2 before anything waits.
   if (kSharedPrefetch && p.shared_in != nullptr) {
@@ -482,28 +533,14 @@ __device__ __forceinline__ void run(const Params& p) {
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const int j = sliced ? u / vpt : u, t = first + j;
       const int r_begin = sliced ? u % vpt : 0, r_end = sliced ? r_begin + 1 : vpt;
-      for (int r = r_begin; r < r_end; ++r) {
+      uint4 sum[kMaxVecPerThread];
+      wait_and_reduce<D, W, true>(my_buffer + (long long)j * H, (long long)C * H, r_begin, r_end, t, sum, deadline, p,
+                                  kPhaseReduceScatter);
+#pragma unroll
+      for (int r = 0; r < kMaxVecPerThread; ++r) {
         const int v = r * blockDim.x + threadIdx.x;
-        if (v >= nvec) continue;
-        float s[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = 0.f;
-#pragma unroll
-        for (int q = 0; q < W; ++q) {  // rank order: the same sum on every rank
-          const uint4 in = wait_vector(
-              reinterpret_cast<const uint4*>(my_buffer + ((long long)q * C + j) * H + v * kElemsPerVec), deadline, p,
-              kPhaseReduceScatter);
-          float x[8];
-          Vec<D>::to_float(in, x);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) s[i] += x[i];
-        }
-        float x[8];
-        Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
-                                                         v * kElemsPerVec), x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] += x[i];
-        const uint4 res = without_sentinel(Vec<D>::from_float(s));
+        if (r < r_begin || r >= r_end || v >= nvec) continue;
+        const uint4 res = without_sentinel(sum[r]);
         const long long offset = cur * p.buffer_elems + lay.gather_base + (long long)t * H + v * kElemsPerVec;
 #pragma unroll
         for (int q = 0; q < W; ++q) *reinterpret_cast<uint4*>(static_cast<D*>(p.peer_buffers[q]) + offset) = res;
@@ -513,40 +550,17 @@ __device__ __forceinline__ void run(const Params& p) {
 
   // ---- last phase, whole rows: residual_out, RMSNorm, quant --------------------------------
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
-    float res[kMaxVecPerThread][8];
+    uint4 res[kMaxVecPerThread];  // residual_out, already in the dtype
+    if (R == Regime::kOneShot)
+      wait_and_reduce<D, W, true>(my_buffer + (long long)t * H, (long long)T * H, 0, vpt, t, res, deadline, p,
+                                  kPhaseOneShot);
+    else
+      wait_and_reduce<D, 1, false>(my_buffer + lay.gather_base + (long long)t * H, 0, 0, vpt, t, res, deadline, p,
+                                   kPhaseAllGather);
 #pragma unroll
     for (int r = 0; r < kMaxVecPerThread; ++r) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) res[r][i] = 0.f;
       const int v = r * blockDim.x + threadIdx.x;
-      if (r >= vpt || v >= nvec) continue;
-      uint4 out;
-      if (R == Regime::kOneShot) {
-        float s[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] = 0.f;
-#pragma unroll
-        for (int q = 0; q < W; ++q) {  // rank order: the same sum on every rank
-          const uint4 in = wait_vector(
-              reinterpret_cast<const uint4*>(my_buffer + ((long long)q * T + t) * H + v * kElemsPerVec), deadline, p,
-              kPhaseOneShot);
-          float x[8];
-          Vec<D>::to_float(in, x);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) s[i] += x[i];
-        }
-        float x[8];
-        Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
-                                                         v * kElemsPerVec), x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) s[i] += x[i];
-        out = Vec<D>::from_float(s);
-      } else {
-        out = wait_vector(reinterpret_cast<const uint4*>(my_buffer + lay.gather_base + (long long)t * H + v * kElemsPerVec),
-                          deadline, p, kPhaseAllGather);
-      }
-      reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = out;
-      Vec<D>::to_float(out, res[r]);
+      if (r < vpt && v < nvec) reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
     }
     norm_row<D, P>(p, t, res);
   }

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: de7c86feb9751ed0fc1c6b9de6901b0fa1e140674c03f058913fcb200193867a
+// inputs sha256: a45445886bed47cbdb39062969b9145688ec6a1f0a995d1297e9722c490b3753
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_fp16_ws8_o110: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype fp16, world size 8, output profile 110 (norm_out + residual_out (input dtype))
