@@ -181,7 +181,7 @@ def diff(ctx, rev):
 @click.option("--jobs", "-j", type=int, default=None, help="Parallel compiles (default: all cores).")
 @click.pass_context
 def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs):
-    """Compile programs with NVRTC (no GPU needed); fail on any error or spill."""
+    """Compile programs with NVRTC (no GPU needed); fail on any error or on spills over the budget."""
     from . import nvrtc_build
 
     generated = ctx.obj["generated"]

@@ -1,4 +1,4 @@
-"""Every generated program compiles with NVRTC for every target, without spills.
+"""Every generated program compiles with NVRTC for every target, spills within the budget.
 
 No GPU needed (CuPy's low-level NVRTC bindings only load libnvrtc). Slow: runs
 `gen-programs compile` on the committed generated/ tree, all cores.
@@ -33,6 +33,10 @@ def test_ptxas_log_parsing():
     result = nvrtc_build.CompileResult("moe_ar_ts_bf16_ws4_o110", "sm_90a", True, LOG, 0.4, 1000, (entry,))
     assert any("spills 84 bytes" in p for p in nvrtc_build.problems(result, "moe_ar_ts_bf16_ws4_o110"))
     assert any("not an entry function" in p for p in nvrtc_build.problems(result, "other_symbol"))
+    small = nvrtc_build.CompileResult("k", "sm_90a", True, LOG, 0.4, 1000,
+                                      (nvrtc_build.EntryStats("moe_ar_ts_bf16_ws4_o110", 64, 8, 8, 16),))
+    assert nvrtc_build.problems(small, "moe_ar_ts_bf16_ws4_o110") == []
+    assert any("within the" in w for w in nvrtc_build.warnings(small))
 
 
 @pytest.mark.compile

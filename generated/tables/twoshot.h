@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: a45445886bed47cbdb39062969b9145688ec6a1f0a995d1297e9722c490b3753
+// inputs sha256: cb7b31d12f4f11dabbfd82f3e0d9735aa6f40c3d277e8e6eb6e937a9893f263d
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
