@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: cb7b31d12f4f11dabbfd82f3e0d9735aa6f40c3d277e8e6eb6e937a9893f263d
+// inputs sha256: 71c4ddefdf8c1927b66a1277fd42259b64e333f90575b89dd233018be831162d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4), one kernel per rank.
 //
@@ -358,27 +358,40 @@ __device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num
   return (long long)(m / 128) * (num_k_tiles * 512) + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
 }
 
-// Quantize one thread's 8 norm_out values; the thread holding vector v ^ 1 holds the other half of
-// the 16-element block. Every lane of the warp must call this (it shuffles).
+// Quantize this thread's norm_out vectors of row t (one per round, in the dtype). The thread holding
+// vector v ^ 1 holds the other half of each 16-element block. All rounds are handled side by side,
+// so their dependent chains (amax, shuffle, three divisions) overlap instead of running in turn.
 template <typename D>
-__device__ __forceinline__ void quantize_nvfp4(const Params& p, float gs, int t, int v, bool valid, const float (&x)[8]) {
-  float amax = 0.f;
+__device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
+  const float gs = *p.global_scale;
+  float amax[kMaxVecPerThread];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(x[i]));
-  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-  if (!valid) return;
-  const float sf = __fdiv_rn(__fmul_rn(gs, amax), 6.0f);
-  const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
-  const float sf8_value = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf8, __NV_E4M3)));
-  const float scale = sf8 != 0 ? __fdiv_rn(1.0f, __fdiv_rn(sf8_value, gs)) : 0.0f;
-  unsigned packed = 0;
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    float x[8];
+    Vec<D>::to_float(normed[r], x);  // zeros for vectors past the row
+    amax[r] = 0.f;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(x[i], scale)) << (4 * i);
-  const int H = p.hidden;
-  reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (H / 2))[v] = packed;
-  if ((v & 1) == 0) {
-    const int num_k_tiles = (H + 63) / 64;
-    static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
+    for (int i = 0; i < 8; ++i) amax[r] = fmaxf(amax[r], fabsf(x[i]));
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r)  // every lane shuffles: vpt is the same for the block
+    if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    if (r >= vpt || v >= nvec) continue;
+    const float sf = __fdiv_rn(__fmul_rn(gs, amax[r]), 6.0f);
+    const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
+    const float sf8_value = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf8, __NV_E4M3)));
+    const float scale = sf8 != 0 ? __fdiv_rn(1.0f, __fdiv_rn(sf8_value, gs)) : 0.0f;
+    float x[8];
+    Vec<D>::to_float(normed[r], x);
+    unsigned packed = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(x[i], scale)) << (4 * i);
+    reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (H / 2))[v] = packed;
+    if ((v & 1) == 0) static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
   }
 }
 
@@ -403,12 +416,15 @@ __device__ __forceinline__ void zero_scale_padding_rows(const Params& p) {
 // ---------------------------------------------------------------------------------------------
 template <typename D, Profile P>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
-  const int H = p.hidden, nvec = H / kElemsPerVec;
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  uint4 gamma[kMaxVecPerThread];  // loaded before the block reduction, which hides their latency
   float sumsq = 0.f;
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     const int v = r * blockDim.x + threadIdx.x;
-    if (r < p.vec_per_thread && v < nvec) {
+    gamma[r] = make_uint4(0, 0, 0, 0);
+    if (r < vpt && v < nvec) {
+      gamma[r] = load_readonly(static_cast<const D*>(p.norm_weight) + v * kElemsPerVec);
       float x[8];
       Vec<D>::to_float(res[r], x);
 #pragma unroll
@@ -417,30 +433,24 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
   }
   const float rms = rsqrtf(__fdiv_rn(block_sum(sumsq), (float)H) + p.eps);
   D* norm_out = static_cast<D*>(p.norm_out) + (long long)t * H;
-  const float gs = P == Profile::kNvfp4 ? *p.global_scale : 0.f;  // once: stores below may alias it
+  uint4 normed[kMaxVecPerThread];  // norm_out in the dtype: what NVFP4 quantizes
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
-    if (r >= p.vec_per_thread) break;  // uniform across the block
     const int v = r * blockDim.x + threadIdx.x;
-    const bool valid = v < nvec;
-    float y[8];
-    if (valid) {
-      const uint4 g = load_readonly(static_cast<const D*>(p.norm_weight) + v * kElemsPerVec);
-      float gamma[8], x[8];
-      Vec<D>::to_float(g, gamma);
-      Vec<D>::to_float(res[r], x);
+    normed[r] = make_uint4(0, 0, 0, 0);
+    if (r >= vpt || v >= nvec) continue;
+    float g[8], x[8], y[8];
+    Vec<D>::to_float(gamma[r], g);
+    Vec<D>::to_float(res[r], x);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(__fmul_rn(x[i], rms), gamma[i] + p.weight_bias);
-      const uint4 out = Vec<D>::from_float(y);
-      reinterpret_cast<uint4*>(norm_out)[v] = out;
-      Vec<D>::to_float(out, y);  // NVFP4 quantizes the dtype-rounded norm_out
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) y[i] = 0.f;
-    }
-    if (P == Profile::kNvfp4) quantize_nvfp4<D>(p, gs, t, v, valid, y);
+    for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(__fmul_rn(x[i], rms), g[i] + p.weight_bias);
+    normed[r] = Vec<D>::from_float(y);
+    reinterpret_cast<uint4*>(norm_out)[v] = normed[r];
   }
-  if (P == Profile::kNvfp4 && threadIdx.x == 0) zero_scale_padding_of_row(p, t);
+  if (P == Profile::kNvfp4) {
+    quantize_row_nvfp4<D>(p, t, normed);
+    if (threadIdx.x == 0) zero_scale_padding_of_row(p, t);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
