@@ -131,7 +131,7 @@ def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str
     if quant not in QUANT_PROFILES:
         raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
     profile = QUANT_PROFILES[quant]
-    family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared)
+    family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens)
     return registry.program_for(family, ws.dtype_name, ws.world_size, profile)
 
 

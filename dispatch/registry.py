@@ -75,7 +75,8 @@ def params_struct() -> type:
 
 # ---- selection --------------------------------------------------------------------------
 
-def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool) -> str:
+def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool,
+                  oneshot_capacity: int) -> str:
     """The family for a call, from the committed regime boundaries.
 
     The token regime is chosen from T (the same on every rank); the shared-expert
@@ -84,7 +85,8 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
     """
     ps = program_set()
     bounds = ps.selection[(dtype, world_size, profile)]
-    if tokens <= bounds["oneshot_max_tokens"]:
+    # A workspace built with a smaller one-shot buffer than the table's boundary caps the one-shot range.
+    if tokens <= min(bounds["oneshot_max_tokens"], oneshot_capacity):
         return "oneshot"
     family = "twoshot_early" if tokens <= bounds["early_max_tokens"] else "twoshot"
     if has_shared and (family + "_shared", dtype, world_size, profile) in ps.cells:

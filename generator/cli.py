@@ -148,9 +148,11 @@ def tables(ctx):
             row = [f"  {dtype} ws{ws}"]
             for profile in axes["output_profiles"]:
                 b = bounds[(dtype, ws, profile)]
-                row.append(f"{b['oneshot_max_tokens']} / {b['early_max_tokens']}")
+                mark = "" if b["source"].startswith("measured") else " (model)"
+                row.append(f"{b['oneshot_max_tokens']} / {b['early_max_tokens']}{mark}")
             rows.append(row)
     _print_rows(rows, tuple(["  "] + [f"o{p}" for p in axes["output_profiles"]]))
+    click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
 
 
 @main.command()

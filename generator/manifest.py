@@ -65,7 +65,7 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
     } for h in enumeration.holes]
     boundaries = [{
         "dtype": dtype, "world_size": ws, "profile": profile,
-        "oneshot_max_tokens": b.oneshot_max_tokens, "early_max_tokens": b.early_max_tokens,
+        "oneshot_max_tokens": b.oneshot_max_tokens, "early_max_tokens": b.early_max_tokens, "source": b.source,
     } for (dtype, ws, profile), b in selection.boundaries.items()]
     return {
         "_generated": generated_info,

@@ -48,6 +48,7 @@ def input_files(root: pathlib.Path) -> list[str]:
     paths += [p for p in (root / "templates").rglob("*")
               if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
                                          for part in p.relative_to(root).parts)]
+    paths += tuning.bench_files(root)  # the measurements the selection boundaries come from
     return sorted(p.relative_to(root).as_posix() for p in paths)
 
 
@@ -176,7 +177,7 @@ def _selection_context(selection: tuning.Selection) -> dict:
             for profile in spec.OUTPUT_PROFILES:
                 b = selection.boundaries[(dtype, ws, profile)]
                 entries.append({"value": f"{{{b.oneshot_max_tokens}, {b.early_max_tokens}}}",
-                                "comment": _cell_label(dtype, ws, profile)})
+                                "comment": f"{_cell_label(dtype, ws, profile)}: {b.source}"})
             worlds.append({"label": f"{dtype} ws{ws}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
     return {
@@ -194,7 +195,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
     inputs = inputs_sha256(root)
     env = make_environment(root)
     enumeration = enumerate_programs()
-    selection = tuning.selection()
+    selection = tuning.selection(root)
     out = Outputs()
 
     def render(template: str, **context) -> str:

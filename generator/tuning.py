@@ -9,50 +9,133 @@ For a call with T tokens in cell (dtype, world size, profile):
 (each then swapped for its shared-expert variant where the rank has a shared
 operand and the variant's cell is not a hole).
 
-The numbers below come from a written model of the exchange (bytes moved per
-rank vs. blocks that fill the GPU), not from measurements: `source` says so.
-`selection()` is the one function a later step replaces to read committed
-results from bench_results/.
+Where a committed benchmark (bench_results/*.json, written by `moe-ar-bench`)
+measured every base program of a cell on real GPUs, the boundaries are the ones
+that best fit those measurements; every cell says where its numbers came from.
+Cells with no measurement (world sizes 4 and 8: no such machine here) take the
+written model below. A new benchmark result is therefore a visible table diff.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
+import math
+import pathlib
 
 from . import spec
 
-SOURCE = "model"
+BENCH_DIR = "bench_results"
 
-# world size -> largest T served by one-shot. One-shot moves (W-1)*T*H elements
-# per rank, two-shot about 2*T*H*(W-1)/W, so one-shot wins only while latency,
-# not bandwidth, dominates; the break-even T shrinks as W grows.
-ONESHOT_MAX_TOKENS = {2: 64, 4: 32, 8: 16}
-# world size -> largest T served by two-shot early (row slices keep the GPU full
-# while each rank owns few tokens: T / W rows).
-EARLY_MAX_TOKENS = {2: 512, 4: 512, 8: 1024}
+# ---- the written model, for cells no benchmark measured ---------------------------------
+#
+# One-shot moves (W-1)*T*H*2 bytes per rank over NVLink, two-shot 2*(W-1)/W*T*H*2, but two-shot
+# pays one more round trip (~4.5 us more at T = 1, measured at world size 2). One-shot wins while
+#   T * H * 2 * (W-1) * (1 - 2/W) / B_nvlink < 4.5 us,
+# with B_nvlink = 390 GB/s (measured) and H = 7168: T < 82 at W = 4, T < 23 at W = 8 (rounded
+# down to a power of two). At W = 2 the bytes are equal and only measurement can decide.
+# Two-shot early splits each owned row into slices; it pays while the T / W owned rows alone
+# do not fill the GPU (about 2 blocks on each of 132 multiprocessors): T <= 256 * W.
+MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64, 8: 16}
+MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048}
+MODEL_SOURCE = "written model"
+
+BASE_FAMILIES = ("oneshot", "twoshot_early", "twoshot")
 
 
 @dataclasses.dataclass(frozen=True)
 class Boundaries:
     oneshot_max_tokens: int
     early_max_tokens: int
+    source: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
-    source: str  # "model", or later where the measurements came from
+    source: str  # one line for the whole table
     # (dtype, world_size, profile) -> Boundaries, for every cell of the table
     boundaries: dict
 
 
-def selection() -> Selection:
-    """Boundaries for every (dtype, world size, profile), from the tables above."""
+def bench_files(root: pathlib.Path) -> list[pathlib.Path]:
+    """The committed benchmark results the selection reads (they are generator inputs)."""
+    return sorted((pathlib.Path(root) / BENCH_DIR).glob("*.json"))
+
+
+def _family_of(system: str) -> str | None:
+    try:
+        return spec.parse(system).family
+    except ValueError:
+        return None  # a baseline or "auto"
+
+
+def measured_times(paths) -> dict:
+    """(dtype, world size, profile) -> {(hidden, top_k, shared, T): {family: median us}}, from the
+    valid, non-emulated records of forced base-family programs."""
+    out = collections.defaultdict(lambda: collections.defaultdict(dict))
+    for path in paths:
+        doc = json.loads(pathlib.Path(path).read_text())
+        for r in doc.get("records", []):
+            family = _family_of(r["system"])
+            if family not in BASE_FAMILIES or r.get("emulated") or not r.get("valid", True):
+                continue
+            point = (r["hidden"], r["top_k"], bool(r["shared"]), r["tokens"])
+            out[(r["dtype"], r["world_size"], r["profile"])][point][family] = r["median_us"]
+    return out
+
+
+def fit_boundaries(points: dict) -> tuple[int, int, float]:
+    """The (oneshot_max_tokens, early_max_tokens) on the measured token grid that minimize the mean
+    log slowdown against the best base program at every measured point; also that mean, as a ratio.
+    A rule may pick one-shot only where one-shot was measured at every shape."""
+    tokens = sorted({p[3] for p in points})
+    candidates = [0] + tokens
+    best = None
+    for a in candidates:
+        for b in candidates:
+            if b < a:
+                continue
+            total, n = 0.0, 0
+            for point, times in points.items():
+                T = point[3]
+                family = "oneshot" if T <= a else "twoshot_early" if T <= b else "twoshot"
+                if family not in times:
+                    break
+                total += math.log(times[family] / min(times.values()))
+                n += 1
+            else:
+                cost = total / max(n, 1)
+                if best is None or cost < best[2] - 1e-12:
+                    best = (a, b, cost)
+    if best is None:
+        raise ValueError("tuning: no boundary pair is feasible for the measured points")
+    return best[0], best[1], math.exp(best[2])
+
+
+def selection(root: pathlib.Path | None = None) -> Selection:
+    """Boundaries for every (dtype, world size, profile): measured where a benchmark covers the
+    cell (a dtype with no measurement of its own borrows the other dtype's: same bytes per element,
+    same kernel), the written model elsewhere."""
+    root = pathlib.Path(root) if root is not None else pathlib.Path(__file__).resolve().parent.parent
+    paths = bench_files(root)
+    measured = measured_times(paths)
+    names = ", ".join(f"{BENCH_DIR}/{p.name}" for p in paths) or "none"
     boundaries = {}
     for dtype in spec.DTYPES:
         for ws in spec.WORLD_SIZES:
             for profile in spec.OUTPUT_PROFILES:
-                b = Boundaries(ONESHOT_MAX_TOKENS[ws], EARLY_MAX_TOKENS[ws])
-                if not 0 <= b.oneshot_max_tokens <= b.early_max_tokens:
+                own = measured.get((dtype, ws, profile))
+                other = next((measured[(d, ws, profile)] for d in spec.DTYPES
+                              if d != dtype and (d, ws, profile) in measured), None)
+                points = own or other
+                if points:
+                    a, b, ratio = fit_boundaries(points)
+                    borrowed = "" if own else f" ({[d for d in spec.DTYPES if d != dtype][0]} data)"
+                    b_ = Boundaries(a, b, f"measured{borrowed}, mean {ratio:.3f}x the best program")
+                else:
+                    b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], MODEL_SOURCE)
+                if not 0 <= b_.oneshot_max_tokens <= b_.early_max_tokens:
                     raise ValueError(f"tuning: {dtype} ws{ws} o{profile}: need 0 <= oneshot_max_tokens "
-                                     f"<= early_max_tokens, got {b}")
-                boundaries[(dtype, ws, profile)] = b
-    return Selection(SOURCE, boundaries)
+                                     f"<= early_max_tokens, got {b_}")
+                boundaries[(dtype, ws, profile)] = b_
+    return Selection(f"cells measured in {names}, the rest from the written model", boundaries)

@@ -34,7 +34,7 @@ def run_cli(args, cwd, env_extra=None, pythonpath=None):
 
 def copy_repo(dest: pathlib.Path) -> pathlib.Path:
     """The generator's inputs and the committed outputs, in a scratch folder."""
-    for name in ("generator", "templates", "generated"):
+    for name in ("generator", "templates", "generated", "bench_results"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
@@ -97,9 +97,34 @@ def test_every_family_has_all_its_tables():
 
 def test_selection_covers_every_cell():
     selection = tuning.selection()
-    assert selection.source == "model"
     assert set(selection.boundaries) == set(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
-    assert selection.boundaries[("bf16", 8, "111")] == tuning.Boundaries(16, 1024)
+    # World size 8 has no machine here: the written model, and the table says so.
+    assert selection.boundaries[("bf16", 8, "111")] == tuning.Boundaries(
+        tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.MODEL_SOURCE)
+    # World size 2 was measured (bench_results/), and fp16 borrows the bf16 measurement.
+    assert selection.boundaries[("bf16", 2, "110")].source.startswith("measured")
+    assert selection.boundaries[("fp16", 2, "110")].source.startswith("measured (bf16 data")
+
+
+def _times(**families):
+    """Synthetic measurements: one shape, family -> {T: us}."""
+    points = {}
+    for family, by_t in families.items():
+        for T, us in by_t.items():
+            points.setdefault((7168, 8, True, T), {})[family] = us
+    return points
+
+
+def test_fit_boundaries_follows_the_measurements():
+    # one-shot fastest to 64, early fastest at 128..256, two-shot from 512
+    points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
+                    twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200},
+                    twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150})
+    a, b, ratio = tuning.fit_boundaries(points)
+    assert (a, b) == (64, 256) and ratio == pytest.approx(1.0)
+    # never picks one-shot where one-shot was not measured (a workspace cap)
+    points = _times(oneshot={1: 1}, twoshot_early={1: 9, 2: 9}, twoshot={1: 12, 2: 12})
+    assert tuning.fit_boundaries(points)[:2] == (1, 2)
 
 
 # ---- rendering ----------------------------------------------------------------------
@@ -206,7 +231,7 @@ def test_full_regeneration_is_fast(tmp_path):
 
 _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
                        r'o(?P<profile>\d+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
-_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+)\},\s*// (\w+) ws(\d+) o(\d+)$")
+_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+)\},\s*// (\w+) ws(\d+) o(\d+): \S.*$")
 
 
 def _cells():
@@ -352,7 +377,8 @@ def test_diff_reports_changed_cells(tmp_path):
                                       'lambda s: s.world_size == 8 and s.dtype == "bf16"),'))
     tuning_py = repo / "generator" / "tuning.py"
     text = tuning_py.read_text()
-    tuning_py.write_text(text.replace("ONESHOT_MAX_TOKENS = {2: 64,", "ONESHOT_MAX_TOKENS = {2: 128,"))
+    tuning_py.write_text(text.replace("MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64,",
+                                      "MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 128,"))
     assert run_cli([], cwd=repo).returncode == 0
     r = run_cli(["diff", "HEAD"], cwd=repo)
     assert r.returncode == 0, r.stderr
@@ -360,7 +386,7 @@ def test_diff_reports_changed_cells(tmp_path):
     assert "+ twoshot_early_shared fp16 ws8 o110: appeared, moe_ar_tses_fp16_ws8_o110 (was a hole: " \
            "no early shared variant at world size 8 (the early range is short there))" in lines
     assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == 2
-    assert "~ selection bf16 ws2 o111: oneshot_max_tokens 64 -> 128" in lines
+    assert "~ selection bf16 ws4 o111: oneshot_max_tokens 64 -> 128" in lines
     assert not any("program changed" in line or "vanished" in line for line in lines), lines
 
     policy_py.write_text(policy_py.read_text().replace('lambda s: s.world_size == 2),', 'lambda s: s.world_size <= 4),', 1))
@@ -403,4 +429,6 @@ def test_tables_marks_holes_and_fallbacks():
         assert f"{family}  (tables/{family}.h" in r.stdout
     assert "-- hole[1] -> twoshot_early" in r.stdout
     assert "no shared-expert prefetch at world size 2" in r.stdout
-    assert "selection (tables/selection.h, source: model)" in r.stdout
+    assert "selection (tables/selection.h, source: cells measured in bench_results/" in r.stdout
+    assert re.search(r"bf16 ws8 +16 / 2048 \(model\)", r.stdout), r.stdout
+    assert re.search(r"bf16 ws2 +\d+ / \d+ +\d", r.stdout), r.stdout  # measured: no model mark

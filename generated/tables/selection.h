@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: 71c4ddefdf8c1927b66a1277fd42259b64e333f90575b89dd233018be831162d
+// inputs sha256: 9f5cd24da0c61ebc34360afdf33a84c789a901a9c82786d735c3d9f0c954a14e
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens}; source:
-// model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; else
 // twoshot; then the shared-expert variant where the rank has a shared operand;
 // a hole falls back to its fallback_family
@@ -12,30 +12,30 @@
 static const int kRegimeBoundaries[2][3][2][2] = {
     {  // fp16
         {  // fp16 ws2
-            {64, 512},  // fp16 ws2 o110
-            {64, 512},  // fp16 ws2 o111
+            {256, 256},  // fp16 ws2 o110: measured (bf16 data), mean 1.008x the best program
+            {1024, 1024},  // fp16 ws2 o111: measured (bf16 data), mean 1.005x the best program
         },
         {  // fp16 ws4
-            {32, 512},  // fp16 ws4 o110
-            {32, 512},  // fp16 ws4 o111
+            {64, 1024},  // fp16 ws4 o110: written model
+            {64, 1024},  // fp16 ws4 o111: written model
         },
         {  // fp16 ws8
-            {16, 1024},  // fp16 ws8 o110
-            {16, 1024},  // fp16 ws8 o111
+            {16, 2048},  // fp16 ws8 o110: written model
+            {16, 2048},  // fp16 ws8 o111: written model
         },
     },
     {  // bf16
         {  // bf16 ws2
-            {64, 512},  // bf16 ws2 o110
-            {64, 512},  // bf16 ws2 o111
+            {256, 256},  // bf16 ws2 o110: measured, mean 1.008x the best program
+            {1024, 1024},  // bf16 ws2 o111: measured, mean 1.005x the best program
         },
         {  // bf16 ws4
-            {32, 512},  // bf16 ws4 o110
-            {32, 512},  // bf16 ws4 o111
+            {64, 1024},  // bf16 ws4 o110: written model
+            {64, 1024},  // bf16 ws4 o111: written model
         },
         {  // bf16 ws8
-            {16, 1024},  // bf16 ws8 o110
-            {16, 1024},  // bf16 ws8 o111
+            {16, 2048},  // bf16 ws8 o110: written model
+            {16, 2048},  // bf16 ws8 o111: written model
         },
     },
 };
