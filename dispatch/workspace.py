@@ -147,8 +147,9 @@ class _WorkspaceBase:
         self._check_error_words()
         state = self._memory.read_state()
         if state[STATE_BAD_ROWS]:
-            raise RuntimeError(f"moe_finalize_allreduce: rank {self.rank}: {int(state[STATE_BAD_ROWS])} routes had an "
-                               f"expanded_idx_to_permuted_idx entry >= allreduce_in.shape[0]; they were skipped")
+            raise RuntimeError(f"moe_finalize_allreduce: rank {self.rank}: routes had an expanded_idx_to_permuted_idx "
+                               f"entry >= allreduce_in.shape[0]; they were skipped ({int(state[STATE_BAD_ROWS])} "
+                               f"16-byte row loads left out since the workspace was made or reset)")
 
     @property
     def peer_buffer_ptrs(self) -> list[int]:
