@@ -370,6 +370,9 @@ def _crossings(seq, b):
 
 AUTO_MAX_TOKENS = 1536
 AUTO_HIDDEN = 2048
+# Replays of each captured graph: 6 to 8 graphs (one per regime and PDL setting, plus the
+# back-to-back ones) of 8 to 12 calls in all: at least 1,024 graph-replayed calls per world size.
+REPLAYS_PER_GRAPH = int(os.environ.get("MOE_AR_GRAPH_REPLAYS", "128"))
 
 
 def _random_call_case(W, T, hidden, dtype, seed, rnd, device=None):
@@ -500,7 +503,7 @@ def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
                 _sync(world)
                 graphs.append(dict(graph=g, calls=calls, pdl=pdl))
         with recording(record_result, program=f"graphs ws{ws} {dname}", token_counts=token_counts) as info:
-            order = [i % len(graphs) for i in range(len(graphs) * 16)]
+            order = [i % len(graphs) for i in range(len(graphs) * REPLAYS_PER_GRAPH)]
             rnd.shuffle(order)
             for i, gi in enumerate(order):
                 st = graphs[gi]
