@@ -1,0 +1,247 @@
+"""The operation as a torch custom op, ``torch.ops.moe_ar.moe_finalize_allreduce``, for engines that
+compile their model with ``torch.compile`` and capture it in CUDA graphs.
+
+    h = dispatch.workspace_handle(ws)                 # once, outside the compiled code
+    norm_out, residual_out, quant_out, scale_out = torch.ops.moe_ar.moe_finalize_allreduce(
+        h, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+        expert_scale_factor=scale, shared_expert_output=shared, eps=1e-6)
+
+or, with keyword arguments and a MoeFinalizeOutputs result (None for the NVFP4 outputs when
+quant is None):
+
+    out = dispatch.moe_finalize_allreduce_op(h, allreduce_in=..., expanded_idx_to_permuted_idx=...,
+                                             residual_in=..., norm_weight=..., ...)
+
+Design:
+
+* A workspace is a Python object and cannot be an operator argument. `workspace_handle(ws)`
+  gives it an int handle (the same one every time; handles are never reused in a process) and
+  the op takes that int. The registry holds workspaces weakly: it does not keep one alive.
+* The op is functional: it allocates and returns new tensors, (norm_out [T, H] D,
+  residual_out [T, H] D, quant_out, scale_out). With quant="nvfp4", quant_out is [T, H/2]
+  uint8 and scale_out is 1-D uint8 of scale_out_bytes(T, H) (128x4 swizzled E4M3); with
+  quant=None both are empty uint8 tensors of shape (0,) on the same device, in the real and in
+  the fake implementation alike.
+* It mutates none of its tensor arguments, but it is a collective with state outside torch's
+  view (the workspace's buffers), so it is registered as an ordered side effect
+  (torch.library's effect system): compiled graphs keep every call, in program order, even when
+  its outputs are unused. Every rank must run the same sequence of calls (see
+  op.moe_finalize_allreduce).
+* The fake (meta) implementation derives the outputs from the inputs' metadata (T from
+  expanded_idx_to_permuted_idx, H, dtype and device from residual_in) and checks argument
+  dtypes and ranks, raising ValueError naming the argument. When the handle is a concrete int
+  whose workspace is registered it also checks hidden, dtype and device against that workspace;
+  a symbolic handle (torch.compile(dynamic=True) turns int inputs into SymInts) is not
+  specialized, so one compiled graph serves every rank of an emulated world.
+* The real implementation calls dispatch.moe_finalize_allreduce (outputs from torch's caching
+  allocator on the current stream, so a CUDA-graph capture takes them from its private pool).
+  Before capturing, run each shape once eagerly, so that programs are compiled and loaded and
+  the workspace's launch state is built outside the capture.
+* No autograd formula: the op is for inference.
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+from .op import MAX_TOP_K, QUANT_PROFILES, MoeFinalizeOutputs, scale_out_bytes
+
+OP_NAME = "moe_ar::moe_finalize_allreduce"
+_HANDLE_ATTR = "_moe_ar_op_handle"
+_WORKSPACE_ATTRS = ("hidden", "dtype", "device", "max_tokens", "world_size", "rank")
+
+_registry: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+# Handles start at 2: torch.compile specializes the ints 0 and 1 even when it treats ints as
+# dynamic, and one graph should serve every rank's handle.
+_next_handle = itertools.count(2)
+_registry_lock = threading.Lock()
+
+
+# ---- workspace handles ----------------------------------------------------------------------
+
+def workspace_handle(workspace) -> int:
+    """The int handle of a workspace for the custom op (assigned at the first call, then the same).
+
+    `workspace`: a dispatch.Workspace, or one rank of an EmulatedWorld (`world.workspaces[r]`).
+    Raises ValueError for anything else (an EmulatedWorld itself holds one workspace per rank).
+    """
+    h = getattr(workspace, _HANDLE_ATTR, None)
+    if h is not None and _registry.get(h) is workspace:
+        return h
+    if type(workspace).__name__ == "EmulatedWorld":
+        raise ValueError("workspace: an EmulatedWorld holds one workspace per rank; pass world.workspaces[r]")
+    missing = [a for a in _WORKSPACE_ATTRS if not hasattr(workspace, a)]
+    if missing:
+        raise ValueError(f"workspace: expected a dispatch.Workspace (or an EmulatedWorld rank), got "
+                         f"{type(workspace).__name__} without {', '.join(missing)}")
+    with _registry_lock:
+        h = next(_next_handle)
+        _registry[h] = workspace
+        setattr(workspace, _HANDLE_ATTR, h)
+    return h
+
+
+def workspace_from_handle(handle: int):
+    """The live workspace registered under `handle`; ValueError if there is none."""
+    if isinstance(handle, bool) or not isinstance(handle, int):
+        raise ValueError(f"workspace: expected an int handle from dispatch.workspace_handle, got "
+                         f"{type(handle).__name__}")
+    ws = _registry.get(handle)
+    if ws is None:
+        raise ValueError(f"workspace: no live workspace has handle {handle} (handles come from "
+                         f"dispatch.workspace_handle(ws) in this process, and die with their workspace)")
+    return ws
+
+
+def _as_handle(workspace) -> int:
+    if isinstance(workspace, (int, torch.SymInt)) and not isinstance(workspace, bool):
+        return workspace
+    h = getattr(workspace, _HANDLE_ATTR, None)  # a plain attribute read: no graph break under dynamo
+    return h if h is not None else workspace_handle(workspace)
+
+
+# ---- the op ---------------------------------------------------------------------------------
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _moe_finalize_allreduce(
+        workspace: int,
+        allreduce_in: torch.Tensor,
+        expanded_idx_to_permuted_idx: torch.Tensor,
+        residual_in: torch.Tensor,
+        norm_weight: torch.Tensor,
+        expert_scale_factor: Optional[torch.Tensor] = None,
+        routed_scaling_factor: float = 1.0,
+        shared_expert_output: Optional[torch.Tensor] = None,
+        eps: float = 1e-6,
+        weight_bias: int = 0,
+        quant: Optional[str] = None,
+        global_scale: Optional[torch.Tensor] = None,
+        launch_with_pdl: bool = False,
+        program: Optional[str] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .op import moe_finalize_allreduce
+    ws = workspace_from_handle(workspace)
+    out = moe_finalize_allreduce(
+        ws, allreduce_in=allreduce_in, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
+        residual_in=residual_in, norm_weight=norm_weight, expert_scale_factor=expert_scale_factor,
+        routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output, eps=eps,
+        weight_bias=weight_bias, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
+        program=program)
+    quant_out, scale_out = out.quant_out, out.scale_out
+    if quant_out is None:
+        quant_out = torch.empty((0,), dtype=torch.uint8, device=out.norm_out.device)
+        scale_out = torch.empty((0,), dtype=torch.uint8, device=out.norm_out.device)
+    return out.norm_out, out.residual_out, quant_out, scale_out
+
+
+def _meta_tensor(name, x, dtypes, ndim, device):
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {x.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name}: {x.dim()} dimensions {tuple(x.shape)}, expected {ndim}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: on {x.device}, expected {device} (the device of residual_in)")
+    return x
+
+
+def _check_shape(name, x, shape):
+    for i, (got, want) in enumerate(zip(x.shape, shape)):
+        torch._check_with(ValueError, got == want,
+                          lambda: f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
+
+
+@_moe_finalize_allreduce.register_fake
+def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+                                 expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None,
+                                 eps=1e-6, weight_bias=0, quant=None, global_scale=None, launch_with_pdl=False,
+                                 program=None):
+    res = _meta_tensor("residual_in", residual_in, (torch.float16, torch.bfloat16), 2, None)
+    D, dev = res.dtype, res.device
+    T, H = res.shape
+    if isinstance(workspace, int) and not isinstance(workspace, bool):
+        ws = workspace_from_handle(workspace)
+        if ws.dtype != D:
+            raise ValueError(f"residual_in: dtype {D}, the workspace was made for {ws.dtype}")
+        if ws.device != dev:
+            raise ValueError(f"residual_in: on {dev}, expected the workspace's device {ws.device}")
+        if isinstance(H, int) and H != ws.hidden:
+            raise ValueError(f"residual_in: hidden {H}, the workspace was made for hidden {ws.hidden}")
+    idx = _meta_tensor("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx, (torch.int32,), 2, dev)
+    torch._check_with(ValueError, idx.shape[0] == T,
+                      lambda: f"expanded_idx_to_permuted_idx: {idx.shape[0]} tokens, residual_in has {T}")
+    K = idx.shape[1]
+    if isinstance(K, int) and not 1 <= K <= MAX_TOP_K:
+        raise ValueError(f"expanded_idx_to_permuted_idx: top_k {K} out of range 1..{MAX_TOP_K}")
+    x = _meta_tensor("allreduce_in", allreduce_in, (D,), 2, dev)
+    torch._check_with(ValueError, x.shape[1] == H,
+                      lambda: f"allreduce_in: hidden {x.shape[1]}, residual_in has hidden {H}")
+    torch._check_with(ValueError, x.shape[0] >= T * K,
+                      lambda: f"allreduce_in: {x.shape[0]} rows, fewer than tokens * top_k = {T} * {K}")
+    _check_shape("norm_weight", _meta_tensor("norm_weight", norm_weight, (D,), 1, dev), (H,))
+    if expert_scale_factor is not None:
+        s = _meta_tensor("expert_scale_factor", expert_scale_factor, (D, torch.float32), 2, dev)
+        _check_shape("expert_scale_factor", s, (T, K))
+    if shared_expert_output is not None:
+        _check_shape("shared_expert_output",
+                     _meta_tensor("shared_expert_output", shared_expert_output, (D,), 2, dev), (T, H))
+    if quant not in QUANT_PROFILES:
+        raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
+    if weight_bias not in (0, 1):
+        raise ValueError(f"weight_bias: {weight_bias!r}, expected 0 or 1")
+    norm_out = res.new_empty((T, H))
+    residual_out = res.new_empty((T, H))
+    if quant == "nvfp4":
+        if global_scale is None:
+            raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
+        _check_shape("global_scale", _meta_tensor("global_scale", global_scale, (torch.float32,), 1, dev), (1,))
+        quant_out = res.new_empty((T, H // 2), dtype=torch.uint8)
+        scale_out = res.new_empty((scale_out_bytes(T, H),), dtype=torch.uint8)
+    else:
+        quant_out = res.new_empty((0,), dtype=torch.uint8)
+        scale_out = res.new_empty((0,), dtype=torch.uint8)
+    return norm_out, residual_out, quant_out, scale_out
+
+
+def _register_effect() -> bool:
+    """Mark the op as an ordered side effect (kept and ordered by compiled graphs). Returns
+    whether this torch offers the effect system; older ones fall back to FX's side-effect set."""
+    try:
+        from torch._library.effects import EffectType
+        _moe_finalize_allreduce.register_effect(EffectType.ORDERED)
+        return True
+    except (ImportError, AttributeError):
+        torch.fx.node.has_side_effect(torch.ops.moe_ar.moe_finalize_allreduce.default)
+        return False
+
+
+EFFECT_REGISTERED = _register_effect()
+
+moe_finalize_allreduce_custom_op = torch.ops.moe_ar.moe_finalize_allreduce
+
+
+def moe_finalize_allreduce_op(workspace, *, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+                              expert_scale_factor=None, routed_scaling_factor: float = 1.0,
+                              shared_expert_output=None, eps: float = 1e-6, weight_bias: int = 0, quant=None,
+                              global_scale=None, launch_with_pdl: bool = False,
+                              program: Optional[str] = None) -> MoeFinalizeOutputs:
+    """dispatch.moe_finalize_allreduce through the custom op (compiles without a graph break).
+
+    `workspace`: an int handle from workspace_handle(ws), or the workspace itself (its handle is
+    read from an attribute; under torch.compile pass a workspace that already has a handle, or
+    the int). Other arguments as dispatch.moe_finalize_allreduce, except that outputs are always
+    new tensors (no norm_out= etc.). Returns MoeFinalizeOutputs; quant_out and scale_out are
+    None when quant is None.
+    """
+    norm_out, residual_out, quant_out, scale_out = moe_finalize_allreduce_custom_op(
+        _as_handle(workspace), allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+        expert_scale_factor, float(routed_scaling_factor), shared_expert_output, float(eps), int(weight_bias),
+        quant, global_scale, bool(launch_with_pdl), program)
+    if quant is None:
+        return MoeFinalizeOutputs(norm_out, residual_out, None, None)
+    return MoeFinalizeOutputs(norm_out, residual_out, quant_out, scale_out)
