@@ -127,7 +127,9 @@ def allocate_outputs(ws, kwargs: dict) -> dict:
 # ---- selection --------------------------------------------------------------------------
 
 def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str:
-    """The program the dispatcher runs for this call on this rank."""
+    """The program the dispatcher runs on this rank for a call of `tokens` tokens with `quant`
+    (None or "nvfp4") and, when `has_shared`, a shared-expert operand. Raises ValueError for a bad
+    `quant` or ("program: ...") when no program covers the cell."""
     if quant not in QUANT_PROFILES:
         raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
     profile = QUANT_PROFILES[quant]
@@ -237,10 +239,13 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     """MoE finalize + all-reduce + residual add + RMSNorm (+ NVFP4) for this rank.
 
     Shapes (T tokens, K = top_k, H = workspace.hidden, D = workspace.dtype):
-      allreduce_in [R, H] D (R >= T*K), expanded_idx_to_permuted_idx [T, K] int32 (< 0: dropped route),
-      expert_scale_factor [T, K] D or float32 (None: 1), routed_scaling_factor float,
-      shared_expert_output [T, H] D or None, residual_in [T, H] D, norm_weight [H] D, eps float,
-      weight_bias 0 or 1, quant None or "nvfp4" with global_scale [1] float32 on the device.
+      allreduce_in [R, H] D (R >= T*K, R < 2**31), expanded_idx_to_permuted_idx [T, K] int32 (< 0: dropped
+      route; >= R: skipped and reported by dispatch.check()), expert_scale_factor [T, K] D or float32
+      (default None: 1), routed_scaling_factor Python float (default 1.0), shared_expert_output [T, H] D
+      (default None), residual_in [T, H] D, norm_weight [H] D, eps Python float (default 1e-6),
+      weight_bias 0 or 1 (default 0), quant None (default) or "nvfp4" with global_scale [1] float32.
+    1 <= K <= 16, T <= workspace.max_tokens. Every tensor contiguous and on the workspace's device;
+    16-byte aligned, except the index, scale, global_scale and quant_out (4 bytes) and scale_out (4).
     Outputs (allocated when not given): norm_out [T, H] D, residual_out [T, H] D, and for "nvfp4"
       quant_out [T, H/2] uint8 and scale_out (1-D uint8, >= scale_out_bytes(T, H), 128x4 swizzled).
     Every rank of the group must make the same sequence of calls with the same T; residual_in and

@@ -54,6 +54,8 @@ def programs() -> list[str]:
 
 
 def program_info(name: str) -> dict:
+    """The manifest entry of a program (family, dtype, world_size, profile, protocol_class, file, ...).
+    Raises ValueError for an unknown name."""
     try:
         return dict(program_set().by_name[name])
     except KeyError:

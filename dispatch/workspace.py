@@ -163,8 +163,15 @@ class _WorkspaceBase:
 class Workspace(_WorkspaceBase):
     """One rank of a real process group (one process per GPU); peers' buffers over CUDA IPC.
 
-    Collective: every rank of `group` constructs it together. `group` is used for the
-    rendezvous and never the default group in its place.
+    Collective: every rank of `group` constructs it together, on its current CUDA device. `group`
+    is used for the rendezvous and never the default group in its place.
+
+    Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
+    `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer;
+    0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, default min(max_tokens, 1024)).
+    Raises ValueError naming the argument for a missing group, an unsupported dtype, a world size
+    with no programs (2, 4, 8 are generated), a bad hidden, max_tokens or timeout_s. After close(),
+    a call with this workspace raises ValueError.
     """
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, *, timeout_s: float = 10.0,
@@ -245,8 +252,12 @@ class _EmulatedRank(_WorkspaceBase):
 class EmulatedWorld:
     """All ranks of a world in this process: each rank its own buffers and stream.
 
-    `devices` gives each rank's GPU (default: all on the current one). Kernels of all ranks are
-    launched on per-rank streams and sized so that every rank's grid is resident at once.
+    `devices` gives each rank's GPU (default: all on the current one); GPUs must reach each other
+    directly (peer access is enabled here). Kernels of all ranks are launched on per-rank streams
+    and sized so that every rank's grid is resident at once. Other arguments as for Workspace.
+    Raises ValueError for a `devices` list of the wrong length or GPUs without peer access, and as
+    Workspace for the rest. Proves correctness of world sizes 4 and 8 without 4 or 8 GPUs; its
+    timings say nothing about a real machine.
     """
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, dtype: torch.dtype, *, devices=None,
@@ -279,8 +290,11 @@ class EmulatedWorld:
         self.streams = [torch.cuda.Stream(device=d) for d in devices]
 
     def run(self, per_rank_kwargs: list[dict]) -> list:
-        """One call on every rank, co-resident on per-rank streams, joined back to each device's
-        current stream. Capturable in a CUDA graph (single-device worlds)."""
+        """One call on every rank: `per_rank_kwargs[r]` holds rank r's keyword arguments of
+        moe_finalize_allreduce (without the workspace). Every rank's call is checked before any is
+        launched (ValueError naming the argument); the kernels run co-resident on per-rank streams,
+        joined back to each device's current stream. Returns the list of MoeFinalizeOutputs.
+        Capturable in a CUDA graph (single-device worlds)."""
         from .op import prepare_call
         if len(per_rank_kwargs) != self.world_size:
             raise ValueError(f"per_rank_kwargs: {len(per_rank_kwargs)} entries for world size {self.world_size}")
@@ -298,16 +312,19 @@ class EmulatedWorld:
         return outs
 
     def reset(self) -> None:
+        """Bring every rank back to a clean state after a timeout (synchronizes the devices)."""
         for d in set(self.devices):
             torch.cuda.synchronize(d)
         for w in self.workspaces:
             w._memory.reset()
 
     def check(self) -> None:
+        """Workspace.check() for every rank."""
         for w in self.workspaces:
             w.check()
 
     def close(self) -> None:
+        """Release every rank's memory (synchronizes the devices)."""
         for d in set(self.devices):
             torch.cuda.synchronize(d)
         for w in self.workspaces:
@@ -315,6 +332,8 @@ class EmulatedWorld:
 
 
 def check() -> None:
-    """Raise RuntimeError naming the rank and phase if any live workspace's kernel timed out."""
+    """Raise RuntimeError naming the rank and phase if any live workspace's kernel timed out, or if
+    routes with an index >= allreduce_in.shape[0] were skipped. Synchronizes the devices: call it
+    off the hot path (between steps, in tests)."""
     for w in list(_live_workspaces):
         w.check()
