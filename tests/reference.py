@@ -631,3 +631,44 @@ def _check_rank_fully(case, ref, got, tag, quant, gs_val, nvfp4_device, stats):
                      f"at offsets {where}: kernel {sk[where].tolist()} ref {sref[where].tolist()} "
                      f"(padding bytes must be 0)")
     return fails
+
+
+# ---- FP8 outputs for Hopper consumers (op.md "FP8 outputs"; issue 6: no kernel yet) ----------
+
+FP8_GROUP = 128
+FP8_EPS = 1e-10
+
+
+def pow2_ceil(s: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(s)) for float32 s > 0, exactly (frexp, not a rounded log2)."""
+    m, e = torch.frexp(s.to(torch.float32))
+    e = torch.where(m == 0.5, e - 1, e)  # s is already a power of two
+    return torch.ldexp(torch.ones_like(s, dtype=torch.float32), e)
+
+
+def fp8_group_ref(norm_out: torch.Tensor, *, pow2_scales: bool = False, column_major: bool = False):
+    """Per-token-group FP8 E4M3 of the dtype-rounded norm_out, vLLM/SGLang per_token_group_quant_fp8
+    convention, every step in float32: amax = max(max|x| over 128 elements, 1e-10); s = amax / 448;
+    s = 2^ceil(log2 s) if pow2_scales; q = e4m3(clamp(x / s, -448, 448)) with round-to-nearest-even.
+    Returns (q [T, H] float8_e4m3fn, scales float32): [T, H/128] row-major, or column-major
+    [H/128, roundup(T, 4)] (T padded to a multiple of 4 for TMA alignment; padding 0)."""
+    T, H = norm_out.shape
+    if H % FP8_GROUP:
+        raise ValueError(f"hidden {H} is not a multiple of {FP8_GROUP}")
+    x = norm_out.to(torch.float32).reshape(T, H // FP8_GROUP, FP8_GROUP)
+    amax = torch.clamp(x.abs().amax(dim=-1), min=FP8_EPS)
+    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    if pow2_scales:
+        s = pow2_ceil(s)
+    q = torch.clamp(x / s[..., None], -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(T, H)
+    if not column_major:
+        return q, s
+    cols = torch.zeros((H // FP8_GROUP, _roundup(T, 4)), dtype=torch.float32, device=s.device)
+    cols[:, :T] = s.t()
+    return q, cols
+
+
+def fp8_tensor_ref(norm_out: torch.Tensor, scale: float):
+    """Per-tensor FP8 E4M3 with one static float32 scale: q = e4m3(clamp(x / scale, -448, 448))."""
+    x = norm_out.to(torch.float32)
+    return torch.clamp(x / torch.tensor(scale, dtype=torch.float32), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

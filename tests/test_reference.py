@@ -534,3 +534,61 @@ def test_ulp_helper():
     x = torch.tensor([1.0, 1.5, 2.0, 1e-6, 0.0, -3.0], dtype=torch.float64)
     assert ref.ulp(x, BF16).tolist() == [2 ** -7, 2 ** -7, 2 ** -6, 2 ** -27, 2 ** -133, 2 ** -6]
     assert ref.ulp(x, FP16).tolist() == [2 ** -10, 2 ** -10, 2 ** -9, 2 ** -24, 2 ** -24, 2 ** -9]
+
+
+# ---- FP8 output references (issue 6) -----------------------------------------------------------
+
+def _activations(T, H, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(T, H, generator=g) * torch.rand(T, 1, generator=g) * 4).to(torch.bfloat16)
+
+
+def test_pow2_ceil_is_exact():
+    s = torch.tensor([0.5, 0.75, 1.0, 1.0000001, 3.0, 2.0 ** -20, 2.0 ** -20 * 1.5, 448.0], dtype=torch.float32)
+    assert ref.pow2_ceil(s).tolist() == [0.5, 1.0, 1.0, 2.0, 4.0, 2.0 ** -20, 2.0 ** -19, 512.0]
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_group_ref_scales_and_bounds(pow2):
+    T, H = 7, 512
+    x = _activations(T, H, 11)
+    q, s = ref.fp8_group_ref(x, pow2_scales=pow2)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (T, H) and s.shape == (T, H // 128)
+    xf = x.float().reshape(T, H // 128, 128)
+    amax = xf.abs().amax(-1)
+    qf = q.float().reshape(T, H // 128, 128)
+    assert (qf.abs() <= 448).all()
+    if not pow2:
+        # the group's largest element lands on +-448 (x / (amax / 448) is 448 to within an ulp)
+        assert torch.equal(qf.abs().amax(-1), torch.full_like(amax, 448.0))
+    else:
+        assert torch.equal(ref.pow2_ceil(s), s) and (s >= amax / 448).all() and (s < 2 * amax / 448).all()
+    # dequantized values are within half an E4M3 step (3 mantissa bits) of x, or of the
+    # subnormal spacing 2^-9 times the scale
+    err = (qf * s[..., None] - xf).abs()
+    assert (err <= torch.maximum(xf.abs() * 2.0 ** -4, s[..., None] * 2.0 ** -10) * (1 + 1e-6)).all()
+
+
+def test_fp8_group_ref_column_major_is_the_transpose_padded_to_4():
+    x = _activations(5, 256, 12)
+    q_r, s_r = ref.fp8_group_ref(x)
+    q_c, s_c = ref.fp8_group_ref(x, column_major=True)
+    assert torch.equal(q_r.view(torch.uint8), q_c.view(torch.uint8))
+    assert s_c.shape == (2, 8) and torch.equal(s_c[:, :5], s_r.t()) and (s_c[:, 5:] == 0).all()
+
+
+def test_fp8_group_ref_all_zero_group_uses_eps_and_keeps_sign():
+    x = torch.zeros(1, 128, dtype=torch.bfloat16)
+    x[0, 3] = -0.0
+    q, s = ref.fp8_group_ref(x)
+    assert s.item() == pytest.approx(1e-10 / 448, rel=1e-6)
+    assert (q.float() == 0).all() and torch.signbit(q.float()[0, 3])
+
+
+def test_fp8_tensor_ref_saturates_and_rounds_to_nearest_even():
+    # 448 is the largest E4M3; between 256 and 448 the step is 32, so 272 is a tie (-> 256, even)
+    x = torch.tensor([[1000.0, -1000.0, 272.0, 288.0, 1.0]], dtype=torch.float32)
+    q = ref.fp8_tensor_ref(x, 1.0).float()
+    assert q.tolist() == [[448.0, -448.0, 256.0, 288.0, 1.0]]
+    # scale 2: 136 is a tie between 128 and 144 (step 16) -> 128, the even mantissa
+    assert ref.fp8_tensor_ref(x, 2.0).float().tolist() == [[448.0, -448.0, 128.0, 144.0, 0.5]]
