@@ -105,14 +105,12 @@ def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
         if name is not None:
             return name
         seen.append(family)
-        base = _BASE_FAMILY.get(family, family)
+        base = program_set().manifest["axes"]["base_family"].get(family, family)
         if base == family:
             raise ValueError(f"program: no program for {dtype} world size {world_size} profile {profile} "
                              f"(tried families {seen})")
         family = base
 
-
-_BASE_FAMILY = {"twoshot_early": "twoshot", "twoshot_shared": "twoshot", "twoshot_early_shared": "twoshot_early"}
 
 
 # ---- compilation ----------------------------------------------------------------------
