@@ -14,8 +14,10 @@ import torch
 
 from . import registry
 
-QUANT_PROFILES = {None: "110", "nvfp4": "111"}
 MAX_TOP_K = 16
+FP8_GROUP = 128
+FP8_SCALE_LAYOUTS = ("row", "column")
+_QUANT_FLAG_COLUMN_MAJOR, _QUANT_FLAG_POW2 = 1, 2  # Params.quant_flags bits (the template's QuantFlag)
 
 
 class MoeFinalizeOutputs(NamedTuple):
@@ -28,6 +30,23 @@ class MoeFinalizeOutputs(NamedTuple):
 def scale_out_bytes(tokens: int, hidden: int) -> int:
     """Bytes of the swizzled NVFP4 scale buffer: rows padded to 128, scale columns to 4."""
     return -(-tokens // 128) * 128 * (-(-(hidden // 16) // 4) * 4)
+
+
+def fp8_scale_shape(tokens: int, hidden: int, layout: str = "row") -> tuple:
+    """Shape of the float32 fp8_group128 scales: [T, H/128] ("row"), or [H/128, roundup(T, 4)]
+    ("column": column-major and TMA-aligned as DeepGEMM-style consumers read it; `.t()[:T]` is the
+    [T, H/128] view)."""
+    groups = hidden // FP8_GROUP
+    return (tokens, groups) if layout == "row" else (groups, -(-tokens // 4) * 4)
+
+
+def quant_profiles() -> dict:
+    """The `quant=` values and the output profile each selects (None: plain)."""
+    return dict(registry.program_set().profile_of_quant)
+
+
+def _quant_names() -> str:
+    return ", ".join(repr(q) for q in quant_profiles())
 
 
 # ---- argument checks --------------------------------------------------------------------
@@ -79,13 +98,25 @@ def _check_args(ws, a):
     _tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H))
     _tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,))
     quant = a.get("quant")
-    if quant not in QUANT_PROFILES:
-        raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
-    profile = QUANT_PROFILES[quant]
+    profiles = quant_profiles()
+    if not isinstance(quant, (str, type(None))) or quant not in profiles:
+        raise ValueError(f"quant: {quant!r}, expected one of {_quant_names()}")
+    profile = profiles[quant]
     if quant == "nvfp4":
         if a.get("global_scale") is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
         _tensor("global_scale", a["global_scale"], ws, (torch.float32,), shape=(1,), align=4)
+    if quant == "fp8_tensor":
+        if a.get("fp8_scale") is None:
+            raise ValueError("fp8_scale: required for quant='fp8_tensor' (a [1] float32 device tensor)")
+        _tensor("fp8_scale", a["fp8_scale"], ws, (torch.float32,), shape=(1,), align=4)
+    if quant == "fp8_group128" and H % FP8_GROUP:
+        raise ValueError(f"quant: 'fp8_group128' needs hidden to be a multiple of {FP8_GROUP}, the workspace has "
+                         f"hidden {H}")
+    if a["fp8_scale_layout"] not in FP8_SCALE_LAYOUTS:
+        raise ValueError(f"fp8_scale_layout: {a['fp8_scale_layout']!r}, expected 'row' or 'column'")
+    if not isinstance(a["fp8_pow2_scales"], bool):
+        raise ValueError(f"fp8_pow2_scales: expected a bool, got {type(a['fp8_pow2_scales']).__name__}")
     for name in ("eps", "routed_scaling_factor"):
         if not isinstance(a[name], (int, float)):
             raise ValueError(f"{name}: expected a Python float, got {type(a[name]).__name__}")
@@ -100,12 +131,20 @@ def _check_args(ws, a):
             s = _tensor("scale_out", a["scale_out"], ws, (torch.uint8,), ndim=1, align=4)
             if s.numel() < scale_out_bytes(T, H):
                 raise ValueError(f"scale_out: {s.numel()} bytes, need {scale_out_bytes(T, H)}")
+    if quant in ("fp8_group128", "fp8_tensor") and a.get("quant_out") is not None:
+        _tensor("quant_out", a["quant_out"], ws, (torch.float8_e4m3fn,), shape=(T, H), align=16)
+    if quant == "fp8_group128" and a.get("scale_out") is not None:
+        _tensor("scale_out", a["scale_out"], ws, (torch.float32,), shape=fp8_scale_shape(T, H, a["fp8_scale_layout"]),
+                align=4)
+    if quant == "fp8_tensor" and a.get("scale_out") is not None:
+        raise ValueError("scale_out: quant='fp8_tensor' writes no scales (its scale is the fp8_scale input)")
     return T, K, R, profile
 
 
 _DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
-                 weight_bias=0, quant=None, global_scale=None, norm_out=None, residual_out=None, quant_out=None,
-                 scale_out=None, launch_with_pdl=False, program=None)
+                 weight_bias=0, quant=None, global_scale=None, fp8_scale=None, fp8_scale_layout="row",
+                 fp8_pow2_scales=False, norm_out=None, residual_out=None, quant_out=None, scale_out=None,
+                 launch_with_pdl=False, program=None)
 
 
 def allocate_outputs(ws, kwargs: dict) -> dict:
@@ -116,11 +155,17 @@ def allocate_outputs(ws, kwargs: dict) -> dict:
         kwargs["norm_out"] = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
     if kwargs.get("residual_out") is None:
         kwargs["residual_out"] = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
-    if kwargs.get("quant") == "nvfp4":
+    quant = kwargs.get("quant")
+    if quant == "nvfp4":
         if kwargs.get("quant_out") is None:
             kwargs["quant_out"] = torch.empty((T, H // 2), dtype=torch.uint8, device=ws.device)
         if kwargs.get("scale_out") is None:
             kwargs["scale_out"] = torch.empty((scale_out_bytes(T, H),), dtype=torch.uint8, device=ws.device)
+    if quant in ("fp8_group128", "fp8_tensor") and kwargs.get("quant_out") is None:
+        kwargs["quant_out"] = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=ws.device)
+    if quant == "fp8_group128" and kwargs.get("scale_out") is None:
+        layout = kwargs.get("fp8_scale_layout", "row")
+        kwargs["scale_out"] = torch.empty(fp8_scale_shape(T, H, layout), dtype=torch.float32, device=ws.device)
     return kwargs
 
 
@@ -128,11 +173,12 @@ def allocate_outputs(ws, kwargs: dict) -> dict:
 
 def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str:
     """The program the dispatcher runs on this rank for a call of `tokens` tokens with `quant`
-    (None or "nvfp4") and, when `has_shared`, a shared-expert operand. Raises ValueError for a bad
-    `quant` or ("program: ...") when no program covers the cell."""
-    if quant not in QUANT_PROFILES:
-        raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
-    profile = QUANT_PROFILES[quant]
+    (None, "nvfp4", "fp8_group128" or "fp8_tensor") and, when `has_shared`, a shared-expert operand.
+    Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell."""
+    profiles = quant_profiles()
+    if not isinstance(quant, (str, type(None))) or quant not in profiles:
+        raise ValueError(f"quant: {quant!r}, expected one of {_quant_names()}")
+    profile = profiles[quant]
     family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens)
     return registry.program_for(family, ws.dtype_name, ws.world_size, profile)
 
@@ -151,8 +197,12 @@ class _Launcher:
                              f"is {ws.dtype_name} world size {ws.world_size}")
         self.name = name
         self.family = info["family"]
+        self.regime = info["regime"]
         self.profile = info["profile"]
-        self.sliced_units = self.family != "twoshot" and self.family != "twoshot_shared"
+        self.sliced_units = info["sliced_units"]  # a work unit is a row slice, not a whole row
+        self.quant_scale_arg = {"111": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
+        self.writes_quant = "quant_out" in info["outputs"]
+        self.writes_scales = "scale_out" in info["outputs"]
         prog = registry.load(name, ws.device_index)
         sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
         per_sm = prog.max_blocks_per_sm(ws.threads)
@@ -175,7 +225,6 @@ class _Launcher:
         a.hidden = ws.hidden
         a.rank = ws.rank
         a.vec_per_thread = ws.vec_per_thread
-        a.slices_per_row = ws.vec_per_thread if self.sliced_units else 1
         self.arg_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self.arg_address = ctypes.addressof(self.arg_pointer)
         self.configs = {pdl: self._config(cu, ws.threads, pdl) for pdl in (False, True)}
@@ -208,12 +257,14 @@ class _Launcher:
         args.shared_in = shared.data_ptr() if shared is not None else None
         args.residual_in = a["residual_in"].data_ptr()
         args.norm_weight = a["norm_weight"].data_ptr()
-        nvfp4 = self.profile == "111"
-        args.global_scale = a["global_scale"].data_ptr() if nvfp4 else None
+        args.quant_scale = a[self.quant_scale_arg].data_ptr() if self.quant_scale_arg else None
         args.norm_out = a["norm_out"].data_ptr()
         args.residual_out = a["residual_out"].data_ptr()
-        args.quant_out = a["quant_out"].data_ptr() if nvfp4 else None
-        args.scale_out = a["scale_out"].data_ptr() if nvfp4 else None
+        args.quant_out = a["quant_out"].data_ptr() if self.writes_quant else None
+        args.scale_out = a["scale_out"].data_ptr() if self.writes_scales else None
+        args.quant_flags = ((_QUANT_FLAG_COLUMN_MAJOR if a["fp8_scale_layout"] == "column" else 0)
+                            | (_QUANT_FLAG_POW2 if a["fp8_pow2_scales"] else 0))
+        args.fault_stop_after = ws._fault_stop_after_units
         args.tokens, args.top_k, args.rows = T, K, R
         args.routed_scaling_factor = a["routed_scaling_factor"]
         args.eps = a["eps"]
@@ -243,11 +294,20 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
       route; >= R: skipped and reported by dispatch.check()), expert_scale_factor [T, K] D or float32
       (default None: 1), routed_scaling_factor Python float (default 1.0), shared_expert_output [T, H] D
       (default None), residual_in [T, H] D, norm_weight [H] D, eps Python float (default 1e-6),
-      weight_bias 0 or 1 (default 0), quant None (default) or "nvfp4" with global_scale [1] float32.
+      weight_bias 0 or 1 (default 0), quant (default None), one of
+        None            plain output;
+        "nvfp4"         with global_scale [1] float32;
+        "fp8_group128"  FP8 E4M3 with a float32 scale per 128 elements of a token (H % 128 == 0),
+                        fp8_scale_layout "row" (default) or "column", fp8_pow2_scales (default False);
+        "fp8_tensor"    FP8 E4M3 with fp8_scale [1] float32 (q = e4m3(clamp(x / fp8_scale, -448, 448))).
     1 <= K <= 16, T <= workspace.max_tokens. Every tensor contiguous and on the workspace's device;
-    16-byte aligned, except the index, scale, global_scale and quant_out (4 bytes) and scale_out (4).
-    Outputs (allocated when not given): norm_out [T, H] D, residual_out [T, H] D, and for "nvfp4"
-      quant_out [T, H/2] uint8 and scale_out (1-D uint8, >= scale_out_bytes(T, H), 128x4 swizzled).
+    16-byte aligned, except the index, scale, global_scale, fp8_scale and NVFP4 quant_out and every
+    scale_out (4 bytes).
+    Outputs (allocated when not given): norm_out [T, H] D, residual_out [T, H] D, and
+      "nvfp4":        quant_out [T, H/2] uint8, scale_out 1-D uint8 >= scale_out_bytes(T, H), 128x4 swizzled;
+      "fp8_group128": quant_out [T, H] float8_e4m3fn, scale_out float32 fp8_scale_shape(T, H, layout):
+                      [T, H/128] row-major, or [H/128, roundup(T, 4)] column-major (padding written 0);
+      "fp8_tensor":   quant_out [T, H] float8_e4m3fn (scale_out is None).
     Every rank of the group must make the same sequence of calls with the same T; residual_in and
     norm_weight must hold the same values on every rank (tensor parallelism replicates them).
     `program=` forces a program by name. `launch_with_pdl=True` lets the kernel start while the
@@ -289,9 +349,9 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     workspace._check_error_words()
     T, K, R, profile = _check_args(workspace, a)
     allocate_outputs(workspace, a)
-    out = MoeFinalizeOutputs(a["norm_out"], a["residual_out"],
-                             a["quant_out"] if profile == "111" else None,
-                             a["scale_out"] if profile == "111" else None)
+    quant = a["quant"]
+    out = MoeFinalizeOutputs(a["norm_out"], a["residual_out"], a["quant_out"] if quant is not None else None,
+                             a["scale_out"] if quant in ("nvfp4", "fp8_group128") else None)
     if T == 0:
         return _Call(workspace, None, T, K, R, a, out)
     name = a["program"]
@@ -300,7 +360,7 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     launcher = _launcher(workspace, name)
     if launcher.profile != profile:
         raise ValueError(f"program: {name} writes output profile {launcher.profile}, the call asks for {profile}")
-    if launcher.family == "oneshot" and T > workspace.oneshot_max_tokens:
+    if launcher.regime == "oneshot" and T > workspace.oneshot_max_tokens:
         raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
                          f"{workspace.oneshot_max_tokens}")
     return _Call(workspace, launcher, T, K, R, a, out)

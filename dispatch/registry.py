@@ -38,6 +38,11 @@ class _ProgramSet:
         self.limits = self.manifest["limits"]
         self.selection = {(s["dtype"], s["world_size"], s["profile"]): s
                           for s in self.manifest["selection"]["boundaries"]}
+        # (regime, shared_prefetch) -> family
+        self.family_of = {(f["regime"], f["shared_prefetch"]): family
+                          for family, f in self.manifest["axes"]["family_regime"].items()}
+        # quant argument -> output profile
+        self.profile_of_quant = {q: p for p, q in self.manifest["axes"]["output_profile_quant"].items()}
 
 
 _lock = threading.Lock()
@@ -89,11 +94,13 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
     bounds = ps.selection[(dtype, world_size, profile)]
     # A workspace built with a smaller one-shot buffer than the table's boundary caps the one-shot range.
     if tokens <= min(bounds["oneshot_max_tokens"], oneshot_capacity):
-        return "oneshot"
-    family = "twoshot_early" if tokens <= bounds["early_max_tokens"] else "twoshot"
-    if has_shared and (family + "_shared", dtype, world_size, profile) in ps.cells:
-        return family + "_shared"
-    return family
+        regime = "oneshot"
+    else:
+        regime = "twoshot_early" if tokens <= bounds["early_max_tokens"] else "twoshot"
+    shared = ps.family_of.get((regime, True))
+    if has_shared and shared is not None and (shared, dtype, world_size, profile) in ps.cells:
+        return shared
+    return ps.family_of[(regime, False)]
 
 
 def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:

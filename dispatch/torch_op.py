@@ -20,8 +20,10 @@ Design:
 * The op is functional: it allocates and returns new tensors, (norm_out [T, H] D,
   residual_out [T, H] D, quant_out, scale_out). With quant="nvfp4", quant_out is [T, H/2]
   uint8 and scale_out is 1-D uint8 of scale_out_bytes(T, H) (128x4 swizzled E4M3); with
-  quant=None both are empty uint8 tensors of shape (0,) on the same device, in the real and in
-  the fake implementation alike.
+  "fp8_group128", quant_out is [T, H] float8_e4m3fn and scale_out float32 of
+  fp8_scale_shape(T, H, fp8_scale_layout); with "fp8_tensor", quant_out is [T, H]
+  float8_e4m3fn and scale_out an empty float32 (0,); with quant=None both are empty uint8
+  tensors of shape (0,) on the same device, in the real and in the fake implementation alike.
 * It mutates none of its tensor arguments, but it is a collective with state outside torch's
   view (the workspace's buffers), so it is registered as an ordered side effect
   (torch.library's effect system): compiled graphs keep every call, in program order, even when
@@ -48,7 +50,9 @@ from typing import Optional
 
 import torch
 
-from .op import MAX_TOP_K, QUANT_PROFILES, MoeFinalizeOutputs, scale_out_bytes
+from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, fp8_scale_shape, scale_out_bytes
+
+QUANTS = (None, "nvfp4", "fp8_group128", "fp8_tensor")
 
 OP_NAME = "moe_ar::moe_finalize_allreduce"
 _HANDLE_ATTR = "_moe_ar_op_handle"
@@ -122,6 +126,9 @@ def _moe_finalize_allreduce(
         global_scale: Optional[torch.Tensor] = None,
         launch_with_pdl: bool = False,
         program: Optional[str] = None,
+        fp8_scale: Optional[torch.Tensor] = None,
+        fp8_scale_layout: str = "row",
+        fp8_pow2_scales: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .op import moe_finalize_allreduce
     ws = workspace_from_handle(workspace)
@@ -130,11 +137,13 @@ def _moe_finalize_allreduce(
         residual_in=residual_in, norm_weight=norm_weight, expert_scale_factor=expert_scale_factor,
         routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output, eps=eps,
         weight_bias=weight_bias, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
-        program=program)
+        program=program, fp8_scale=fp8_scale, fp8_scale_layout=fp8_scale_layout, fp8_pow2_scales=fp8_pow2_scales)
+    dev = out.norm_out.device
     quant_out, scale_out = out.quant_out, out.scale_out
     if quant_out is None:
-        quant_out = torch.empty((0,), dtype=torch.uint8, device=out.norm_out.device)
-        scale_out = torch.empty((0,), dtype=torch.uint8, device=out.norm_out.device)
+        quant_out = torch.empty((0,), dtype=torch.uint8, device=dev)
+    if scale_out is None:
+        scale_out = torch.empty((0,), dtype=torch.float32 if quant == "fp8_tensor" else torch.uint8, device=dev)
     return out.norm_out, out.residual_out, quant_out, scale_out
 
 
@@ -160,7 +169,7 @@ def _check_shape(name, x, shape):
 def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
                                  expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None,
                                  eps=1e-6, weight_bias=0, quant=None, global_scale=None, launch_with_pdl=False,
-                                 program=None):
+                                 program=None, fp8_scale=None, fp8_scale_layout="row", fp8_pow2_scales=False):
     res = _meta_tensor("residual_in", residual_in, (torch.float16, torch.bfloat16), 2, None)
     D, dev = res.dtype, res.device
     T, H = res.shape
@@ -190,8 +199,8 @@ def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permut
     if shared_expert_output is not None:
         _check_shape("shared_expert_output",
                      _meta_tensor("shared_expert_output", shared_expert_output, (D,), 2, dev), (T, H))
-    if quant not in QUANT_PROFILES:
-        raise ValueError(f"quant: {quant!r}, expected None or 'nvfp4'")
+    if quant not in QUANTS:
+        raise ValueError(f"quant: {quant!r}, expected one of {', '.join(repr(q) for q in QUANTS)}")
     if weight_bias not in (0, 1):
         raise ValueError(f"weight_bias: {weight_bias!r}, expected 0 or 1")
     norm_out = res.new_empty((T, H))
@@ -202,6 +211,19 @@ def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permut
         _check_shape("global_scale", _meta_tensor("global_scale", global_scale, (torch.float32,), 1, dev), (1,))
         quant_out = res.new_empty((T, H // 2), dtype=torch.uint8)
         scale_out = res.new_empty((scale_out_bytes(T, H),), dtype=torch.uint8)
+    elif quant in ("fp8_group128", "fp8_tensor"):
+        if fp8_scale_layout not in FP8_SCALE_LAYOUTS:
+            raise ValueError(f"fp8_scale_layout: {fp8_scale_layout!r}, expected 'row' or 'column'")
+        quant_out = res.new_empty((T, H), dtype=torch.float8_e4m3fn)
+        if quant == "fp8_tensor":
+            if fp8_scale is None:
+                raise ValueError("fp8_scale: required for quant='fp8_tensor' (a [1] float32 device tensor)")
+            _check_shape("fp8_scale", _meta_tensor("fp8_scale", fp8_scale, (torch.float32,), 1, dev), (1,))
+            scale_out = res.new_empty((0,), dtype=torch.float32)
+        else:
+            torch._check_with(ValueError, H % FP8_GROUP == 0,
+                              lambda: f"quant: 'fp8_group128' needs hidden to be a multiple of {FP8_GROUP}, got {H}")
+            scale_out = res.new_empty(fp8_scale_shape(T, H, fp8_scale_layout), dtype=torch.float32)
     else:
         quant_out = res.new_empty((0,), dtype=torch.uint8)
         scale_out = res.new_empty((0,), dtype=torch.uint8)
@@ -229,19 +251,20 @@ def moe_finalize_allreduce_op(workspace, *, allreduce_in, expanded_idx_to_permut
                               expert_scale_factor=None, routed_scaling_factor: float = 1.0,
                               shared_expert_output=None, eps: float = 1e-6, weight_bias: int = 0, quant=None,
                               global_scale=None, launch_with_pdl: bool = False,
-                              program: Optional[str] = None) -> MoeFinalizeOutputs:
+                              program: Optional[str] = None, fp8_scale=None, fp8_scale_layout: str = "row",
+                              fp8_pow2_scales: bool = False) -> MoeFinalizeOutputs:
     """dispatch.moe_finalize_allreduce through the custom op (compiles without a graph break).
 
     `workspace`: an int handle from workspace_handle(ws), or the workspace itself (its handle is
     read from an attribute; under torch.compile pass a workspace that already has a handle, or
     the int). Other arguments as dispatch.moe_finalize_allreduce, except that outputs are always
     new tensors (no norm_out= etc.). Returns MoeFinalizeOutputs; quant_out and scale_out are
-    None when quant is None.
+    None when quant is None, scale_out is None for quant="fp8_tensor".
     """
     norm_out, residual_out, quant_out, scale_out = moe_finalize_allreduce_custom_op(
         _as_handle(workspace), allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
         expert_scale_factor, float(routed_scaling_factor), shared_expert_output, float(eps), int(weight_bias),
-        quant, global_scale, bool(launch_with_pdl), program)
+        quant, global_scale, bool(launch_with_pdl), program, fp8_scale, fp8_scale_layout, bool(fp8_pow2_scales))
     if quant is None:
         return MoeFinalizeOutputs(norm_out, residual_out, None, None)
-    return MoeFinalizeOutputs(norm_out, residual_out, quant_out, scale_out)
+    return MoeFinalizeOutputs(norm_out, residual_out, quant_out, None if quant == "fp8_tensor" else scale_out)

@@ -99,7 +99,7 @@ class _WorkspaceBase:
     world_size: int
 
     def _init_common(self, world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
-                     oneshot_max_tokens, ranks_on_device):
+                     oneshot_max_tokens, ranks_on_device, vec_per_thread=None):
         ps = registry.program_set()
         limits = ps.limits
         if dtype not in DTYPES:
@@ -127,11 +127,22 @@ class _WorkspaceBase:
         # Geometry: a row of H/8 16-byte vectors is spread over `threads` threads, each holding up
         # to max_vec_per_thread of them (the same for every program, so ranks that mix programs of
         # one protocol class reduce each row in the same order and agree bit for bit).
+        # By default the fewest threads (most vectors per thread); vec_per_thread asks for another
+        # split, the same on every rank (tuning experiments: fewer vectors per thread, more threads).
         nvec = hidden // 8
-        self.threads = min(limits["max_threads"], 32 * -(-nvec // (32 * limits["max_vec_per_thread"])))
+        vpt = limits["max_vec_per_thread"] if vec_per_thread is None else vec_per_thread
+        if not isinstance(vpt, int) or not 1 <= vpt <= limits["max_vec_per_thread"]:
+            raise ValueError(f"vec_per_thread: {vec_per_thread!r}, expected 1..{limits['max_vec_per_thread']}")
+        self.threads = 32 * -(-nvec // (32 * vpt))
+        if self.threads > limits["max_threads"]:
+            raise ValueError(f"vec_per_thread: {vpt} vectors a thread needs {self.threads} threads for hidden "
+                             f"{hidden}, more than {limits['max_threads']}")
         self.vec_per_thread = -(-nvec // self.threads)
         self._launchers = {}
         self._closed = False
+        # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
+        # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
+        self._fault_stop_after_units = 0
         _live_workspaces.append(self)
 
     def _check_error_words(self) -> None:
@@ -168,14 +179,16 @@ class Workspace(_WorkspaceBase):
 
     Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer;
-    0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, default min(max_tokens, 1024)).
+    0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, default min(max_tokens, 1024)),
+    `vec_per_thread` (16-byte vectors of a row per thread, 1..4; default 4, the fewest threads; every
+    rank must pass the same).
     Raises ValueError naming the argument for a missing group, an unsupported dtype, a world size
     with no programs (2, 4, 8 are generated), a bad hidden, max_tokens or timeout_s. After close(),
     a call with this workspace raises ValueError.
     """
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, *, timeout_s: float = 10.0,
-                 oneshot_max_tokens: int | None = None):
+                 oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None):
         import torch.distributed as dist
         from cupy.cuda import runtime
         if group is None:
@@ -183,7 +196,7 @@ class Workspace(_WorkspaceBase):
         rank, world_size = dist.get_rank(group), dist.get_world_size(group)
         device_index = torch.cuda.current_device()
         self._init_common(world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
-                          oneshot_max_tokens, ranks_on_device=1)
+                          oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread)
         self.group = group
         self._memory = _RankMemory(device_index, self.buffer_elems, dtype.itemsize)
         import cupy
@@ -235,7 +248,7 @@ class Workspace(_WorkspaceBase):
 class _EmulatedRank(_WorkspaceBase):
     def __init__(self, world, rank, device_index, ranks_on_device):
         self._init_common(world.world_size, rank, world.max_tokens, world.hidden, world.dtype, device_index,
-                          world.timeout_s, world.oneshot_max_tokens, ranks_on_device)
+                          world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread)
         self._memory = _RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
         self._peer_buffers = [0] * 8
         self.world = world
@@ -261,7 +274,7 @@ class EmulatedWorld:
     """
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, dtype: torch.dtype, *, devices=None,
-                 timeout_s: float = 10.0, oneshot_max_tokens: int | None = None):
+                 timeout_s: float = 10.0, oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None):
         import cupy
         from cupy.cuda import runtime
         if devices is None:
@@ -271,6 +284,7 @@ class EmulatedWorld:
             raise ValueError(f"devices: {len(devices)} entries for world_size {world_size}")
         self.world_size, self.max_tokens, self.hidden, self.dtype = world_size, max_tokens, hidden, dtype
         self.timeout_s, self.oneshot_max_tokens = timeout_s, oneshot_max_tokens
+        self.vec_per_thread = vec_per_thread
         self.devices = devices
         for a in set(devices):  # peers on other GPUs are reached over NVLink
             for b in set(devices):

@@ -132,7 +132,7 @@ def tables(ctx):
                         mark = reasons.setdefault(hole["reason"], f"[{len(reasons) + 1}]")
                         row.append(f"-- hole{mark} -> {hole['fallback_family']}")
                 rows.append(row)
-        header = ["  "] + [f"o{p}" for p in axes["output_profiles"]]
+        header = ["  "] + [spec.profile_tag(p) for p in axes["output_profiles"]]
         rows = [["  " + r[0], *r[1:]] for r in rows]
         _print_rows(rows, tuple(header))
         for reason, mark in reasons.items():
@@ -151,7 +151,7 @@ def tables(ctx):
                 mark = "" if b["source"].startswith("measured") else " (model)"
                 row.append(f"{b['oneshot_max_tokens']} / {b['early_max_tokens']}{mark}")
             rows.append(row)
-    _print_rows(rows, tuple(["  "] + [f"o{p}" for p in axes["output_profiles"]]))
+    _print_rows(rows, tuple(["  "] + [spec.profile_tag(p) for p in axes["output_profiles"]]))
     click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+from . import spec
+
 
 def manifest_at(rev: str, root, path: str = "generated/manifest.json") -> dict | None:
     """The manifest committed at `rev`, or None where that revision has none."""
@@ -30,7 +32,7 @@ def _cell_key(entry: dict) -> tuple:
 
 def _label(key: tuple) -> str:
     family, dtype, ws, profile = key
-    return f"{family} {dtype} ws{ws} o{profile}"
+    return f"{family} {dtype} ws{ws} {spec.profile_tag(profile)}"
 
 
 def _code_hash(entry: dict) -> str:
@@ -70,7 +72,7 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
     old_b, new_b = bounds(old), bounds(new)
     for key in sorted(set(old_b) | set(new_b)):
         dtype, ws, profile = key
-        label = f"selection {dtype} ws{ws} o{profile}"
+        label = f"selection {dtype} ws{ws} {spec.profile_tag(profile)}"
         a, b = old_b.get(key), new_b.get(key)
         if a is None or b is None:
             lines.append(f"{'+' if a is None else '-'} {label}: {'added' if a is None else 'removed'}")

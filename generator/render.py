@@ -131,7 +131,7 @@ class Result:
 
 
 def _cell_label(dtype: str, ws: int, profile: str) -> str:
-    return f"{dtype} ws{ws} o{profile}"
+    return f"{dtype} ws{ws} {spec.profile_tag(profile)}"
 
 
 def _index_comment() -> str:
@@ -211,7 +211,8 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
 
     body_name = pathlib.PurePosixPath(BODY_FILE).name
     for program in enumeration.programs:
-        regime_cpp, shared_prefetch = spec.FAMILY_CPP[program.family]
+        regime, prefetch = spec.FAMILY_REGIME[program.family]
+        regime_cpp, shared_prefetch = spec.REGIME_CPP[regime], "true" if prefetch else "false"
         text = render(PROGRAM_TEMPLATE,
                       spec=program,
                       name=program.name,

@@ -15,14 +15,22 @@ import re
 
 DTYPES = ("fp16", "bf16")
 WORLD_SIZES = (2, 4, 8)
-# Output profile codes: which of (norm_out, residual_out, quant_out) are written.
-#   110: norm_out + residual_out in the input dtype
-#   111: also NVFP4 quant_out (packed E2M1) + swizzled 128x4 E4M3 scale_out
-OUTPUT_PROFILES = ("110", "111")
+# Output profiles: what is written besides norm_out and residual_out (input dtype). The two
+# digit codes are op.md's (which of norm_out, residual_out, quant_out); later profiles are named.
+#   110:          nothing more
+#   111:          NVFP4 quant_out (packed E2M1) + swizzled 128x4 E4M3 scale_out
+#   fp8_group128: FP8 E4M3 quant_out + float32 scale per 128-element group of a token
+#   fp8_tensor:   FP8 E4M3 quant_out with one per-tensor scale read from the device
+OUTPUT_PROFILES = ("110", "111", "fp8_group128", "fp8_tensor")
 OUTPUT_PROFILE_MEANING = {
     "110": "norm_out + residual_out (input dtype)",
     "111": "norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)",
+    "fp8_group128": "norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group "
+                    "(row- or column-major, optionally power-of-two)",
+    "fp8_tensor": "norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device",
 }
+# The value of the call's `quant=` argument that asks for each profile.
+PROFILE_QUANT = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 # Families: the token regime plus how the shared-expert row is loaded.
 FAMILIES = ("oneshot", "twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared")
 # Compile targets: every program compiles for each of these.
@@ -76,18 +84,31 @@ FAMILY_CAMEL = {
 
 # How each axis value reaches the C++ body (templates/moe_finalize_allreduce.cuh.j2).
 DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
-PROFILE_CPP = {"110": "moe_ar::Profile::kPlain", "111": "moe_ar::Profile::kNvfp4"}
+PROFILE_CPP = {"110": "moe_ar::Profile::kPlain", "111": "moe_ar::Profile::kNvfp4",
+               "fp8_group128": "moe_ar::Profile::kFp8Group128", "fp8_tensor": "moe_ar::Profile::kFp8Tensor"}
 # Outputs each profile writes, besides norm_out and residual_out.
-PROFILE_EXTRA_OUTPUTS = {"110": (), "111": ("quant_out", "scale_out")}
-FAMILY_CPP = {  # (regime, shared-expert prefetch)
-    "oneshot": ("moe_ar::Regime::kOneShot", "false"),
-    "twoshot": ("moe_ar::Regime::kTwoShot", "false"),
-    "twoshot_early": ("moe_ar::Regime::kTwoShotEarly", "false"),
-    "twoshot_shared": ("moe_ar::Regime::kTwoShot", "true"),
-    "twoshot_early_shared": ("moe_ar::Regime::kTwoShotEarly", "true"),
+PROFILE_EXTRA_OUTPUTS = {"110": (), "111": ("quant_out", "scale_out"), "fp8_group128": ("quant_out", "scale_out"),
+                         "fp8_tensor": ("quant_out",)}
+# Each family is a token regime plus whether it prefetches the shared-expert row. The manifest
+# carries both, so the runtime never reads them out of family names.
+FAMILY_REGIME = {
+    "oneshot": ("oneshot", False),
+    "twoshot": ("twoshot", False),
+    "twoshot_early": ("twoshot_early", False),
+    "twoshot_shared": ("twoshot", True),
+    "twoshot_early_shared": ("twoshot_early", True),
 }
+REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime::kTwoShot",
+              "twoshot_early": "moe_ar::Regime::kTwoShotEarly"}
+# Regimes whose exchange phases split a row into blockDim-wide slices (one work unit per slice).
+SLICED_REGIMES = ("oneshot", "twoshot_early")
 
 PREFIX = "moe_ar"
+
+
+def profile_tag(profile: str) -> str:
+    """How a profile appears in names: o110, o111 (op.md's codes), fp8_group128, fp8_tensor."""
+    return f"o{profile}" if profile.isdigit() else profile
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -109,8 +130,8 @@ class ProgramSpec:
 
     @property
     def name(self) -> str:
-        """e.g. moe_ar_tss_bf16_ws4_o111; also the kernel symbol."""
-        return f"{PREFIX}_{FAMILY_SHORT[self.family]}_{self.dtype}_ws{self.world_size}_o{self.profile}"
+        """e.g. moe_ar_tss_bf16_ws4_o111, moe_ar_os_bf16_ws2_fp8_group128; also the kernel symbol."""
+        return f"{PREFIX}_{FAMILY_SHORT[self.family]}_{self.dtype}_ws{self.world_size}_{profile_tag(self.profile)}"
 
     @property
     def symbol(self) -> str:
@@ -134,14 +155,15 @@ class ProgramSpec:
 
 
 _SHORT_TO_FAMILY = {v: k for k, v in FAMILY_SHORT.items()}
-_NAME_RE = re.compile(rf"^{PREFIX}_([a-z]+)_([a-z0-9]+)_ws(\d+)_o(\d+)$")
+_TAG_TO_PROFILE = {profile_tag(p): p for p in OUTPUT_PROFILES}
+_NAME_RE = re.compile(rf"^{PREFIX}_([a-z]+)_([a-z0-9]+)_ws(\d+)_([a-z0-9_]+)$")
 
 
 def parse(name: str) -> ProgramSpec:
     m = _NAME_RE.match(name)
-    if not m or m.group(1) not in _SHORT_TO_FAMILY:
+    if not m or m.group(1) not in _SHORT_TO_FAMILY or m.group(4) not in _TAG_TO_PROFILE:
         raise ValueError(f"name: {name!r} is not a program name like {PREFIX}_ts_bf16_ws2_o110")
-    return ProgramSpec(_SHORT_TO_FAMILY[m.group(1)], m.group(2), int(m.group(3)), m.group(4))
+    return ProgramSpec(_SHORT_TO_FAMILY[m.group(1)], m.group(2), int(m.group(3)), _TAG_TO_PROFILE[m.group(4)])
 
 
 def all_cells():

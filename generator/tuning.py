@@ -41,6 +41,9 @@ MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048}
 MODEL_SOURCE = "written model"
 
 BASE_FAMILIES = ("oneshot", "twoshot_early", "twoshot")
+# A profile no benchmark measured takes the plain profile's boundaries: the exchange is the same,
+# only the per-row work of the last phase differs.
+BORROW_PROFILE = "110"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +118,7 @@ def fit_boundaries(points: dict) -> tuple[int, int, float]:
 def selection(root: pathlib.Path | None = None) -> Selection:
     """Boundaries for every (dtype, world size, profile): measured where a benchmark covers the
     cell (a dtype with no measurement of its own borrows the other dtype's: same bytes per element,
-    same kernel), the written model elsewhere."""
+    same kernel; a profile with none borrows the plain profile's), the written model elsewhere."""
     root = pathlib.Path(root) if root is not None else pathlib.Path(__file__).resolve().parent.parent
     paths = bench_files(root)
     measured = measured_times(paths)
@@ -124,18 +127,19 @@ def selection(root: pathlib.Path | None = None) -> Selection:
     for dtype in spec.DTYPES:
         for ws in spec.WORLD_SIZES:
             for profile in spec.OUTPUT_PROFILES:
-                own = measured.get((dtype, ws, profile))
-                other = next((measured[(d, ws, profile)] for d in spec.DTYPES
-                              if d != dtype and (d, ws, profile) in measured), None)
-                points = own or other
-                if points:
-                    a, b, ratio = fit_boundaries(points)
-                    borrowed = "" if own else f" ({[d for d in spec.DTYPES if d != dtype][0]} data)"
+                # Own measurements first, then the other dtype's, then the plain profile's.
+                donors = [(d, pr) for pr in (profile, BORROW_PROFILE) for d in (dtype, *spec.DTYPES)]
+                donor = next((k for k in ((d, ws, pr) for d, pr in donors) if k in measured), None)
+                if donor is not None:
+                    a, b, ratio = fit_boundaries(measured[donor])
+                    borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
+                    borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
+                    borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
                     b_ = Boundaries(a, b, f"measured{borrowed}, mean {ratio:.3f}x the best program")
                 else:
                     b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], MODEL_SOURCE)
                 if not 0 <= b_.oneshot_max_tokens <= b_.early_max_tokens:
-                    raise ValueError(f"tuning: {dtype} ws{ws} o{profile}: need 0 <= oneshot_max_tokens "
+                    raise ValueError(f"tuning: {dtype} ws{ws} {spec.profile_tag(profile)}: need 0 <= oneshot_max_tokens "
                                      f"<= early_max_tokens, got {b_}")
                 boundaries[(dtype, ws, profile)] = b_
     return Selection(f"cells measured in {names}, the rest from the written model", boundaries)

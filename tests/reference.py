@@ -435,8 +435,11 @@ def typical_global_scale(norm_out: torch.Tensor) -> float:
 
 # ---- outputs and checks -------------------------------------------------------------
 
-def alloc_outputs(case: Case, quant=None, *, extra_scale_bytes=0, poison_byte=POISON_BYTE):
-    """Per-rank dicts of preallocated, poisoned outputs (NaN floats, poison_byte uint8)."""
+FP8_POISON_BYTE = 0x7F  # an E4M3 NaN: the kernel clamps before converting, so it never writes one
+
+
+def alloc_outputs(case: Case, quant=None, *, extra_scale_bytes=0, poison_byte=POISON_BYTE, fp8_scale_layout="row"):
+    """Per-rank dicts of preallocated, poisoned outputs (NaN floats and FP8, poison_byte uint8)."""
     m = case.meta
     T, H, dtype = m["tokens"], m["hidden"], m["dtype"]
     outs = []
@@ -448,13 +451,22 @@ def alloc_outputs(case: Case, quant=None, *, extra_scale_bytes=0, poison_byte=PO
             d["quant_out"] = torch.full((T, H // 2), poison_byte, dtype=torch.uint8, device=dev)
             d["scale_out"] = torch.full((scale_bytes_len(T, H) + extra_scale_bytes,), poison_byte,
                                         dtype=torch.uint8, device=dev)
+        if quant in ("fp8_group128", "fp8_tensor"):
+            d["quant_out"] = torch.full((T, H), FP8_POISON_BYTE, dtype=torch.uint8, device=dev).view(
+                torch.float8_e4m3fn)
+        if quant == "fp8_group128":
+            shape = (T, H // FP8_GROUP) if fp8_scale_layout == "row" else (H // FP8_GROUP, _roundup(T, 4))
+            d["scale_out"] = torch.full(shape, math.nan, dtype=torch.float32, device=dev)
         outs.append(d)
     return outs
 
 
 def repoison(outputs: dict, poison_byte=POISON_BYTE):
     for k, t in outputs.items():
-        t.fill_(poison_byte if t.dtype == torch.uint8 else math.nan)
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(FP8_POISON_BYTE)
+        else:
+            t.fill_(poison_byte if t.dtype == torch.uint8 else math.nan)
 
 
 _PRECISION = {torch.float16: (11, -14), torch.bfloat16: (8, -126), torch.float32: (24, -126)}
@@ -482,7 +494,8 @@ def _first_bad(mask, *tensors, limit=5):
 
 
 def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=None,
-                  ref=None, poison_byte=POISON_BYTE, nvfp4_device="cpu", label="") -> dict:
+                  ref=None, poison_byte=POISON_BYTE, nvfp4_device="cpu", label="", fp8_scale_layout="row",
+                  fp8_pow2_scales=False) -> dict:
     """Check every rank's outputs against the contract; raise AssertionError listing all failures.
 
     outs: list (index = rank) or dict rank -> MoeFinalizeOutputs-like (norm_out,
@@ -490,12 +503,15 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
     provided: same indexing, the preallocated poisoned output dicts (from
       alloc_outputs) that were passed to the kernel; checked instead of the
       returned tensors where given (and identity of the returned tensors checked).
-    global_scale: float or [1] tensor, or a list of them by rank.
+    global_scale: float or [1] tensor, or a list of them by rank: the NVFP4 global scale, or
+      for quant="fp8_tensor" the FP8 per-tensor scale.
+    fp8_scale_layout, fp8_pow2_scales: the options the fp8_group128 call was made with.
     Checks: every element written (no poison left), residual_out in the derived
     bracket, norm_out in the derived bracket of its own residual_out, norm-relative
-    error bounds, bit-identical outputs across the ranks given, NVFP4 bytes exactly
-    equal to nvfp4_ref(own norm_out), scale padding zero, bytes past the scale
-    buffer's required length untouched.
+    error bounds, bit-identical outputs across the ranks given, NVFP4 and FP8 bytes
+    (and FP8 float32 scales, bit for bit) exactly equal to the reference rule applied to
+    the rank's own norm_out, scale padding zero, bytes past the NVFP4 scale buffer's
+    required length untouched.
 
     The full check runs on the first rank given; a rank whose outputs are bit-identical
     to it passes the same checks, so the full check is repeated only for ranks that differ.
@@ -507,7 +523,8 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
     dev = ref["residual_out"].device
     items = list(outs.items()) if isinstance(outs, dict) else list(enumerate(outs))
     prov = (dict(provided.items()) if isinstance(provided, dict) else dict(enumerate(provided))) if provided else {}
-    n_scale = scale_bytes_len(T, H)
+    n_scale = scale_bytes_len(T, H) if quant == "nvfp4" else None
+    fp8 = dict(layout=fp8_scale_layout, pow2=fp8_pow2_scales)
     fails = []
     stats = {"max_res_ulp_from_ref": 0.0, "fully_checked_ranks": []}
     gs_vals = {}
@@ -530,12 +547,13 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
             elif global_scale is not None:
                 gs_vals[r] = _gs_float(global_scale)
             s_t = got["scale_out"]
-            if s_t is not None and s_t.dim() == 1 and s_t.numel() > n_scale and "scale_out" in p:
+            if quant == "nvfp4" and s_t is not None and s_t.dim() == 1 and s_t.numel() > n_scale and "scale_out" in p:
                 tail = s_t[n_scale:]
                 if (tail != poison_byte).any():
                     fails.append(f"{tag}: wrote {int((tail != poison_byte).sum())} bytes past the "
                                  f"{n_scale} scale bytes it owns")
-        names = ("residual_out", "norm_out") + (("quant_out", "scale_out") if quant else ())
+        names = ("residual_out", "norm_out") + {None: (), "fp8_tensor": ("quant_out",)}.get(
+            quant, ("quant_out", "scale_out"))
         if first is not None:
             same = True
             for name in names:
@@ -552,7 +570,7 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
             if same and gs_vals.get(r) == gs_vals.get(first[0]):
                 continue  # identical to a fully checked rank
         stats["fully_checked_ranks"].append(r)
-        fails += _check_rank_fully(case, ref, got, tag, quant, gs_vals.get(r), nvfp4_device, stats)
+        fails += _check_rank_fully(case, ref, got, tag, quant, gs_vals.get(r), nvfp4_device, stats, fp8)
         if first is None:
             first = (r, {k: (v.to(dev) if v is not None else None) for k, v in got.items()})
     if fails:
@@ -561,7 +579,7 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
     return stats
 
 
-def _check_rank_fully(case, ref, got, tag, quant, gs_val, nvfp4_device, stats):
+def _check_rank_fully(case, ref, got, tag, quant, gs_val, nvfp4_device, stats, fp8):
     m = case.meta
     dtype, T, H = m["dtype"], m["tokens"], m["hidden"]
     u = UNIT_ROUNDOFF[dtype]
@@ -607,6 +625,8 @@ def _check_rank_fully(case, ref, got, tag, quant, gs_val, nvfp4_device, stats):
         fails.append(f"{tag}: ||norm_out - rmsnorm64(own residual)||_2 = {nerr:.6g} > derived bound {nb:.6g}")
     if quant is None:
         return fails
+    if quant in ("fp8_group128", "fp8_tensor"):
+        return fails + _check_fp8(got, nrm_t.to(nvfp4_device), tag, quant, gs_val, fp8)
     q_t, s_t = got["quant_out"], got["scale_out"]
     n = scale_bytes_len(T, H)
     if q_t is None or s_t is None:
@@ -633,7 +653,40 @@ def _check_rank_fully(case, ref, got, tag, quant, gs_val, nvfp4_device, stats):
     return fails
 
 
-# ---- FP8 outputs for Hopper consumers (op.md "FP8 outputs"; issue 6: no kernel yet) ----------
+def _check_fp8(got, norm_out, tag, quant, scale, fp8):
+    """FP8 bytes and float32 scales exactly equal to the reference rule applied to this rank's own
+    norm_out (on norm_out's device); the column-major padding must be 0."""
+    T, H = norm_out.shape
+    q_t, s_t = got["quant_out"], got["scale_out"]
+    if q_t is None or tuple(q_t.shape) != (T, H) or q_t.dtype != torch.float8_e4m3fn:
+        return [f"{tag}: FP8 quant_out {None if q_t is None else (tuple(q_t.shape), q_t.dtype)}, need [{T}, {H}] "
+                f"float8_e4m3fn"]
+    if quant == "fp8_tensor":
+        if scale is None:
+            return [f"{tag}: no fp8 scale given to check against"]
+        qref, sref = fp8_tensor_ref(norm_out, scale), None
+    else:
+        qref, sref = fp8_group_ref(norm_out, pow2_scales=fp8["pow2"], column_major=fp8["layout"] == "column")
+    fails = []
+    qk, qr = q_t.to(norm_out.device).view(torch.uint8), qref.view(torch.uint8)
+    bad = qk != qr
+    if bad.any():
+        fails.append(f"{tag}: quant_out differs from the {quant} rule on own norm_out in {int(bad.sum())}/"
+                     f"{bad.numel()} bytes (idx: kernel, ref) {_first_bad(bad, qk, qr)}")
+    if sref is not None:
+        if s_t is None or tuple(s_t.shape) != tuple(sref.shape) or s_t.dtype != torch.float32:
+            return fails + [f"{tag}: FP8 scale_out {None if s_t is None else (tuple(s_t.shape), s_t.dtype)}, "
+                            f"need {tuple(sref.shape)} float32 ({fp8['layout']})"]
+        sk = s_t.to(norm_out.device)
+        bad = sk.view(torch.int32) != sref.view(torch.int32)
+        if bad.any():
+            fails.append(f"{tag}: scale_out ({fp8['layout']}, pow2={fp8['pow2']}) differs from the rule in "
+                         f"{int(bad.sum())}/{bad.numel()} scales (padding must be 0) (idx: kernel, ref) "
+                         f"{_first_bad(bad, sk, sref)}")
+    return fails
+
+
+# ---- FP8 outputs for Hopper consumers (op.md "FP8 outputs") ----------------------------------
 
 FP8_GROUP = 128
 FP8_EPS = 1e-10

@@ -90,9 +90,20 @@ def test_parse_rejects(bad):
 
 def test_every_family_has_all_its_tables():
     for table in (spec.FAMILY_MEANING, spec.BASE_FAMILY, spec.PROTOCOL, spec.FAMILY_SHORT, spec.FAMILY_CAMEL,
-                  spec.FAMILY_CPP):
+                  spec.FAMILY_REGIME):
         assert set(table) == set(spec.FAMILIES)
     assert len(set(spec.FAMILY_SHORT.values())) == len(spec.FAMILIES)
+
+
+def test_every_profile_has_all_its_tables():
+    """Adding an output profile is one place: the tuples and tables of spec.py (plus its math in
+    the template); every name derived from it parses back."""
+    for table in (spec.OUTPUT_PROFILE_MEANING, spec.PROFILE_QUANT, spec.PROFILE_CPP, spec.PROFILE_EXTRA_OUTPUTS):
+        assert set(table) == set(spec.OUTPUT_PROFILES)
+    assert len(set(spec.PROFILE_QUANT.values())) == len(spec.OUTPUT_PROFILES)
+    for cell in spec.all_cells():
+        assert spec.parse(cell.name) == cell
+        assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cell.symbol), cell.symbol  # a C identifier
 
 
 def test_selection_covers_every_cell():
@@ -230,8 +241,8 @@ def test_full_regeneration_is_fast(tmp_path):
 # ---- the emitted C++ tables ---------------------------------------------------------
 
 _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
-                       r'o(?P<profile>\d+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
-_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+)\},\s*// (\w+) ws(\d+) o(\d+): \S.*$")
+                       r'(?P<tag>\w+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
+_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+)\},\s*// (\w+) ws(\d+) (\w+): \S.*$")
 
 
 def _cells():
@@ -245,12 +256,13 @@ def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
     for family, rel in manifest["tables"].items():
         text = rendered.outputs[rel].decode()
         assert f"static const char* const k{spec.FAMILY_CAMEL[family]}Kernels{dims} = {{" in text
-        assert "// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111]" in text
+        assert f"// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: {', '.join(spec.OUTPUT_PROFILES)}]" in text
         entries = [m for m in map(_ENTRY_RE.match, text.splitlines()) if m]
+        tag_to_profile = {spec.profile_tag(p): p for p in spec.OUTPUT_PROFILES}
         # one entry a line, in index order
-        assert [(m["dtype"], int(m["ws"]), m["profile"]) for m in entries] == _cells()
+        assert [(m["dtype"], int(m["ws"]), tag_to_profile[m["tag"]]) for m in entries] == _cells()
         for m in entries:
-            key = (family, m["dtype"], int(m["ws"]), m["profile"])
+            key = (family, m["dtype"], int(m["ws"]), tag_to_profile[m["tag"]])
             if m["null"]:
                 assert key in holes and key not in programs
                 assert (m["fallback"], m["reason"]) == (holes[key]["fallback_family"], holes[key]["reason"])
@@ -261,8 +273,11 @@ def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
 
 def test_selection_table_parses_back_to_the_manifest(rendered, manifest):
     text = rendered.outputs[manifest["selection"]["table"]].decode()
-    assert "static const int kRegimeBoundaries[2][3][2][2] = {" in text
-    rows = [m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m]
+    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}][2]"
+    assert f"static const int kRegimeBoundaries{dims} = {{" in text
+    tag_to_profile = {spec.profile_tag(p): p for p in spec.OUTPUT_PROFILES}
+    rows = [(a, b, d, w, tag_to_profile[t]) for a, b, d, w, t in
+            (m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m)]
     assert [(d, int(w), p) for _, _, d, w, p in rows] == _cells()
     expected = {(b["dtype"], b["world_size"], b["profile"]): (b["oneshot_max_tokens"], b["early_max_tokens"])
                 for b in manifest["selection"]["boundaries"]}
@@ -385,7 +400,7 @@ def test_diff_reports_changed_cells(tmp_path):
     lines = r.stdout.splitlines()
     assert "+ twoshot_early_shared fp16 ws8 o110: appeared, moe_ar_tses_fp16_ws8_o110 (was a hole: " \
            "no early shared variant at world size 8 (the early range is short there))" in lines
-    assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == 2
+    assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == len(spec.OUTPUT_PROFILES)
     assert "~ selection bf16 ws4 o111: oneshot_max_tokens 64 -> 128" in lines
     assert not any("program changed" in line or "vanished" in line for line in lines), lines
 
@@ -402,7 +417,7 @@ def test_diff_reports_a_changed_program_and_body(manifest):
     new["body"]["code_sha256"] = "1" * 64
     lines = diff_manifests(manifest, new)
     p = new["programs"][0]
-    assert any(line.startswith(f"~ {p['family']} {p['dtype']} ws{p['world_size']} o{p['profile']}: program changed")
+    assert any(line.startswith(f"~ {p['family']} {p['dtype']} ws{p['world_size']} {spec.profile_tag(p['profile'])}: program changed")
                for line in lines)
     assert any(line.startswith("~ kernel body kernels/moe_finalize_allreduce.cuh changed") for line in lines)
     assert diff_manifests(manifest, manifest) == []
@@ -414,7 +429,8 @@ def test_diff_rejects_an_unknown_revision():
 
 
 def test_list_filters():
-    r = run_cli(["list", "--family", "twoshot_shared", "--dtype", "bf16", "--world-size", "4"], cwd=ROOT)
+    r = run_cli(["list", "--family", "twoshot_shared", "--dtype", "bf16", "--world-size", "4", "--profile", "110",
+                 "--profile", "111"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     rows = r.stdout.splitlines()
     assert rows[0].split() == ["name", "protocol", "class", "file"]

@@ -9,7 +9,10 @@ What is checked on every call (tests/reference.py: check_outputs):
     residual_out (float32 sums, rsqrtf), and a norm-relative bound;
   * outputs bit-identical across ranks;
   * NVFP4: quant_out and scale_out bytes exactly equal to nvfp4_ref(kernel's norm_out),
-    scale padding zero, and bytes past the required scale length left untouched.
+    scale padding zero, and bytes past the required scale length left untouched;
+  * FP8 (fp8_group128 in row- and column-major layouts, with and without power-of-two scales;
+    fp8_tensor with typical, saturating and underflowing scales): quant_out bytes and float32
+    scales exactly equal to fp8_group_ref / fp8_tensor_ref(kernel's norm_out), padding zero.
 
 Seeds come from conftest (fresh per run; --seed N reproduces); every failure names the case.
 Set MOE_AR_RESULTS=path to append a JSON line per test summary.
@@ -35,7 +38,8 @@ ODD_COLUMN_HIDDEN = 2064  # H/16 = 129 scale columns: exercises the column paddi
 MAX_TOKENS = 512
 SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s)),
                key=lambda s: (s.world_size, s.dtype, s.profile, s.family))
-PROFILE_QUANT = {"110": None, "111": "nvfp4"}
+PROFILE_QUANT = dict(gspec.PROFILE_QUANT)  # output profile -> the call's quant= argument
+QUANTS = tuple(PROFILE_QUANT.values())
 DEVICE = "cuda"  # where single-GPU worlds and their inputs live
 # Knobs for a quick run (defaults are the full test): cases per forced program, eager auto calls.
 CASES_PER_PROGRAM = int(os.environ.get("MOE_AR_CASES_PER_PROGRAM", "6"))
@@ -102,28 +106,45 @@ def recording(record_result, **fields):
     record_result(**info, passed=True, seconds=round(time.time() - t0, 2))
 
 
+def fp8_options(i):
+    """The fp8_group128 options of case i: both scale layouts, with and without power-of-two scales."""
+    return dict(fp8_layout=("row", "column")[i % 2], fp8_pow2=(i // 2) % 2 == 1)
+
+
 def prepare_call(case, *, quant, programs=None, gs_factor=1.0, pdl=False, extra_scale_bytes=16,
-                 nvfp4_device="cpu", label="", ref_=None):
+                 nvfp4_device="cpu", label="", ref_=None, fp8_layout="row", fp8_pow2=False):
     """Reference, poisoned preallocated outputs and every rank's kwargs for one call (no launch).
-    The returned dict keeps every tensor the kernels use referenced until it is checked."""
+    The returned dict keeps every tensor the kernels use referenced until it is checked.
+    gs_factor scales the typical NVFP4 global scale (448 * 6 / amax), or divides the typical FP8
+    per-tensor scale (amax / 448): > 1 saturates, tiny values underflow."""
     W = len(case)
     if not isinstance(programs, (list, tuple)):
         programs = [programs] * W
     r0 = ref_ if ref_ is not None else ref.reference_for(case)
-    provided = ref.alloc_outputs(case, quant, extra_scale_bytes=extra_scale_bytes)
+    provided = ref.alloc_outputs(case, quant, extra_scale_bytes=extra_scale_bytes, fp8_scale_layout=fp8_layout)
     gs_val = None
+    if quant == "nvfp4":
+        gs_val = ref.f32(ref.typical_global_scale(r0["norm_out"]) * gs_factor)
+    if quant == "fp8_tensor":
+        gs_val = ref.f32(max(float(r0["norm_out"].abs().max()), 1e-3) / ref.E4M3_MAX / gs_factor)
     kwargs = []
     for r, kw in enumerate(case):
         d = dict(kw)
         d.update(provided[r])
         d.update(quant=quant, program=programs[r], launch_with_pdl=pdl)
+        dev = kw["residual_in"].device
         if quant == "nvfp4":
-            gs_val = ref.f32(ref.typical_global_scale(r0["norm_out"]) * gs_factor)
-            d["global_scale"] = torch.tensor([gs_val], dtype=torch.float32, device=kw["residual_in"].device)
+            d["global_scale"] = torch.tensor([gs_val], dtype=torch.float32, device=dev)
+        if quant == "fp8_tensor":
+            d["fp8_scale"] = torch.tensor([gs_val], dtype=torch.float32, device=dev)
+        if quant == "fp8_group128":
+            d.update(fp8_scale_layout=fp8_layout, fp8_pow2_scales=fp8_pow2)
         kwargs.append(d)
+    fp8_label = f" fp8 {fp8_layout} pow2={fp8_pow2}" if quant == "fp8_group128" else ""
     return dict(case=case, outs=None, provided=provided, quant=quant, gs=gs_val, ref=r0, kwargs=kwargs,
+                fp8=dict(fp8_scale_layout=fp8_layout, fp8_pow2_scales=fp8_pow2),
                 nvfp4_device=nvfp4_device if nvfp4_device != "same" else r0["norm_out"].device,
-                label=f"{label} programs={programs} pdl={pdl}")
+                label=f"{label} programs={programs} pdl={pdl}{fp8_label}")
 
 
 def launch_world(world, case, **kw):
@@ -161,7 +182,8 @@ def finish_world(world, calls):
     _sync(world)
     world.check()
     return [ref.check_outputs(c["case"], c["outs"], c["provided"], quant=c["quant"], global_scale=c["gs"],
-                              ref=c["ref"], nvfp4_device=c["nvfp4_device"], label=c["label"]) for c in calls]
+                              ref=c["ref"], nvfp4_device=c["nvfp4_device"], label=c["label"], **c["fp8"])
+            for c in calls]
 
 
 def run_world(world, case, **kw):
@@ -230,8 +252,11 @@ def test_program_matches_reference(devices_kind, program, worlds, seed_for, base
     devices = _devices(devices_kind, s.world_size)
     dtype = ref.NAME_TO_DTYPE[s.dtype]
     quant = PROFILE_QUANT[s.profile]
-    # one hidden per (world size, dtype) per run, so consecutive programs share a world
-    hidden = random.Random(f"{base_seed}:{s.world_size}:{s.dtype}:{devices_kind}").choice(HIDDENS)
+    # one hidden per (world size, dtype) per run, so consecutive programs share a world (a multiple
+    # of 128 for fp8_group128, whose groups need one)
+    group = s.profile == "fp8_group128"
+    hidden = random.Random(f"{base_seed}:{s.world_size}:{s.dtype}:{devices_kind}:{group}").choice(
+        [h for h in HIDDENS if not group or h % 128 == 0])
     world = worlds.get(s.world_size, MAX_TOKENS, hidden, dtype, devices)
     rnd = random.Random(seed_for("plan"))
     n = CASES_PER_PROGRAM if devices_kind == "one_gpu" else max(1, CASES_PER_PROGRAM // 2)
@@ -241,7 +266,7 @@ def test_program_matches_reference(devices_kind, program, worlds, seed_for, base
             case = ref.make_case(s.world_size, T, hidden, K, dtype, seed=seed_for(f"case{i}"),
                                  device=devices or DEVICE, **_case_kwargs(i, rnd))
             run_world(world, case, quant=quant, programs=program, gs_factor=_gs_factor(i, rnd),
-                      pdl=bool(i % 2), nvfp4_device="cpu" if i == 0 else "same", label=program)
+                      pdl=bool(i % 2), nvfp4_device="cpu" if i == 0 else "same", label=program, **fp8_options(i))
             info["cases"] += 1
 
 
@@ -265,9 +290,15 @@ def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
                 T = rnd.choice([rnd.randint(1, 16), rnd.randint(129, max_tokens), max_tokens, rnd.randint(17, 128)])
                 case = ref.make_case(ws, T, hidden, rnd.randint(1, 8), dtype, seed=seed_for(f"case{j}"),
                                      device=DEVICE, **_case_kwargs(j + rnd.randint(0, 5), rnd))
+                if s.profile == "fp8_group128" and hidden % 128:  # refused by name, and nothing launched
+                    call = prepare_call(case, quant="fp8_group128", programs=name)
+                    with pytest.raises(ValueError, match=r"^quant: 'fp8_group128' needs hidden"):
+                        world.run(call["kwargs"])
+                    continue
                 run_world(world, case, quant=PROFILE_QUANT[s.profile], programs=name,
                           gs_factor=_gs_factor(j, rnd), pdl=rnd.random() < 0.5,
-                          nvfp4_device="cpu" if j == 0 else "same", label=f"{name} H={hidden}")
+                          nvfp4_device="cpu" if j == 0 else "same", label=f"{name} H={hidden}",
+                          **fp8_options(rnd.randint(0, 3)))
                 info["cases"] += 1
     finally:
         world.close()
@@ -287,18 +318,18 @@ def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, 
     dtype = ref.NAME_TO_DTYPE[dname]
     quant = PROFILE_QUANT[profile]
     rnd = random.Random(seed_for("plan"))
-    hidden = rnd.choice(HIDDENS)
+    hidden = rnd.choice([h for h in HIDDENS if profile != "fp8_group128" or h % 128 == 0])
     cls = [s for s in SPECS if s.world_size == ws and s.dtype == dname and s.profile == profile
            and gspec.PROTOCOL[s.family] == "lamport2"]
     infos = {s.name: dispatch.program_info(s.name) for s in cls}
     assert len({i["protocol_class"] for i in infos.values()}) == 1, infos
     base = next(s.name for s in cls if s.family == "twoshot")
     shared_variants = [s.name for s in cls if s.family.endswith("_shared")]
-    assert shared_variants, f"no shared variant at ws{ws} {dname} o{profile}"
+    assert shared_variants, f"no shared variant at ws{ws} {dname} {profile}"
     max_tokens = 384
     world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0)
     try:
-        with recording(record_result, program=f"mixed lamport2 ws{ws} {dname} o{profile}", hidden=hidden,
+        with recording(record_result, program=f"mixed lamport2 ws{ws} {dname} {profile}", hidden=hidden,
                        devices=devices_kind) as info:
             plans = []
             for v in shared_variants:
@@ -321,7 +352,7 @@ def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, 
                             kw["shared_expert_output"] = None
                 case.meta["shared"] = [kw["shared_expert_output"] is not None for kw in case]
                 run_world(world, case, quant=quant, programs=progs, gs_factor=_gs_factor(j, rnd),
-                          pdl=rnd.random() < 0.5, label=f"mixed {mode}")
+                          pdl=rnd.random() < 0.5, label=f"mixed {mode}", **fp8_options(j))
                 info["cases"] += 1
     finally:
         world.close()
@@ -333,9 +364,9 @@ def regime_boundaries(dispatch, ws_obj, max_tokens):
     """Token counts T where the selected program differs from T - 1's, for any (quant, shared).
 
     Also asserts the rank-local shared-expert choice never leaves the protocol class."""
-    combos = [(q, sh) for q in (None, "nvfp4") for sh in (False, True)]
+    combos = [(q, sh) for q in QUANTS for sh in (False, True)]
     sel = {c: [dispatch.select_program(ws_obj, T, c[0], c[1]) for T in range(1, max_tokens + 1)] for c in combos}
-    for q in (None, "nvfp4"):
+    for q in QUANTS:
         for T in range(1, max_tokens + 1):
             a, b = sel[(q, False)][T - 1], sel[(q, True)][T - 1]
             ca, cb = dispatch.program_info(a)["protocol_class"], dispatch.program_info(b)["protocol_class"]
@@ -413,9 +444,10 @@ def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result)
                 for T in seq[i:i + burst]:
                     case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"call{i}"), rnd)
                     calls.append(prepare_call(
-                        case, quant=rnd.choice([None, "nvfp4"]), programs=None, gs_factor=_gs_factor(i, rnd),
+                        case, quant=rnd.choice(QUANTS), programs=None, gs_factor=_gs_factor(i, rnd),
                         pdl=rnd.random() < 0.5, nvfp4_device="cpu" if i % 50 == 0 else "same",
-                        label=f"auto call {i} of {len(seq)} (burst of {burst}, previous T={seq[i - 1] if i else None})"))
+                        label=f"auto call {i} of {len(seq)} (burst of {burst}, previous T={seq[i - 1] if i else None})",
+                        **fp8_options(rnd.randint(0, 3))))
                     i += 1
                 if burst == 1:
                     calls[0]["outs"] = world.run(calls[0]["kwargs"])
@@ -431,18 +463,21 @@ def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result)
 
 def _static_call(world, ws, T, dtype, seed, rnd, pdl):
     """Static inputs, poisoned outputs and kwargs for one captured world.run call."""
-    quant = rnd.choice([None, "nvfp4"])
+    quant = rnd.choice([None, "nvfp4", "fp8_group128"])
+    fp8 = dict(fp8_scale_layout=rnd.choice(["row", "column"]), fp8_pow2_scales=rnd.random() < 0.5)
     case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed, rnd)
-    provided = ref.alloc_outputs(case, quant)
+    provided = ref.alloc_outputs(case, quant, fp8_scale_layout=fp8["fp8_scale_layout"])
     gs = [torch.ones(1, dtype=torch.float32, device=DEVICE) for _ in range(ws)]
     kwargs = []
     for r, kw in enumerate(case):
         d = dict(kw)
         d.update(provided[r], quant=quant, launch_with_pdl=pdl, program=None)
-        if quant:
+        if quant == "nvfp4":
             d["global_scale"] = gs[r]
+        if quant == "fp8_group128":
+            d.update(fp8)
         kwargs.append(d)
-    return dict(case=case, provided=provided, gs=gs, kwargs=kwargs, quant=quant, T=T)
+    return dict(case=case, provided=provided, gs=gs, kwargs=kwargs, quant=quant, T=T, fp8=fp8)
 
 
 def _refresh(call, ws, dtype, seed, gs_factor):
@@ -460,7 +495,7 @@ def _refresh(call, ws, dtype, seed, gs_factor):
                 v.copy_(src[k])
     fresh.meta["shared"] = m["shared"]
     gs_val = None
-    if call["quant"]:
+    if call["quant"] == "nvfp4":
         gs_val = ref.f32(ref.typical_global_scale(ref.reference_for(fresh)["norm_out"]) * gs_factor)
         for t in call["gs"]:
             t.fill_(gs_val)
@@ -516,13 +551,13 @@ def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
                     ref.check_outputs(case, c["outs"], c["provided"], quant=c["quant"], global_scale=gs_val,
                                       nvfp4_device="cpu" if i % 40 == 0 else DEVICE,
                                       label=f"replay {i}: graph of T={[x['T'] for x in st['calls']]} call {j} "
-                                            f"pdl={st['pdl']}")
+                                            f"pdl={st['pdl']}", **c["fp8"])
                     info["cases"] += 1
                 if i % 4 == 3:  # an eager call of another T between replays
                     T = rnd.randint(1, AUTO_MAX_TOKENS)
                     case = _random_call_case(ws, T, AUTO_HIDDEN, dtype, seed_for(f"eager{i}"), rnd)
-                    run_world(world, case, quant=rnd.choice([None, "nvfp4"]), pdl=rnd.random() < 0.5,
-                              nvfp4_device="same", label=f"eager between replays {i}")
+                    run_world(world, case, quant=rnd.choice(QUANTS), pdl=rnd.random() < 0.5,
+                              nvfp4_device="same", label=f"eager between replays {i}", **fp8_options(i // 4))
                     info["cases"] += 1
     finally:
         world.close()

@@ -128,20 +128,27 @@ def _plan(rnd, i, T_max):
                 gs_factor=(1.0, rnd.uniform(0.05, 0.9), 3.0, 3e-6)[i % 4], pdl=rnd.random() < 0.5)
 
 
-def _one_call(dist, ws, rank, dev, case, quant, gs_factor, pdl, program, data_group, label):
-    """This rank's call, its full check, and the cross-process bit comparison. Returns failures."""
+def _one_call(dist, ws, rank, dev, case, quant, gs_factor, pdl, program, data_group, label, fp8_case=0):
+    """This rank's call, its full check, and the cross-process bit comparison. Returns failures.
+    fp8_case picks the fp8_group128 options: scale layout row/column, power-of-two scales or not."""
     import dispatch
     W = len(case)
     r0 = ref.reference_for(case)
-    provided = ref.alloc_outputs(case, quant, extra_scale_bytes=16)[rank]
+    fp8 = dict(fp8_scale_layout=("row", "column")[fp8_case % 2], fp8_pow2_scales=(fp8_case // 2) % 2 == 1)
+    provided = ref.alloc_outputs(case, quant, extra_scale_bytes=16, fp8_scale_layout=fp8["fp8_scale_layout"])[rank]
     kw = dict(case[rank])
     kw.update(provided, quant=quant, program=program, launch_with_pdl=pdl)
+    if quant == "fp8_group128":
+        kw.update(fp8)
     gs_val = None
-    if quant:
-        box = [ref.f32(ref.typical_global_scale(r0["norm_out"]) * gs_factor)]
+    if quant in ("nvfp4", "fp8_tensor"):
+        amax = float(r0["norm_out"].abs().max())
+        box = [ref.f32(ref.typical_global_scale(r0["norm_out"]) * gs_factor) if quant == "nvfp4"
+               else ref.f32(max(amax, 1e-3) / ref.E4M3_MAX / gs_factor)]
         dist.broadcast_object_list(box, src=dist.get_global_rank(data_group, 0), group=data_group)
         gs_val = box[0]
-        kw["global_scale"] = torch.tensor([gs_val], dtype=torch.float32, device=dev)
+        kw["global_scale" if quant == "nvfp4" else "fp8_scale"] = torch.tensor([gs_val], dtype=torch.float32,
+                                                                                device=dev)
     # both processes must hold the same inputs (drawn on the CPU from one seed)
     fp = torch.stack([c["allreduce_in"].view(torch.int16).long().sum() for c in case]
                      + [case[0]["residual_in"].view(torch.int16).long().sum()]).to(dev)
@@ -154,13 +161,16 @@ def _one_call(dist, ws, rank, dev, case, quant, gs_factor, pdl, program, data_gr
     fails = []
     try:
         ref.check_outputs(case, {rank: out}, {rank: provided}, quant=quant, global_scale=gs_val, ref=r0,
-                          label=label)
+                          label=label, **fp8)
     except AssertionError as e:
         fails.append(str(e))
     mine = [("residual_out", provided["residual_out"]), ("norm_out", provided["norm_out"])]
-    if quant:
+    if quant == "nvfp4":
         mine += [("quant_out", provided["quant_out"]),
                  ("scale_out", provided["scale_out"][: ref.scale_bytes_len(*provided["norm_out"].shape)])]
+    elif quant is not None:
+        mine += [("quant_out", provided["quant_out"])] + ([("scale_out", provided["scale_out"])]
+                                                          if quant == "fp8_group128" else [])
     for name, t in mine:
         b = t.contiguous().view(torch.uint8).reshape(-1)
         allb = [torch.empty_like(b) for _ in range(W)]
@@ -186,12 +196,12 @@ def _worker_sweep(rank, init_file, out_dir, base_seed):
         for dname in gspec.DTYPES:
             dtype = ref.NAME_TO_DTYPE[dname]
             rnd = random.Random(f"{base_seed}:{dname}")  # the same plan in both processes
-            hidden = rnd.choice(HIDDENS)
+            hidden = rnd.choice([h for h in HIDDENS if h % 128 == 0])  # every profile, fp8_group128 too
             ws = dispatch.Workspace(group, MAX_TOKENS, hidden, dtype, timeout_s=10.0)
             assert ws.rank == rank and ws.world_size == 2
             try:
                 for name in (n for n in WS2_PROGRAMS if gspec.parse(n).dtype == dname):
-                    quant = "nvfp4" if gspec.parse(name).profile == "111" else None
+                    quant = gspec.PROFILE_QUANT[gspec.parse(name).profile]
                     row = dict(rank=rank, program=name, hidden=hidden, cases=0, seeds=[], mode="two processes")
                     mine = []
                     for i in range(CASES_PER_PROGRAM):
@@ -203,7 +213,7 @@ def _worker_sweep(rank, init_file, out_dir, base_seed):
                                              weight_bias=p["weight_bias"], padded_rows=p["padded_rows"],
                                              drop_frac=p["drop_frac"])
                         mine += _one_call(dist, ws, rank, dev, case, quant, p["gs_factor"], p["pdl"], name, group,
-                                          f"{name} rank {rank} case {i}")
+                                          f"{name} rank {rank} case {i}", fp8_case=i)
                         row["cases"] += 1
                     row["passed"] = not mine
                     row["failures"] = mine[:5]
@@ -233,7 +243,7 @@ def _worker_subgroup(rank, init_file, out_dir, base_seed):
             rnd = random.Random(f"{base_seed}:subgroup")
             dname = rnd.choice(gspec.DTYPES)
             dtype = ref.NAME_TO_DTYPE[dname]
-            hidden = rnd.choice(HIDDENS)
+            hidden = rnd.choice([h for h in HIDDENS if h % 128 == 0])  # every profile, fp8_group128 too
             ws = dispatch.Workspace(group, MAX_TOKENS, hidden, dtype, timeout_s=10.0)
             assert ws.rank == grank and ws.world_size == 2, (ws.rank, ws.world_size)
             row = dict(rank=rank, program=f"auto ws2 {dname} on a subgroup", hidden=hidden, cases=0)
@@ -243,8 +253,9 @@ def _worker_subgroup(rank, init_file, out_dir, base_seed):
                     case = ref.make_case(2, p["T"], hidden, p["K"], dtype, seed=rnd.getrandbits(62), device=dev,
                                          gen_device="cpu", scale_kind=p["scale_kind"], shared=p["shared"],
                                          rsf=p["rsf"], weight_bias=p["weight_bias"])
-                    failures += _one_call(dist, ws, grank, dev, case, rnd.choice([None, "nvfp4"]), p["gs_factor"],
-                                          p["pdl"], None, data_group, f"subgroup rank {rank} call {i}")
+                    failures += _one_call(dist, ws, grank, dev, case, rnd.choice(list(gspec.PROFILE_QUANT.values())),
+                                          p["gs_factor"], p["pdl"], None, data_group, f"subgroup rank {rank} call {i}",
+                                          fp8_case=i)
                     row["cases"] += 1
             finally:
                 ws.close()

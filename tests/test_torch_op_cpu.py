@@ -155,18 +155,22 @@ def test_fake_outputs_follow_the_inputs(dtype, quant, T, H):
         assert (tuple(s.shape), s.dtype) == ((0,), torch.uint8)
 
 
-@pytest.mark.parametrize("quant", [None, "nvfp4"])
-@pytest.mark.parametrize("T,H", [(3, 256), (129, 2064)])
-def test_fake_matches_the_runtime_allocation(quant, T, H):
+@pytest.mark.parametrize("quant,layout", [(None, "row"), ("nvfp4", "row"), ("fp8_group128", "row"),
+                                          ("fp8_group128", "column"), ("fp8_tensor", "row")])
+@pytest.mark.parametrize("T,H", [(3, 256), (129, 2048)])
+def test_fake_matches_the_runtime_allocation(quant, layout, T, H):
     """The fake's outputs have the shapes and dtypes dispatch.op.allocate_outputs gives the real
     call (what the kernel writes when no outputs are passed)."""
     ws = StubWorkspace("cpu", hidden=H)
-    kw = dict(expanded_idx_to_permuted_idx=torch.zeros(T, 2, dtype=torch.int32), quant=quant)
+    kw = dict(expanded_idx_to_permuted_idx=torch.zeros(T, 2, dtype=torch.int32), quant=quant,
+              fp8_scale_layout=layout)
     real = dop.allocate_outputs(ws, kw)
     h = handle_of(StubWorkspace("meta", hidden=H))
-    gs = torch.empty(1, device="meta") if quant else None
-    fake = dispatch.moe_finalize_allreduce_op(h, **meta_inputs(T, 2, H), quant=quant, global_scale=gs)
-    names = ["norm_out", "residual_out"] + (["quant_out", "scale_out"] if quant else [])
+    gs = torch.empty(1, device="meta") if quant in ("nvfp4", "fp8_tensor") else None
+    scale_arg = dict(fp8_scale=gs) if quant == "fp8_tensor" else dict(global_scale=gs)
+    fake = dispatch.moe_finalize_allreduce_op(h, **meta_inputs(T, 2, H), quant=quant, fp8_scale_layout=layout,
+                                              **scale_arg)
+    names = ["norm_out", "residual_out"] + {None: [], "fp8_tensor": ["quant_out"]}.get(quant, ["quant_out", "scale_out"])
     for name in names:
         assert (tuple(real[name].shape), real[name].dtype) == (tuple(getattr(fake, name).shape),
                                                              getattr(fake, name).dtype), name
@@ -195,6 +199,9 @@ BAD_CALLS = [
     ("global_scale", dict(quant="nvfp4", global_scale=("empty", (2,), torch.float32))),
     ("weight_bias", dict(weight_bias=2)),
     ("norm_weight", dict(norm_weight=("cpu", (256,), torch.bfloat16))),  # another device
+    ("fp8_scale", dict(quant="fp8_tensor")),
+    ("fp8_scale", dict(quant="fp8_tensor", fp8_scale=("empty", (1,), torch.float16))),
+    ("fp8_scale_layout", dict(quant="fp8_group128", fp8_scale_layout="col")),
 ]
 
 
@@ -249,7 +256,7 @@ class CpuLauncher:
 
     def __init__(self, ws, name):
         info = dispatch.program_info(name)
-        self.name, self.family, self.profile = name, info["family"], info["profile"]
+        self.name, self.family, self.profile, self.regime = name, info["family"], info["profile"], info["regime"]
 
     def launch(self, ws, T, K, R, a, pdl):
         ws.launched.append(dict(program=self.name, T=T, K=K, R=R, pdl=pdl, quant=a["quant"]))

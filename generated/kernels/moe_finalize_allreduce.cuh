@@ -1,7 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 9f5cd24da0c61ebc34360afdf33a84c789a901a9c82786d735c3d9f0c954a14e
+// inputs sha256: f2500b287fc33e808e6523bed038f7dee45b891fdb6b7138803d4545bb891f59
 // To change it, edit the template or generator/ and run `gen-programs`.
-// MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4), one kernel per rank.
+// MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
 // Every program is this body instantiated for one (dtype, world size, output profile, regime,
 // shared-expert prefetch); the thin files in programs/ only name the instantiation. The loader
@@ -23,7 +23,9 @@
 // All state (call counter, extent written into each buffer) lives in this rank's device memory,
 // so a captured CUDA graph replays correctly, and both regimes share it, so T may cross regime
 // boundaries between calls. Every wait on a peer has a deadline (Params.timeout_ns): on expiry
-// the thread records rank and phase in the host-mapped error words and stops waiting.
+// the thread records rank and phase in the host-mapped error words, stops waiting, writes NaN
+// where the missing data would have gone and sends nothing further, so its peers time out too
+// rather than reduce what never arrived.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -32,7 +34,7 @@
 
 namespace moe_ar {
 
-enum class Profile { kPlain, kNvfp4 };
+enum class Profile { kPlain, kNvfp4, kFp8Group128, kFp8Tensor };
 enum class Regime { kOneShot, kTwoShot, kTwoShotEarly };
 
 constexpr int kMaxWorldSize = 8;
@@ -40,6 +42,12 @@ constexpr int kMaxVecPerThread = 4;
 constexpr int kMaxThreads = 512;
 constexpr int kElemsPerVec = 8;             // a 16-byte vector holds 8 elements of a 2-byte dtype
 constexpr unsigned kSentinelWord = 0x80008000u;  // two -0.0 halves
+constexpr unsigned kNanWord = 0x7fff7fffu;       // two NaN halves (fp16 and bf16 alike)
+constexpr float kE4m3Max = 448.f;                // largest finite FP8 E4M3 value
+constexpr int kFp8Group = 128;                   // elements per FP8 scale group: 16 vectors
+constexpr float kFp8GroupEps = 1e-10f;           // floor of a group's amax
+// Params.quant_flags (profile fp8_group128)
+enum QuantFlag { kScalesColumnMajor = 1, kScalesPow2 = 2 };
 
 // Device state words of one rank (Params.state).
 // kBadRows counts routes skipped because their row was >= R (read by dispatch.check()).
@@ -58,11 +66,11 @@ struct Params {
   const void* shared_in;  // [T, H] dtype shared-expert partial, or null
   const void* residual_in;  // [T, H] dtype
   const void* norm_weight;  // [H] dtype RMSNorm gamma
-  const float* global_scale;  // [1] fp32 NVFP4 global scale (profile 111), else null
+  const float* quant_scale;  // [1] fp32: NVFP4 global scale (111), FP8 per-tensor scale (fp8_tensor), else null
   void* norm_out;  // [T, H] dtype
   void* residual_out;  // [T, H] dtype
-  void* quant_out;  // [T, H/2] uint8 packed E2M1 (profile 111), else null
-  void* scale_out;  // swizzled 128x4 E4M3 scales (profile 111), else null
+  void* quant_out;  // [T, H/2] uint8 packed E2M1 (111); [T, H] FP8 E4M3 (fp8_*); else null
+  void* scale_out;  // swizzled 128x4 E4M3 scales (111); fp32 group scales (fp8_group128); else null
   void* peer_buffers[8];  // Lamport buffer base of every rank (3 rotating buffers each), by rank
   unsigned* state;  // this rank's device state words (call counter, extents, done counter)
   unsigned* error;  // host-mapped error words: code, phase, rank, bad-index count
@@ -75,7 +83,8 @@ struct Params {
   int rank;  // this rank
   int scale_kind;  // 0: no expert_scale, 1: fp32, 2: dtype
   int vec_per_thread;  // 16-byte vectors of a row held by one thread
-  int slices_per_row;  // work units a row is split into in the exchange phases
+  int quant_flags;  // fp8_group128: 1 = column-major scales [H/128, roundup(T, 4)], 2 = power-of-two scales
+  int fault_stop_after;  // fault injection for tests: > 0 sends only that many phase-1 units, then stops; 0 normally
   float routed_scaling_factor;  // multiplies the routed sum
   float eps;  // RMSNorm epsilon
   float weight_bias;  // 0, or 1 for (1 + gamma)
@@ -221,12 +230,16 @@ __device__ __forceinline__ void wait_and_reduce(const D* base, long long slot_st
       if (kAddResidual) add_residual<D>(p, t, v, s);
       out[r] = kSources == 1 && !kAddResidual ? in[0] : Vec<D>::from_float(s);
     }
-    if (arrived || d.expired) return;
+    if (arrived) return;
+    if (d.expired) break;
     if (d.at != 0 && global_timer_ns() > d.at) {
       record_timeout(p.error, p.rank, phase);
       d.expired = true;
     }
   }
+  // Gave up: what this thread holds is not the sum; make that visible instead of plausible.
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) out[r] = make_uint4(kNanWord, kNanWord, kNanWord, kNanWord);
 }
 
 // Rank q's buffer base. Selected with compile-time indices: a run-time index into the kernel
@@ -358,13 +371,31 @@ __device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num
   return (long long)(m / 128) * (num_k_tiles * 512) + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
 }
 
+// 1 / (float(sf8) / gs) for every scale byte sf8 (0 for sf8 = 0), computed once per block with the
+// two correctly rounded divisions of the rule, so that a lookup gives the bits the rule does per block
+// of 16 elements. All 256 bytes: a negative or NaN global scale still follows the rule.
+constexpr int kE4m3Codes = 256;
+__device__ __forceinline__ float* nvfp4_reciprocals() {
+  __shared__ float table[kE4m3Codes];
+  return table;
+}
+// Before the exchange; the block_sum barriers of the first row publish it before any lookup.
+__device__ __forceinline__ void fill_nvfp4_reciprocals(const Params& p) {
+  float* table = nvfp4_reciprocals();
+  const float gs = *p.quant_scale;
+  for (int b = threadIdx.x; b < kE4m3Codes; b += blockDim.x) {
+    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
+    table[b] = b != 0 ? __fdiv_rn(1.0f, __fdiv_rn(v, gs)) : 0.0f;  // byte compare, as the kernel always did
+  }
+}
+
 // Quantize this thread's norm_out vectors of row t (one per round, in the dtype). The thread holding
 // vector v ^ 1 holds the other half of each 16-element block. All rounds are handled side by side,
-// so their dependent chains (amax, shuffle, three divisions) overlap instead of running in turn.
+// so their dependent chains (amax, shuffle, a division, a table lookup) overlap instead of running in turn.
 template <typename D>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
-  const float gs = *p.global_scale;
+  const float gs = *p.quant_scale;
   float amax[kMaxVecPerThread];
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
@@ -383,8 +414,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
     if (r >= vpt || v >= nvec) continue;
     const float sf = __fdiv_rn(__fmul_rn(gs, amax[r]), 6.0f);
     const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
-    const float sf8_value = __half2float(__half(__nv_cvt_fp8_to_halfraw(sf8, __NV_E4M3)));
-    const float scale = sf8 != 0 ? __fdiv_rn(1.0f, __fdiv_rn(sf8_value, gs)) : 0.0f;
+    const float scale = nvfp4_reciprocals()[sf8];  // = sf8 != 0 ? 1 / (float(sf8) / gs) : 0
     float x[8];
     Vec<D>::to_float(normed[r], x);
     unsigned packed = 0;
@@ -411,8 +441,91 @@ __device__ __forceinline__ void zero_scale_padding_rows(const Params& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// FP8 E4M3 (hardware convert: round to nearest even, saturating), exact to the rule in the spec
+// ---------------------------------------------------------------------------------------------
+// 2^ceil(log2(s)) for a normal s > 0, from the bits: a power of two stays, anything else moves up to
+// the next exponent. (s >= 1e-10 / 448 is always normal.)
+__device__ __forceinline__ float pow2_ceil(float s) {
+  unsigned b = __float_as_uint(s);
+  if (b & 0x007fffffu) b = (b & 0xff800000u) + 0x00800000u;
+  return __uint_as_float(b);
+}
+// e4m3(clamp(x_i / s, -448, 448)) of 8 values, as 8 bytes in element order. Correctly rounded
+// division, as the reference (x / s in float32), not a multiplication by 1 / s.
+__device__ __forceinline__ uint2 e4m3x8_divided(const float (&x)[8], float s) {
+  unsigned b[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float q = fminf(fmaxf(__fdiv_rn(x[i], s), -kE4m3Max), kE4m3Max);
+    b[i] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+  }
+  return make_uint2(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24);
+}
+
+// Per-token-group FP8 of this thread's norm_out vectors of row t. A group of 128 elements is 16
+// consecutive vectors of one round, held by 16 consecutive lanes (a half warp): its amax is a
+// 4-step butterfly. Lane 0 of the group writes the float32 scale, row-major [T, H/128] or
+// column-major [H/128, roundup(T, 4)].
+template <typename D>
+__device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, groups = H / kFp8Group;
+  const bool column_major = p.quant_flags & kScalesColumnMajor, pow2 = p.quant_flags & kScalesPow2;
+  float x[kMaxVecPerThread][8], amax[kMaxVecPerThread];
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    Vec<D>::to_float(normed[r], x[r]);  // zeros for vectors past the row
+    amax[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax[r] = fmaxf(amax[r], fabsf(x[r][i]));
+  }
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1)  // every lane shuffles: vpt is the same for the block
+#pragma unroll
+    for (int r = 0; r < kMaxVecPerThread; ++r)
+      if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
+  uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
+  float* scales = static_cast<float*>(p.scale_out);
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    if (r >= vpt || v >= nvec) continue;
+    float s = __fdiv_rn(fmaxf(amax[r], kFp8GroupEps), kE4m3Max);
+    if (pow2) s = pow2_ceil(s);
+    quant[v] = e4m3x8_divided(x[r], s);
+    if (v % 16 == 0) {
+      const int g = v / 16;
+      scales[column_major ? (long long)g * ((p.tokens + 3) / 4 * 4) + t : (long long)t * groups + g] = s;
+    }
+  }
+}
+
+// Per-tensor FP8 of this thread's norm_out vectors of row t, with the scale from device memory.
+template <typename D>
+__device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const float s = *p.quant_scale;
+  uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    if (r >= vpt || v >= nvec) continue;
+    float x[8];
+    Vec<D>::to_float(normed[r], x);
+    quant[v] = e4m3x8_divided(x, s);
+  }
+}
+
+// Column-major FP8 scales: zero the padding tokens T..roundup(T, 4)-1 of every group.
+__device__ __forceinline__ void zero_fp8_scale_padding(const Params& p) {
+  const int T = p.tokens, padded_T = (T + 3) / 4 * 4, groups = p.hidden / kFp8Group;
+  const int n = (padded_T - T) * groups;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    static_cast<float*>(p.scale_out)[(long long)(i / (padded_T - T)) * padded_T + T + i % (padded_T - T)] = 0.f;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Epilogue of one token row: residual_out values (in the dtype, held in registers)
-// -> RMSNorm -> norm_out (+ NVFP4). The whole block calls it for the same row.
+// -> RMSNorm -> norm_out (+ NVFP4 or FP8). The whole block calls it for the same row.
 // ---------------------------------------------------------------------------------------------
 template <typename D, Profile P>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
@@ -433,7 +546,7 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
   }
   const float rms = rsqrtf(__fdiv_rn(block_sum(sumsq), (float)H) + p.eps);
   D* norm_out = static_cast<D*>(p.norm_out) + (long long)t * H;
-  uint4 normed[kMaxVecPerThread];  // norm_out in the dtype: what NVFP4 quantizes
+  uint4 normed[kMaxVecPerThread];  // norm_out in the dtype: what the quantized outputs encode
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     const int v = r * blockDim.x + threadIdx.x;
@@ -451,6 +564,8 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
     quantize_row_nvfp4<D>(p, t, normed);
     if (threadIdx.x == 0) zero_scale_padding_of_row(p, t);
   }
+  if (P == Profile::kFp8Group128) quantize_row_fp8_group<D>(p, t, normed);
+  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D>(p, t, normed);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -466,6 +581,8 @@ __device__ __forceinline__ void run(const Params& p) {
 
   Deadline deadline{p.timeout_ns ? global_timer_ns() + p.timeout_ns : 0ull, false};
   unsigned bad_rows = 0;
+
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);
 
   const unsigned call = p.state[kCallCounter];
   const int cur = call % 3, prev = (call + 2) % 3;
@@ -500,7 +617,9 @@ __device__ __forceinline__ void run(const Params& p) {
 
   // ---- phase 1: send this rank's partial of every token ------------------------------------
   {
-    const int units = sliced_send ? T * vpt : T;
+    const int all_units = sliced_send ? T * vpt : T;
+    // Fault injection (tests only): a rank with fault_stop_after = n sends its first n units and stops.
+    const int units = p.fault_stop_after ? min(p.fault_stop_after, all_units) : all_units;
     for (int u = blockIdx.x; u < units; u += gridDim.x) {
       const int t = sliced_send ? u / vpt : u;
       const int r_begin = sliced_send ? u % vpt : 0, r_end = sliced_send ? r_begin + 1 : vpt;
@@ -523,6 +642,7 @@ __device__ __forceinline__ void run(const Params& p) {
     }
   }
   allow_next_kernel();
+  if (p.fault_stop_after) return;  // the injected fault: this rank never takes part again in this call
 
   // ---- clear the buffer of the previous call (and the NVFP4 scale padding rows) ------------
   {
@@ -532,6 +652,7 @@ __device__ __forceinline__ void run(const Params& p) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
       prev_buffer[i] = sentinel;
     if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
+    if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   }
 
   // ---- two-shot phase 2: the owner reduces its tokens and sends residual_out to every rank --
@@ -546,6 +667,7 @@ __device__ __forceinline__ void run(const Params& p) {
       uint4 sum[kMaxVecPerThread];
       wait_and_reduce<D, W, true>(my_buffer + (long long)j * H, (long long)C * H, r_begin, r_end, t, sum, deadline, p,
                                   kPhaseReduceScatter);
+      if (deadline.expired) continue;  // peers must time out too, not take this row as the sum
 #pragma unroll
       for (int r = 0; r < kMaxVecPerThread; ++r) {
         const int v = r * blockDim.x + threadIdx.x;

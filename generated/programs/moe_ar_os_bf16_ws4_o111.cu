@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 9f5cd24da0c61ebc34360afdf33a84c789a901a9c82786d735c3d9f0c954a14e
+// inputs sha256: f2500b287fc33e808e6523bed038f7dee45b891fdb6b7138803d4545bb891f59
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_bf16_ws4_o111: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype bf16, world size 4, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))

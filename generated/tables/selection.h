@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: 9f5cd24da0c61ebc34360afdf33a84c789a901a9c82786d735c3d9f0c954a14e
+// inputs sha256: f2500b287fc33e808e6523bed038f7dee45b891fdb6b7138803d4545bb891f59
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
@@ -8,34 +8,46 @@
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; else
 // twoshot; then the shared-expert variant where the rank has a shared operand;
 // a hole falls back to its fallback_family
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111][oneshot_max_tokens, early_max_tokens]
-static const int kRegimeBoundaries[2][3][2][2] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111, fp8_group128, fp8_tensor][oneshot_max_tokens, early_max_tokens]
+static const int kRegimeBoundaries[2][3][4][2] = {
     {  // fp16
         {  // fp16 ws2
             {256, 256},  // fp16 ws2 o110: measured (bf16 data), mean 1.008x the best program
             {1024, 1024},  // fp16 ws2 o111: measured (bf16 data), mean 1.005x the best program
+            {256, 256},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.008x the best program
+            {256, 256},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.008x the best program
         },
         {  // fp16 ws4
             {64, 1024},  // fp16 ws4 o110: written model
             {64, 1024},  // fp16 ws4 o111: written model
+            {64, 1024},  // fp16 ws4 fp8_group128: written model
+            {64, 1024},  // fp16 ws4 fp8_tensor: written model
         },
         {  // fp16 ws8
             {16, 2048},  // fp16 ws8 o110: written model
             {16, 2048},  // fp16 ws8 o111: written model
+            {16, 2048},  // fp16 ws8 fp8_group128: written model
+            {16, 2048},  // fp16 ws8 fp8_tensor: written model
         },
     },
     {  // bf16
         {  // bf16 ws2
             {256, 256},  // bf16 ws2 o110: measured, mean 1.008x the best program
             {1024, 1024},  // bf16 ws2 o111: measured, mean 1.005x the best program
+            {256, 256},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.008x the best program
+            {256, 256},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.008x the best program
         },
         {  // bf16 ws4
             {64, 1024},  // bf16 ws4 o110: written model
             {64, 1024},  // bf16 ws4 o111: written model
+            {64, 1024},  // bf16 ws4 fp8_group128: written model
+            {64, 1024},  // bf16 ws4 fp8_tensor: written model
         },
         {  // bf16 ws8
             {16, 2048},  // bf16 ws8 o110: written model
             {16, 2048},  // bf16 ws8 o111: written model
+            {16, 2048},  // bf16 ws8 fp8_group128: written model
+            {16, 2048},  // bf16 ws8 fp8_tensor: written model
         },
     },
 };

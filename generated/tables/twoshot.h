@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 9f5cd24da0c61ebc34360afdf33a84c789a901a9c82786d735c3d9f0c954a14e
+// inputs sha256: f2500b287fc33e808e6523bed038f7dee45b891fdb6b7138803d4545bb891f59
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
@@ -7,34 +7,46 @@
 //   Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111]
-static const char* const kTwoShotKernels[2][3][2] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111, fp8_group128, fp8_tensor]
+static const char* const kTwoShotKernels[2][3][4] = {
     {  // fp16
         {  // fp16 ws2
             "moe_ar_ts_fp16_ws2_o110",  // fp16 ws2 o110
             "moe_ar_ts_fp16_ws2_o111",  // fp16 ws2 o111
+            "moe_ar_ts_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
+            "moe_ar_ts_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
         },
         {  // fp16 ws4
             "moe_ar_ts_fp16_ws4_o110",  // fp16 ws4 o110
             "moe_ar_ts_fp16_ws4_o111",  // fp16 ws4 o111
+            "moe_ar_ts_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
+            "moe_ar_ts_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
         },
         {  // fp16 ws8
             "moe_ar_ts_fp16_ws8_o110",  // fp16 ws8 o110
             "moe_ar_ts_fp16_ws8_o111",  // fp16 ws8 o111
+            "moe_ar_ts_fp16_ws8_fp8_group128",  // fp16 ws8 fp8_group128
+            "moe_ar_ts_fp16_ws8_fp8_tensor",  // fp16 ws8 fp8_tensor
         },
     },
     {  // bf16
         {  // bf16 ws2
             "moe_ar_ts_bf16_ws2_o110",  // bf16 ws2 o110
             "moe_ar_ts_bf16_ws2_o111",  // bf16 ws2 o111
+            "moe_ar_ts_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
+            "moe_ar_ts_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
         },
         {  // bf16 ws4
             "moe_ar_ts_bf16_ws4_o110",  // bf16 ws4 o110
             "moe_ar_ts_bf16_ws4_o111",  // bf16 ws4 o111
+            "moe_ar_ts_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
+            "moe_ar_ts_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
         },
         {  // bf16 ws8
             "moe_ar_ts_bf16_ws8_o110",  // bf16 ws8 o110
             "moe_ar_ts_bf16_ws8_o111",  // bf16 ws8 o111
+            "moe_ar_ts_bf16_ws8_fp8_group128",  // bf16 ws8 fp8_group128
+            "moe_ar_ts_bf16_ws8_fp8_tensor",  // bf16 ws8 fp8_tensor
         },
     },
 };
