@@ -20,6 +20,9 @@ What it measures, per shape (hidden, top_k, shared expert), token count T and ou
                two-shot (peer loads/stores, never NVLink multicast), where the installed torch
                offers it. Profile 110 only. Records carry `variant`.
   auto         dispatch.moe_finalize_allreduce with the dispatcher choosing the program.
+  auto+quant   FP8 profiles only: the unfused alternative to a fused FP8 output, i.e. auto with
+               plain output (profile 110) followed by a separate FP8 quantization kernel
+               (one launch, one read of norm_out, the same rule, bytes checked like ours).
   <program>    every generated program of this dtype / world size / profile, forced by name.
 
 Timing protocol: every system's step is captured in one CUDA graph of `calls` back-to-back
@@ -71,10 +74,12 @@ REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 DEFAULT_SHAPES = "7168:8:shared,7168:8,7168:4:shared,4096:8"
 DEFAULT_TOKENS = ",".join(str(2 ** i) for i in range(15))  # 1 .. 16384
-DEFAULT_SYSTEMS = "nccl+torch,symm+torch,auto,programs"
-BASELINES = ("nccl+torch", "symm+torch")
-SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "programs")
-PROFILES = {"110": None, "111": "nvfp4"}  # output profile -> quant argument
+DEFAULT_SYSTEMS = "nccl+torch,symm+torch,auto,auto+quant,programs"
+BASELINES = ("nccl+torch", "symm+torch", "auto+quant")
+SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "auto+quant", "programs")
+# output profile -> quant argument
+PROFILES = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
+FP8_PROFILES = ("fp8_group128", "fp8_tensor")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2}
 UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
@@ -85,6 +90,8 @@ TOLERANCE_U = 8
 # Norm-relative error of NVFP4 dequant(quant_out, scale_out) against the kernel's own norm_out.
 # E2M1 with a per-16 scale gives about 0.1 on Gaussian data; garbage gives about 1.
 NVFP4_TOLERANCE = 0.25
+# The same for FP8 E4M3 (3 mantissa bits: about 0.02 on Gaussian data).
+FP8_TOLERANCE = 0.08
 
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's
 EPS = 1e-6
@@ -166,6 +173,7 @@ def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, 
     norm_weight  gamma [H]
     outputs      residual_out and norm_out [T, H], written once each
     nvfp4        quant_out T*H/2 bytes + the swizzled scale bytes (profile 111 only)
+    fp8          quant_out T*H bytes (+ T*H/128 float32 scales for fp8_group128)
     """
     T, H, K, e = tokens, hidden, top_k, elem_bytes
     terms = {
@@ -176,6 +184,7 @@ def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, 
         "norm_weight": H * e,
         "outputs": 2 * T * H * e,
         "nvfp4": (T * H // 2 + scale_out_bytes(T, H)) if profile == "111" else 0,
+        "fp8": T * H + (T * (H // 128) * 4 if profile == "fp8_group128" else 0) if profile in FP8_PROFILES else 0,
     }
     terms["total"] = sum(terms.values())
     return terms
@@ -326,6 +335,8 @@ def summary_rows(records: list[dict]) -> list[dict]:
             "auto_vs_nccl": auto and auto.get("ratio_vs_nccl_torch"),
             "auto_vs_symm": auto and auto.get("ratio_vs_symm_torch"),
             "auto_vs_best": auto and auto.get("ratio_vs_best_program"),
+            "auto_vs_plus_quant": auto and auto.get("ratio_vs_auto_plus_quant"),
+            "auto_vs_auto_110": auto and auto.get("ratio_of_medians_vs_auto_110"),
             "roofline_us": (auto or recs[0])["roofline_us"],
             "roofline_fraction": auto and auto["roofline_us"] / auto["median_us"],
             "invalid": sorted({r["system"] + (f"/{r['variant']}" if r.get("variant") else "")
@@ -338,7 +349,7 @@ def short_program(name: Optional[str]) -> str:
     """"moe_ar_tse_bf16_ws2_o110" -> "tse" (the family code); other names unchanged."""
     if not name:
         return "-"
-    m = re.fullmatch(r"moe_ar_([a-z]+)_(?:bf16|fp16)_ws\d+_o\d+", name)
+    m = re.fullmatch(r"moe_ar_([a-z]+)_(?:bf16|fp16)_ws\d+_\w+", name)
     return m.group(1) if m else name
 
 
@@ -350,19 +361,21 @@ def format_summary(rows: list[dict]) -> str:
     def ratio(v):
         return f"{v:6.2f}" if v is not None else f"{'-':>6}"
 
-    head = (f"{'H/K[s]':<8} {'prof':>4} {'T':>5} {'auto':>8} {'nccl+t':>8} {'symm+t':>8} {'bestprog':>8} "
-            f"{'a/nccl':>6} {'a/symm':>6} {'a/best':>6} {'roof':>8} {'%roof':>5} auto;best")
-    lines = ["us per call; a/x = median per-replay time ratio auto/x (<1: auto faster); %roof = roofline/auto; "
-             "H/K[s]: hidden/top_k, s = shared expert", head, "-" * len(head)]
+    head = (f"{'H/K[s]':<8} {'profile':>12} {'T':>5} {'auto':>8} {'nccl+t':>8} {'symm+t':>8} {'bestprog':>8} "
+            f"{'a/nccl':>6} {'a/symm':>6} {'a/best':>6} {'a/a+q':>6} {'a/a110':>6} {'roof':>8} {'%roof':>5} auto;best")
+    lines = ["us per call; a/x = median per-replay time ratio auto/x (<1: auto faster); a+q = auto plain + a "
+             "separate FP8 quantization kernel; a/a110 = ratio of medians, auto at this profile / auto at 110; "
+             "%roof = roofline/auto; H/K[s]: hidden/top_k, s = shared expert", head, "-" * len(head)]
     for r in rows:
         shape = f"{r['hidden']}/{r['top_k']}{'s' if r['shared'] else ''}"
         frac = f"{100 * r['roofline_fraction']:5.0f}" if r["roofline_fraction"] is not None else f"{'-':>5}"
         names = f"{short_program(r['auto_program'])};{short_program(r['best_program'])}"
         if r["invalid"]:
             names += " INVALID:" + ",".join(short_program(n) for n in r["invalid"])
-        lines.append(f"{shape:<8} {r['profile']:>4} {r['tokens']:>5} {us(r['auto_us'])} {us(r['nccl_torch_us'])} "
+        lines.append(f"{shape:<8} {r['profile']:>12} {r['tokens']:>5} {us(r['auto_us'])} {us(r['nccl_torch_us'])} "
                      f"{us(r['symm_torch_us'])} {us(r['best_program_us'])} {ratio(r['auto_vs_nccl'])} "
-                     f"{ratio(r['auto_vs_symm'])} {ratio(r['auto_vs_best'])} {us(r['roofline_us'])} {frac} {names}")
+                     f"{ratio(r['auto_vs_symm'])} {ratio(r['auto_vs_best'])} {ratio(r.get('auto_vs_plus_quant'))} "
+                     f"{ratio(r.get('auto_vs_auto_110'))} {us(r['roofline_us'])} {frac} {names}")
     return "\n".join(lines)
 
 
@@ -509,6 +522,8 @@ class Config:
     started: float
     init_method: str = ""
     cold_start: Optional[dict] = None
+    pdl: bool = False                       # fused calls with programmatic dependent launch
+    vec_per_thread: Optional[int] = None    # the workspaces' row split (None: the default)
 
 
 # ---- bandwidth ---------------------------------------------------------------------------------
@@ -700,15 +715,100 @@ def _alloc_outputs(tokens: int, hidden: int, dtype, quant, n_sets: int, device) 
         if quant == "nvfp4":
             o["quant_out"] = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device)
             o["scale_out"] = torch.empty(scale_out_bytes(tokens, hidden), dtype=torch.uint8, device=device)
+        if quant in FP8_PROFILES:
+            o["quant_out"] = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
+        if quant == "fp8_group128":
+            o["scale_out"] = torch.empty(tokens, hidden // 128, dtype=torch.float32, device=device)
         outs.append(o)
     return outs
 
 
 def _poison(outputs: list) -> None:
-    """NaN into float outputs, 0xAB into byte outputs: a check then sees what was not written."""
+    """NaN into float outputs (FP8 too), 0xAB into byte outputs: a check then sees what was not written."""
+    import torch
     for o in outputs:
         for t in o.values():
-            t.fill_(float("nan") if t.dtype.is_floating_point else 0xAB)
+            if t.dtype == torch.float8_e4m3fn:
+                t.view(torch.uint8).fill_(0x7F)
+            else:
+                t.fill_(float("nan") if t.dtype.is_floating_point else 0xAB)
+
+
+# The separate quantization kernel of the auto+quant baseline: what an unfused engine runs after
+# the plain fused step (vLLM's / SGLang's per_token_group_quant_fp8, or a static per-tensor
+# quantization), written as one good kernel so that the comparison is fair: each thread quantizes
+# 8 elements (one 16-byte load), 16 threads (a half warp) share a 128-element group's amax.
+_FP8_QUANT_SOURCE = r"""
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+template <typename D> __device__ __forceinline__ float to_f(D x);
+template <> __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
+template <typename D>
+__device__ void fp8_quant(const D* x, unsigned char* q, float* scales, const float* tensor_scale, long long nvec,
+                          int hidden) {
+  const long long v = blockIdx.x * (long long)blockDim.x + threadIdx.x;  // nvec is a multiple of 16
+  float f[8], amax = 0.f;
+  if (v < nvec) {
+    const uint4 raw = reinterpret_cast<const uint4*>(x)[v];
+    const D* e = reinterpret_cast<const D*>(&raw);
+    for (int i = 0; i < 8; ++i) { f[i] = to_f(e[i]); amax = fmaxf(amax, fabsf(f[i])); }
+  }
+  float s;
+  if (tensor_scale != nullptr) {
+    s = *tensor_scale;
+  } else {
+    for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    s = __fdiv_rn(fmaxf(amax, 1e-10f), 448.f);
+  }
+  if (v >= nvec) return;
+  unsigned b[8];
+  for (int i = 0; i < 8; ++i)
+    b[i] = __nv_cvt_float_to_fp8(fminf(fmaxf(__fdiv_rn(f[i], s), -448.f), 448.f), __NV_SATFINITE, __NV_E4M3);
+  reinterpret_cast<uint2*>(q)[v] = make_uint2(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24,
+                                              b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24);
+  if (tensor_scale == nullptr && v % 16 == 0) scales[v / 16] = s;  // row-major [T, H/128]
+}
+extern "C" __global__ void fp8_quant_bf16(const __nv_bfloat16* x, unsigned char* q, float* scales,
+                                          const float* tensor_scale, long long nvec, int hidden) {
+  fp8_quant(x, q, scales, tensor_scale, nvec, hidden);
+}
+extern "C" __global__ void fp8_quant_fp16(const __half* x, unsigned char* q, float* scales,
+                                          const float* tensor_scale, long long nvec, int hidden) {
+  fp8_quant(x, q, scales, tensor_scale, nvec, hidden);
+}
+"""
+
+
+class Fp8QuantKernel:
+    """_FP8_QUANT_SOURCE compiled with the programs' NVRTC options and launched on torch's stream."""
+
+    def __init__(self, device_index: int):
+        import cupy
+        from cupy.cuda import function
+        from . import registry
+        cc = cupy.cuda.Device(device_index).compute_capability
+        target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
+        cubin, _ = registry.compile_cubin(_FP8_QUANT_SOURCE, "bench_fp8_quant", target)
+        with cupy.cuda.Device(device_index):
+            self.module = function.Module()
+            self.module.load(cubin)
+            self.functions = {d: self.module.get_function(f"fp8_quant_{d}") for d in ("bf16", "fp16")}
+
+    def __call__(self, x, q, scales, tensor_scale) -> None:
+        import ctypes
+        import torch
+        from cuda.bindings import driver as cu
+        nvec = x.numel() // 8
+        f = self.functions["bf16" if x.dtype == torch.bfloat16 else "fp16"]
+        args = ((x.data_ptr(), q.data_ptr(), scales.data_ptr() if scales is not None else 0,
+                 tensor_scale.data_ptr() if tensor_scale is not None else 0, nvec, x.shape[1]),
+                (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int))
+        err, = cu.cuLaunchKernel(cu.CUfunction(int(f.ptr)), -(-nvec // 256), 1, 1, 256, 1, 1, 0,
+                                 cu.CUstream(torch.cuda.current_stream().cuda_stream), args, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"fp8 quant kernel launch failed: {err}")
 
 
 class SymmAllReduce:
@@ -824,8 +924,14 @@ class Bench:
         import dispatch
         if hidden not in self.workspaces:
             self.workspaces[hidden] = dispatch.Workspace(self.group, self.max_tokens, hidden, self.dtype,
-                                                         timeout_s=self.cfg.timeout_s)
+                                                         timeout_s=self.cfg.timeout_s,
+                                                         vec_per_thread=self.cfg.vec_per_thread)
         return self.workspaces[hidden]
+
+    def fp8_quant_kernel(self) -> "Fp8QuantKernel":
+        if getattr(self, "_fp8_quant", None) is None:
+            self._fp8_quant = Fp8QuantKernel(self.device.index)
+        return self._fp8_quant
 
     def symm_for(self, hidden: int):
         """The symmetric-memory buffer for this hidden, or None (the reason is recorded once)."""
@@ -886,15 +992,32 @@ class Bench:
 
         ws = self.workspace(H)
 
-        def fused(program, outs):
+        def fused(program, outs, quant=quant):
             def step(i):
                 x, o = sets[i], outs[i]
                 dispatch.moe_finalize_allreduce(
                     ws, allreduce_in=x.allreduce_in, expanded_idx_to_permuted_idx=x.idx, residual_in=x.residual,
                     norm_weight=x.norm_weight, expert_scale_factor=x.scale,
                     routed_scaling_factor=ROUTED_SCALING_FACTOR, shared_expert_output=x.shared, eps=EPS,
-                    quant=quant, global_scale=gs, program=program, **o)
+                    quant=quant, global_scale=gs if quant == "nvfp4" else None,
+                    fp8_scale=self.fp8_scale if quant == "fp8_tensor" else None, program=program,
+                    launch_with_pdl=self.cfg.pdl,
+                    **{k: v for k, v in o.items() if quant is not None or k not in ("quant_out", "scale_out")})
             return step
+
+        if profile in FP8_PROFILES and "auto+quant" in wanted:
+            plain = dispatch.select_program(ws, T, None, shape.shared)
+            outs = _alloc_outputs(T, H, D, quant, S, dev)
+            quantize = self.fp8_quant_kernel()
+            plain_step = fused(None, outs, quant=None)
+
+            def plus_quant_step(i, outs=outs):
+                plain_step(i)
+                o = outs[i]
+                quantize(o["norm_out"], o["quant_out"], o.get("scale_out"),
+                         self.fp8_scale if quant == "fp8_tensor" else None)
+            family = dispatch.program_info(plain)["family"]
+            systems.append(System("auto+quant", regime_of_family(family), plus_quant_step, outs, program=plain))
 
         if "auto" in wanted:
             chosen = dispatch.select_program(ws, T, quant, shape.shared)
@@ -948,6 +1071,11 @@ class Bench:
                 T, H = o["norm_out"].shape
                 deq = nvfp4_dequant(o["quant_out"], o["scale_out"], gs_value, T, H)
                 q_err = max(q_err, rel_err(deq, o["norm_out"].float()))
+            if quant in FP8_PROFILES:
+                q = o["quant_out"].float()
+                deq = q * (o["scale_out"].repeat_interleave(128, dim=1) if quant == "fp8_group128"
+                           else self.fp8_scale_value)
+                q_err = max(q_err, rel_err(deq, o["norm_out"].float()))
             for t in o.values():  # bit identity across ranks
                 mine = t.reshape(-1).view(torch.uint8)
                 identical &= bool((self.all_gather(mine) == mine).all())
@@ -959,16 +1087,19 @@ class Bench:
             reasons.append(f"norm_out rel err {norm_err:.3g} > {tol:.3g}")
         if quant == "nvfp4" and not (ok_num and q_err <= NVFP4_TOLERANCE):
             reasons.append(f"nvfp4 dequant rel err {q_err:.3g} > {NVFP4_TOLERANCE}")
+        if quant in FP8_PROFILES and not (ok_num and q_err <= FP8_TOLERANCE):
+            reasons.append(f"fp8 dequant rel err {q_err:.3g} > {FP8_TOLERANCE}")
         if not identical:
             reasons.append("outputs differ across ranks")
         return {"residual_rel_err": res_err, "norm_rel_err": norm_err,
-                "nvfp4_rel_err": q_err if quant == "nvfp4" else None, "identical": identical, "reasons": reasons}
+                "nvfp4_rel_err": q_err if quant == "nvfp4" else None,
+                "fp8_rel_err": q_err if quant in FP8_PROFILES else None, "identical": identical, "reasons": reasons}
 
     def agree_checks(self, local: dict) -> dict:
         """Merge the ranks' check results: worst errors, all reasons."""
         every = self.gather(local)
         merged = {"reasons": sorted({f"rank {r}: {why}" for r, c in enumerate(every) for why in c["reasons"]})}
-        for k in ("residual_rel_err", "norm_rel_err", "nvfp4_rel_err"):
+        for k in ("residual_rel_err", "norm_rel_err", "nvfp4_rel_err", "fp8_rel_err"):
             vals = [c[k] for c in every if c[k] is not None]
             merged[k] = max(vals, key=lambda v: (math.isnan(v), v)) if vals else None
         return merged
@@ -1058,6 +1189,11 @@ class Bench:
         nccl = best(lambda s: s.name == "nccl+torch")
         symm = best(lambda s: s.name == "symm+torch")
         prog = best(lambda s: s.name not in ("auto",) + BASELINES)
+        plus_quant = best(lambda s: s.name == "auto+quant")
+        # auto at the plain profile at this point (measured in its own leg, before this one)
+        plain_auto = next((r["median_us"] for r in self.records if r["system"] == "auto" and r["valid"]
+                           and r["profile"] == "110" and (r["hidden"], r["top_k"], r["shared"], r["tokens"])
+                           == (shape.hidden, shape.top_k, shape.shared, T)), None)
         # NVFP4 has no torch baseline; the plain (profile 110) unfused step at this point, timed in
         # its own leg, tells what the fused step with quantization costs against it.
         plain_nccl = next((r["median_us"] for r in self.records if r["system"] == "nccl+torch" and r["valid"]
@@ -1069,13 +1205,15 @@ class Bench:
             roof = roofline(hbm["total"], nvl, bw["hbm_GBps"], bw["nvlink_GBps"] or float("inf"))
             extra = {}
             for key, base in (("ratio_vs_nccl_torch", nccl), ("ratio_vs_symm_torch", symm),
-                              ("ratio_vs_best_program", prog)):
+                              ("ratio_vs_best_program", prog), ("ratio_vs_auto_plus_quant", plus_quant)):
                 if base is not None and base is not s:
                     extra[key] = pair_ratio(t, series[id(base)])
                 elif base is s:
                     extra[key] = 1.0
-            if profile == "111" and plain_nccl is not None:
+            if profile != "110" and plain_nccl is not None:
                 extra["ratio_of_medians_vs_nccl_torch_110"] = med[id(s)] / plain_nccl
+            if profile != "110" and plain_auto is not None:
+                extra["ratio_of_medians_vs_auto_110"] = med[id(s)] / plain_auto
             if prog is not None:
                 extra["best_program"] = prog.name
             if symm is not None:
@@ -1121,7 +1259,8 @@ class Bench:
                                  "dropped_routes": 0, "expert_scale_factor": "float32",
                                  "tolerance": {"rel_u": TOLERANCE_U, "nvfp4_rel": NVFP4_TOLERANCE,
                                                "reference": "float64 (partials rounded to dtype once)"},
-                                 "l2_bytes": self.l2_bytes, "max_tokens": self.max_tokens},
+                                 "l2_bytes": self.l2_bytes, "max_tokens": self.max_tokens,
+                                 "launch_with_pdl": cfg.pdl, "vec_per_thread": cfg.vec_per_thread},
                       "cold_start": cfg.cold_start}
             self.log(f"moe-ar-bench: {machine}, {gpu}, world {self.W}; writing {out}")
             self.log("measuring HBM and peer bandwidth ...")
@@ -1183,6 +1322,9 @@ class Bench:
                 amax = max(float(n.abs().max()) for _, n in refs)
                 gs_value = float(torch.tensor(448.0 * 6.0 / amax, dtype=torch.float32))
                 gs = torch.tensor([gs_value], dtype=torch.float32, device=self.device)
+                # fp8_tensor: the usual static scale, amax / 448, kept on the device
+                self.fp8_scale_value = float(torch.tensor(amax / 448.0, dtype=torch.float32))
+                self.fp8_scale = torch.tensor([self.fp8_scale_value], dtype=torch.float32, device=self.device)
                 for profile in cfg.profiles:
                     bar.update(f"{shape.label} T={T} p{profile}")
                     self.run_point(shape, T, profile, sets, refs, gs, gs_value)
@@ -1297,7 +1439,8 @@ def measure_cold_start(program: str) -> dict:
 @click.option("--world", default=2, help="processes / GPUs (one each)")
 @click.option("--shapes", default=DEFAULT_SHAPES, help="HIDDEN:TOP_K[:shared], comma separated")
 @click.option("--tokens", default=DEFAULT_TOKENS, help="comma separated, or a power-of-two range like 1-16384")
-@click.option("--profiles", default="110,111", help="output profiles: 110 (dtype outputs), 111 (+ NVFP4)")
+@click.option("--profiles", default="110,111", help="output profiles: 110 (dtype outputs), 111 (+ NVFP4), "
+                                                   "fp8_group128, fp8_tensor")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16")
 @click.option("--systems", default=DEFAULT_SYSTEMS,
               help="of nccl+torch, symm+torch, auto, programs (every generated program), or program names")
@@ -1317,8 +1460,11 @@ def measure_cold_start(program: str) -> dict:
               help="also measure compiling one program at first use and loading it from the warm cache")
 @click.option("--cold-start-program", default=None, help="[default: the auto choice at 1 token, profile 110]")
 @click.option("--sweep/--no-sweep", default=True, help="run the latency sweep")
+@click.option("--pdl/--no-pdl", default=False, help="launch the fused calls with programmatic dependent launch")
+@click.option("--vec-per-thread", type=click.IntRange(1, 4), default=None,
+              help="the workspaces' row split: 16-byte vectors per thread [default: the runtime's]")
 def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, out, machine, timeout_s, seed,
-         bw_gib, time_budget_s, cold_start, cold_start_program, sweep):
+         bw_gib, time_budget_s, cold_start, cold_start_program, sweep, pdl, vec_per_thread):
     """Benchmark the fused MoE finalize + all-reduce + RMSNorm programs against NCCL and torch
     symmetric-memory baselines on `--world` GPUs of this machine (measure.md protocol)."""
     started = time.time()
@@ -1328,7 +1474,7 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
                      profiles=parse_list(profiles, PROFILES, "profile"), dtype=dtype,
                      systems=parse_list(systems, what="system"), reps=reps, calls=calls, warmup=warmup, out=out,
                      machine=machine, timeout_s=timeout_s, seed=seed, bw_gib=bw_gib, time_budget_s=time_budget_s,
-                     started=started)
+                     started=started, pdl=pdl, vec_per_thread=vec_per_thread)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     if reps < 50:
@@ -1340,7 +1486,7 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
     if cold_start:
         from . import registry
         name = cold_start_program or registry.program_for(
-            registry.select_family(dtype, world, "110", 1, False), dtype, world, "110")
+            registry.select_family(dtype, world, "110", 1, False, 1024), dtype, world, "110")
         click.echo(f"cold start: {name} ...")
         cfg.cold_start = measure_cold_start(name)
         click.echo(json.dumps(cfg.cold_start, indent=1))
