@@ -1,32 +1,76 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU machine, in one call, results under $OUT (default ./gpu-out):
-#   1. the GPU tests (every program, emulated 2/4/8 on one and on two GPUs, two real processes,
-#      faults, the torch custom op), one JSON line per test in $OUT/gpu-tests.jsonl;
-#   2. the benchmark against NCCL and torch symmetric memory (2 GPUs), JSON + PNG + summary;
-#   3. the two-process example, plain and NVFP4.
-# Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]
-# Set STEPS="tests bench example" (default) to choose steps; COMMIT to record the commit.
+# Everything that needs the GPU machine, results under $OUT (default ./gpu-out). Steps (STEPS=...,
+# default all, in this order; each has its own time limit so that a slow one cannot eat the rest):
+#   tests     the GPU tests (every program, emulated 2/4/8 on one and on two GPUs, two real
+#             processes, faults, reliability, FP8 consumer, the torch custom op), one JSON line per
+#             test in $OUT/gpu-tests.jsonl, the log in $OUT/gpu-tests.log
+#   bench     the benchmark against NCCL and torch symmetric memory (2 GPUs): JSON + PNG + summary
+#   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
+#   latency   small-T latency with PDL and with another row split (vec_per_thread 2)
+#   soak      long randomized runs (dispatch/soak.py): world size 2 on two GPUs, 4 and 8 emulated
+#             on one GPU each; tests/reliability_summary.py turns the results into the summary
+#   example   the two-process example, plain and NVFP4
+# Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast can take a shared host's GPUs down: keep it off everywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export MOE_AR_CACHE_DIR=${MOE_AR_CACHE_DIR:-/tmp/moe_ar_cache}
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+# Results gather in $RES and are packed into $OUT/results.tgz after every step (the device tool
+# brings back at most 8 files); the tests' log and JSON lines go to $OUT directly.
+FINAL_OUT=${OUT:-gpu-out}; mkdir -p "$FINAL_OUT"
+OUT=${RES:-$(mktemp -d /tmp/moe-ar-gpu-XXXX)}; mkdir -p "$OUT"
+pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null; true; }
+trap pack EXIT
 export MOE_AR_COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-STEPS=${STEPS:-tests bench example}
+STEPS=${STEPS:-tests bench fp8bench latency soak example}
+GPUS=$(nvidia-smi -L | wc -l)
 status=0
+step() { pack; [[ " $STEPS " == *" $1 "* ]]; }  # packs what the steps before wrote
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 
-if [[ " $STEPS " == *" tests "* ]]; then
-    MOE_AR_RESULTS="$OUT/gpu-tests.jsonl" timeout 480 python3 -m pytest -m gpu -q -p no:cacheprovider \
-        tests "$@" 2>&1 | tee "$OUT/gpu-tests.log" | tail -5 || status=1
+if step tests; then
+    # straight into the final folder: these survive even a run killed at the device's time limit
+    MOE_AR_RESULTS="$FINAL_OUT/gpu-tests.jsonl" timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q \
+        -p no:cacheprovider tests "$@" 2>&1 | tee "$FINAL_OUT/gpu-tests.log" | tail -15 || status=1
 fi
-if [[ " $STEPS " == *" bench "* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-    timeout 420 python3 -m dispatch.bench --cold-start --time-budget-s 300 --out "$OUT/bench.json" 2>&1 \
+BENCH="timeout 300 python3 -m dispatch.bench"
+if step bench && [ "$GPUS" -ge 2 ]; then
+    $BENCH --cold-start --time-budget-s "${BENCH_BUDGET:-200}" --out "$OUT/bench.json" 2>&1 \
         | grep -v "it/s]" | tail -40 || status=1
 fi
-if [[ " $STEPS " == *" example "* ]] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+if step fp8bench && [ "$GPUS" -ge 2 ]; then
+    $BENCH --shapes 7168:8:shared --tokens 1,16,128,256,1024,4096,8192 --profiles 110,fp8_group128,fp8_tensor \
+        --systems auto,auto+quant --out "$OUT/bench-fp8.json" 2>&1 | grep -v "it/s]" | tail -30 || status=1
+fi
+if step latency && [ "$GPUS" -ge 2 ]; then
+    for variant in "--pdl" "--vec-per-thread 2" "--vec-per-thread 2 --pdl"; do
+        tag=$(echo "$variant" | tr -d ' -')
+        $BENCH --shapes 7168:8:shared --tokens 1,16,128 --profiles 110 --systems auto,nccl+torch $variant \
+            --out "$OUT/bench-latency-$tag.json" 2>&1 | grep -v "it/s]" | tail -8 || status=1
+    done
+fi
+if step soak; then
+    # ws4 and ws8 emulated side by side, one per GPU, then ws2 over both GPUs; no call starts after
+    # SOAK_BUDGET_S (the JSON then says how many calls it made and why it stopped)
+    CALLS=${SOAK_CALLS:-100000} BUDGET=${SOAK_BUDGET_S:-200}
+    soak() {  # soak NAME CUDA_VISIBLE_DEVICES ARGS...
+        local name=$1 vis=$2; shift 2
+        CUDA_VISIBLE_DEVICES=$vis timeout $((BUDGET + 120)) python3 -m dispatch.soak --calls "$CALLS" \
+            --time-budget-s "$BUDGET" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
+        local rc=$?; echo "$name: exit $rc; $(tail -1 "$OUT/$name.log")"; return $rc
+    }
+    if [ "$GPUS" -ge 2 ]; then
+        soak soak-ws4 0 --world-size 4 & p4=$!
+        soak soak-ws8 1 --world-size 8 || status=1
+        wait $p4 || status=1
+        soak soak-ws2 0,1 --world-size 2 --devices 0,1 || status=1
+    else
+        for W in 4 8 2; do soak soak-ws$W 0 --world-size $W || status=1; done
+    fi
+fi
+if step example && [ "$GPUS" -ge 2 ]; then
     for q in none nvfp4; do
         timeout 180 torchrun --nproc-per-node 2 -m dispatch.example_moe_tail --quant "$q" 2>&1 \
             | tail -8 | tee -a "$OUT/example.log" || status=1

@@ -1,0 +1,235 @@
+"""Markdown summary of a reliability run (issue #5): soak results and the reliability tests' records.
+
+    python tests/reliability_summary.py --tests gpu-tests.jsonl --soak soak-ws2.json soak-ws4.json soak-ws8.json \
+        --out bench_results/reliability/summary.md
+
+--tests: the JSON lines the GPU tests append through `record_result` (MOE_AR_RESULTS); the lines of
+tests/test_gpu_reliability.py (kind "reliability") are summarized one by one, every other test is
+counted. --soak: the JSON files of `python -m dispatch.soak`. Writes calls made, faults injected,
+outcomes, machine and commit; prints one line with the overall result. --strict: exit 1 when anything
+failed (default: exit 0 once the summary is written; 2 for unreadable inputs).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import sys
+
+
+def load_jsonl(path) -> list:
+    rows = []
+    for i, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: not JSON ({e})") from None
+    return rows
+
+
+def load_soak(path) -> dict:
+    d = json.loads(pathlib.Path(path).read_text())
+    if not isinstance(d, dict) or "calls" not in d or "world_size" not in d:
+        raise ValueError(f"{path}: not a dispatch.soak result")
+    d["_file"] = str(path)
+    return d
+
+
+def is_reliability(row: dict) -> bool:
+    return row.get("kind") == "reliability" or "test_gpu_reliability" in str(row.get("test", ""))
+
+
+def _short_test(t: str) -> str:
+    return str(t).split("::", 1)[-1] if t else "?"
+
+
+def _fmt_int(n) -> str:
+    return f"{n:,}" if isinstance(n, int) else ("-" if n is None else str(n))
+
+
+def _cell(v) -> str:
+    s = "-" if v is None else str(v)
+    return s.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(header, rows) -> list:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(_cell(c) for c in r) + " |" for r in rows]
+    return out
+
+
+def _machine(soaks, tests, override=None) -> str:
+    if override:
+        return override
+    # the record that saw the most GPUs (a soak pinned with CUDA_VISIBLE_DEVICES sees one)
+    seen = [(int((s.get("machine") or {}).get("gpus") or 0), (s.get("machine") or {}).get("gpu"),
+             (s.get("machine") or {}).get("hostname")) for s in soaks]
+    seen += [(int(t.get("gpus") or 0), t.get("gpu"), None) for t in tests]
+    seen = [x for x in seen if x[1]]
+    if not seen:
+        return "unknown"
+    gpus = max(x[0] for x in seen)
+    gpu = next(x[1] for x in seen if x[0] == gpus)
+    host = next((x[2] for x in seen if x[2]), None)
+    return f"{gpus}x {gpu}" + (f" ({host})" if host else "")
+
+
+def _commit(soaks, override=None) -> str:
+    if override:
+        return override
+    commits = sorted({s.get("commit") for s in soaks if s.get("commit") and s.get("commit") != "unknown"})
+    if commits:
+        return ", ".join(commits)
+    return os.environ.get("MOE_AR_COMMIT", "unknown")
+
+
+def _soak_passed(s: dict) -> bool:
+    if "passed" in s:
+        return bool(s["passed"])
+    return (s.get("calls", 0) > 0 and not s.get("wrong_elements") and not s.get("timeouts")
+            and not s.get("hangs") and not s.get("full_check_failures"))
+
+
+def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None) -> tuple[str, bool]:
+    """(markdown, all passed)."""
+    rel = [t for t in tests if is_reliability(t)]
+    others = [t for t in tests if not is_reliability(t)]
+    soak_calls = sum(int(s.get("calls", 0)) for s in soaks)
+    # a multi-process test writes one row per rank for the same collective calls: count rank 0's
+    counted = [t for t in rel if int(t.get("rank", 0) or 0) == 0]
+    test_calls = sum(int(t.get("calls", 0) or 0) for t in counted)
+    faults = sum(int(t.get("faults_injected", 0) or 0) for t in counted)
+    hostile = sum(int(t.get("hostile_calls", 0) or 0) for t in rel)
+    wrong = sum(int(s.get("wrong_elements", 0)) for s in soaks)
+    timeouts = sum(int(s.get("timeouts", 0)) for s in soaks)
+    hangs = sum(int(s.get("hangs", 0)) for s in soaks)
+    full = sum(int(s.get("full_checks", 0)) for s in soaks)
+    full_bad = sum(int(s.get("full_check_failures", 0)) for s in soaks)
+    rel_failed = [t for t in rel if not t.get("passed", False)]
+    other_failed = [t for t in others if t.get("passed") is False]
+    soak_failed = [s for s in soaks if not _soak_passed(s)]
+    ok = bool(soaks or rel) and not rel_failed and not soak_failed and not other_failed
+    date = date or datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+
+    lines = [f"# Reliability: faults, soak, hostile input, lifetimes ({'PASS' if ok else 'FAIL'})", "",
+             f"Machine: {_machine(soaks, tests, machine)}; commit: {_commit(soaks, commit)}; date: {date}.", ""]
+    lines += _table(["", "count"], [
+        ["calls made (soak + reliability tests)", _fmt_int(soak_calls + test_calls)],
+        ["  soak calls", _fmt_int(soak_calls)],
+        ["  reliability test calls (valid calls, each checked in full)", _fmt_int(test_calls)],
+        ["faults injected (late ranks, ranks stopped mid-exchange)", _fmt_int(faults)],
+        ["hostile calls (each a ValueError naming the argument)", _fmt_int(hostile)],
+        ["wrong elements (soak)", _fmt_int(wrong)],
+        ["soak full reference checks (failed)", f"{_fmt_int(full)} ({_fmt_int(full_bad)})"],
+        ["soak timeouts (no fault injected: must be 0)", _fmt_int(timeouts)],
+        ["hangs", _fmt_int(hangs)],
+        ["reliability tests passed / run", f"{len(rel) - len(rel_failed)} / {len(rel)}"],
+    ])
+    lines.append("")
+
+    lines += ["## Soak", ""]
+    if soaks:
+        rows = []
+        for s in sorted(soaks, key=lambda s: (s.get("world_size", 0), str(s.get("devices")))):
+            regimes = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted((s.get("regimes") or {}).items()))
+            q = s.get("quant_calls") or {}
+            devs = s.get("devices") or []
+            rows.append([s.get("world_size"), "one GPU" if s.get("single_device") else ",".join(map(str, devs)),
+                         s.get("dtype"), _fmt_int(s.get("calls")), _fmt_int(s.get("eager_calls")),
+                         _fmt_int(s.get("graph_calls")), _fmt_int(s.get("pdl_calls")), _fmt_int(q.get("nvfp4", 0)),
+                         regimes, _fmt_int(s.get("wrong_elements")), _fmt_int(s.get("full_checks")),
+                         _fmt_int(s.get("timeouts")), _fmt_int(s.get("hangs")), s.get("seconds"),
+                         "PASS" if _soak_passed(s) else "FAIL"])
+        lines += _table(["W", "devices", "dtype", "calls", "eager", "graph", "PDL", "NVFP4", "regimes (calls)",
+                         "wrong elements", "full checks", "timeouts", "hangs", "seconds", "result"], rows)
+        lines.append("")
+        for s in soaks:
+            notes = [f"`{pathlib.Path(s['_file']).name}`" if s.get("_file") else "soak",
+                     f"max_tokens {s.get('max_tokens')}, hidden {s.get('hidden')}, seed {s.get('seed')}",
+                     f"T {s.get('tokens', {}).get('min')}..{s.get('tokens', {}).get('max')} "
+                     f"({s.get('tokens', {}).get('distinct')} distinct)",
+                     f"boundaries {s.get('boundaries')}", f"stopped by {s.get('stopped_by')}"]
+            if s.get("graph_note"):
+                notes.append(s["graph_note"])
+            if not s.get("reference_importable", True):
+                notes.append("tests/reference.py not importable: no full checks")
+            if s.get("error"):
+                notes.append(f"error: {str(s['error']).splitlines()[0]}")
+            for f in (s.get("failures") or [])[:3]:
+                notes.append(f"failure: {json.dumps(f, default=str)[:300]}")
+            lines.append("- " + "; ".join(notes) + ".")
+        lines.append("")
+    else:
+        lines += ["(no soak results given)", ""]
+
+    def section(title, pred, extra_cols):
+        sel = [t for t in rel if pred(t)]
+        if not sel:
+            return
+        lines.extend([f"## {title}", ""])
+        rows = []
+        for t in sel:
+            rows.append([_short_test(t.get("test")), t.get("world_size"), t.get("devices")]
+                        + [t.get(c) for c in extra_cols]
+                        + [(t.get("outcome") if t.get("passed") else t.get("error")) or t.get("outcome")
+                           or t.get("error") or (t.get("failures") or [None])[0], t.get("seconds"),
+                           "PASS" if t.get("passed") else "FAIL"])
+        lines.extend(_table(["test", "W", "devices"] + extra_cols + ["outcome", "seconds", "result"], rows))
+        lines.append("")
+
+    what = lambda t: str(t.get("what", ""))  # noqa: E731
+    section("Faults: a late rank", lambda t: what(t).startswith("late rank"),
+            ["regime", "timeout_s", "delay_ms", "faults_injected", "calls"])
+    section("Faults: a rank stops mid-exchange", lambda t: what(t).startswith("rank stops"),
+            ["regime", "timeout_s", "stop_after_units", "wall_s", "faults_injected", "calls"])
+    section("Hostile input", lambda t: "hostile" in what(t) or "closed" in what(t), ["hostile_calls", "calls"])
+    section("Lifetimes", lambda t: any(k in what(t) for k in ("world", "cycles", "group")),
+            ["calls", "cycles_done", "device_memory_drift_bytes"])
+    known = ("late rank", "rank stops", "hostile", "closed", "world", "cycles", "group")
+    section("Other reliability tests", lambda t: not any(k in what(t) for k in known), ["calls", "faults_injected"])
+
+    if others:
+        lines += ["## Other GPU tests in the same run", "",
+                  f"{len(others)} records, {len(other_failed)} failed"
+                  + (": " + ", ".join(_short_test(t.get("test")) for t in other_failed[:10]) if other_failed else "")
+                  + ".", ""]
+    return "\n".join(lines).rstrip() + "\n", ok
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tests", default=None, help="JSON lines of the GPU tests (MOE_AR_RESULTS)")
+    p.add_argument("--soak", nargs="*", default=[], help="dispatch.soak JSON files")
+    p.add_argument("--out", default=None, help="markdown path (default: print)")
+    p.add_argument("--machine", default=None)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--date", default=None)
+    p.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
+    a = p.parse_args(argv)
+    try:
+        tests = load_jsonl(a.tests) if a.tests else []
+        soaks = [load_soak(s) for s in a.soak]
+    except (OSError, ValueError) as e:
+        print(f"reliability_summary: {e}", file=sys.stderr)
+        return 2
+    if not tests and not soaks:
+        print("reliability_summary: nothing to summarize (give --tests and/or --soak)", file=sys.stderr)
+        return 2
+    text, ok = summarize(tests, soaks, machine=a.machine, commit=a.commit, date=a.date)
+    if a.out:
+        out = pathlib.Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+        print(f"wrote {out}: {'PASS' if ok else 'FAIL'}")
+    else:
+        print(text)
+    return 1 if (a.strict and not ok) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
