@@ -30,6 +30,19 @@ status=0
 step() { pack; [[ " $STEPS " == *" $1 "* ]]; }  # packs what the steps before wrote
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpus.txt"
 
+# Fill the compile cache for this GPU's target with every program, in parallel, before anything runs
+# (first use would otherwise compile them one at a time inside the tests).
+python3 - <<'PY' || status=1
+import concurrent.futures as cf, os, time, cupy
+from dispatch import registry
+cc = cupy.cuda.Device(0).compute_capability
+target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
+t0 = time.perf_counter()
+with cf.ProcessPoolExecutor(os.cpu_count()) as pool:
+    list(pool.map(registry.cached_cubin, registry.programs(), [target] * len(registry.programs())))
+print(f"compile cache: {len(registry.programs())} programs for {target} in {time.perf_counter() - t0:.1f} s")
+PY
+
 if step tests; then
     # straight into the final folder: these survive even a run killed at the device's time limit
     MOE_AR_RESULTS="$FINAL_OUT/gpu-tests.jsonl" timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q \
