@@ -33,10 +33,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu
 # Fill the compile cache for this GPU's target with every program, in parallel, before anything runs
 # (first use would otherwise compile them one at a time inside the tests).
 python3 - <<'PY' || status=1
-import concurrent.futures as cf, os, time, cupy
-from dispatch import registry
-cc = cupy.cuda.Device(0).compute_capability
-target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
+import concurrent.futures as cf, os, subprocess, time
+from dispatch import registry  # no CUDA context here: the workers only run NVRTC
+cc = subprocess.check_output(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"], text=True)
+target = registry.TARGET_FOR_CAPABILITY[tuple(int(x) for x in cc.split()[0].split("."))]
 t0 = time.perf_counter()
 with cf.ProcessPoolExecutor(os.cpu_count()) as pool:
     list(pool.map(registry.cached_cubin, registry.programs(), [target] * len(registry.programs())))
