@@ -216,7 +216,8 @@ class LoadedProgram:
             self.module = function.Module()
             self.module.load(cubin)
             self.function = self.module.get_function(self.entry["symbol"])
-        self.function_ptr = int(self.function.ptr)
+            self.function_ptr = int(self.function.ptr)
+            _load_now(self.function_ptr)
         self.device_index = device_index
 
     def max_blocks_per_sm(self, threads: int) -> int:
@@ -224,6 +225,18 @@ class LoadedProgram:
         err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(self.function_ptr), threads, 0)
         _check(err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return int(n)
+
+
+def _load_now(function_ptr: int) -> None:
+    """Put the kernel's code on the device now. With CUDA's lazy loading (the default) that would
+    happen at its first launch and may wait for the kernels already running in the context; when
+    those kernels are the other ranks of an emulated world, spinning until this rank's kernel
+    arrives, that wait is a deadlock (seen: a 10 s timeout at the first launch of a program)."""
+    from cuda.bindings import driver as cu
+    load = getattr(cu, "cuFuncLoad", None)  # CUDA 12.4+
+    if load is not None:
+        err, = load(cu.CUfunction(function_ptr))
+        _check(err, "cuFuncLoad")
 
 
 _loaded: dict[tuple[str, int], LoadedProgram] = {}
@@ -241,8 +254,8 @@ def load(name: str, device_index: int) -> LoadedProgram:
 
 
 def warmup(names=None, device_index: int | None = None) -> list[dict]:
-    """Compile (or load from the cache) the named programs ahead of time; returns per-program info
-    with the seconds each took and whether it came from the cache."""
+    """Compile (or load from the cache) the named programs ahead of time and put their code on the
+    device; returns per-program info with the seconds each took and whether it came from the cache."""
     import torch
     if device_index is None:
         device_index = torch.cuda.current_device()

@@ -710,7 +710,9 @@ def fp8_group_ref(norm_out: torch.Tensor, *, pow2_scales: bool = False, column_m
         raise ValueError(f"hidden {H} is not a multiple of {FP8_GROUP}")
     x = norm_out.to(torch.float32).reshape(T, H // FP8_GROUP, FP8_GROUP)
     amax = torch.clamp(x.abs().amax(dim=-1), min=FP8_EPS)
-    s = amax / torch.tensor(E4M3_MAX, dtype=torch.float32)
+    # A full tensor divisor, never a 0-dim one: torch turns division by a CPU scalar into a
+    # multiplication by its rounded reciprocal on the GPU, which is not the rule's division.
+    s = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scales:
         s = pow2_ceil(s)
     q = torch.clamp(x / s[..., None], -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(T, H)
@@ -724,4 +726,5 @@ def fp8_group_ref(norm_out: torch.Tensor, *, pow2_scales: bool = False, column_m
 def fp8_tensor_ref(norm_out: torch.Tensor, scale: float):
     """Per-tensor FP8 E4M3 with one static float32 scale: q = e4m3(clamp(x / scale, -448, 448))."""
     x = norm_out.to(torch.float32)
-    return torch.clamp(x / torch.tensor(scale, dtype=torch.float32), -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    s = torch.full_like(x, f32(float(scale)))  # a full tensor divisor: see fp8_group_ref
+    return torch.clamp(x / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)

@@ -569,6 +569,30 @@ def test_fp8_group_ref_scales_and_bounds(pow2):
     assert (err <= torch.maximum(xf.abs() * 2.0 ** -4, s[..., None] * 2.0 ** -10) * (1 + 1e-6)).all()
 
 
+def _divisions_are_correctly_rounded(device):
+    """The FP8 references divide as the rule says, x / s correctly rounded in float32: for float32
+    operands that is the float64 quotient rounded to float32 (53 >= 2 * 24 + 2 bits)."""
+    x = _activations(64, 1024, 13).to(device)
+    _, s = ref.fp8_group_ref(x)
+    amax = x.float().reshape(64, 8, 128).abs().amax(-1).clamp(min=ref.FP8_EPS)
+    assert torch.equal(s, (amax.double() / 448.0).float())
+    scale = ref.f32(0.0123)
+    q = ref.fp8_tensor_ref(x, scale)
+    exact = (x.double() / scale).float().clamp(-448, 448).to(torch.float8_e4m3fn)
+    assert torch.equal(q.view(torch.uint8), exact.view(torch.uint8))
+
+
+def test_fp8_refs_divide_correctly_rounded_on_cpu():
+    _divisions_are_correctly_rounded("cpu")
+
+
+@pytest.mark.gpu
+def test_fp8_refs_divide_correctly_rounded_on_gpu():
+    """torch divides by a 0-dim CPU tensor as a multiplication by its reciprocal on the GPU; the
+    references must not (a first version did, and the kernel's exact division looked wrong)."""
+    _divisions_are_correctly_rounded("cuda")
+
+
 def test_fp8_group_ref_column_major_is_the_transpose_padded_to_4():
     x = _activations(5, 256, 12)
     q_r, s_r = ref.fp8_group_ref(x)
