@@ -209,9 +209,12 @@ class _Launcher:
         if per_sm < 1:
             raise ValueError(f"hidden: {ws.hidden} needs {ws.threads} threads a block, which {name} cannot run")
         # Every block of every rank on this GPU must be resident at once: blocks spin on peers.
-        # When ranks share a GPU (emulation), keep half of it free as well, so that a rank's next
-        # kernel, started early by PDL, can never hold the slots another rank's current kernel needs.
-        sharing = ws.ranks_on_device * (2 if ws.ranks_on_device > 1 else 1)
+        # When ranks share a GPU (emulation), each rank may have two kernels resident (its current
+        # one and the next, started early by PDL), and blocks of different programs (different
+        # register counts) pack onto SMs with some waste: a run that filled the GPU to 100% of
+        # the occupancy figure left a rank's blocks unplaced and timed out. Each kernel gets a
+        # quarter of its rank's share, so four kernels per rank would still fit.
+        sharing = ws.ranks_on_device * (4 if ws.ranks_on_device > 1 else 1)
         self.max_blocks = max(1, per_sm * sms // sharing)
         self.function = cu.CUfunction(prog.function_ptr)
         self.args = registry.params_struct()()

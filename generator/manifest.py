@@ -18,7 +18,7 @@ from .verify import FORMAT, sha256_bytes
 LAUNCH = {
     "threads": f"32 * ceil(H / 8 / vec_per_thread / 32), at most {abi.MAX_THREADS}",
     "vec_per_thread": f"1 to {abi.MAX_VEC_PER_THREAD}, chosen by the workspace (default {abi.MAX_VEC_PER_THREAD}: the fewest threads)",
-    "grid": "persistent: min(work units, co-resident blocks on the GPU / ranks sharing it)",
+    "grid": "persistent: min(work units, co-resident blocks on the GPU; when ranks share a GPU, a quarter of each rank's share)",
     "cluster": 1,
     "dynamic_smem": 0,
 }
