@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 98304576c1c6d644ca1ee3f59e1f778b65daa1ebefe10e1748a86a804457250c
+// inputs sha256: 66757eb0a8826e52b33dde4895bfd9edebb7037ac13aff26b660149b0a87d7ae
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -166,6 +166,10 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+// The state words are written by the previous call's last block, on some other SM. This SM's L1 may
+// still hold them from the previous call's own reads when this kernel was started early by PDL (a GPU
+// run saw ranks disagree on the call counter, hence on the buffer, with PDL on): read them from L2.
+__device__ __forceinline__ unsigned load_state(const unsigned* p) { return __ldcg(p); }
 // Programmatic dependent launch: both are no-ops when the launch did not ask for it.
 __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void allow_next_kernel() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
@@ -584,9 +588,9 @@ __device__ __forceinline__ void run(const Params& p) {
 
   if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);
 
-  const unsigned call = p.state[kCallCounter];
+  const unsigned call = load_state(p.state + kCallCounter);
   const int cur = call % 3, prev = (call + 2) % 3;
-  const long long prev_extent = p.state[kExtent0 + prev];
+  const long long prev_extent = load_state(p.state + kExtent0 + prev);
   const Layout lay = layout_of<R, W>(T, H);
   D* my_buffer = static_cast<D*>(buffer_of<W>(p, p.rank)) + cur * p.buffer_elems;
 

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 98304576c1c6d644ca1ee3f59e1f778b65daa1ebefe10e1748a86a804457250c
+// inputs sha256: 66757eb0a8826e52b33dde4895bfd9edebb7037ac13aff26b660149b0a87d7ae
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
