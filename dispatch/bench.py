@@ -460,6 +460,9 @@ def _repo_root() -> pathlib.Path:
 
 
 def _git_commit() -> str:
+    """MOE_AR_COMMIT when set (the device machine's copy may carry a stale .git), else git."""
+    if os.environ.get("MOE_AR_COMMIT"):
+        return os.environ["MOE_AR_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_repo_root(), capture_output=True, text=True,
                              timeout=10)
@@ -467,7 +470,7 @@ def _git_commit() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("MOE_AR_COMMIT", "unknown")
+    return "unknown"
 
 
 def _driver_version() -> str:

@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: 66757eb0a8826e52b33dde4895bfd9edebb7037ac13aff26b660149b0a87d7ae
+// inputs sha256: e9a64bf063a61a5c91201b8f514d623577b3a7bbc9c96dcc252bc13529591652
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens}; source:
-// cells measured in bench_results/h200x2-2026-11-30-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-8115375-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; else
 // twoshot; then the shared-expert variant where the rank has a shared operand;
 // a hole falls back to its fallback_family
@@ -12,10 +12,10 @@
 static const int kRegimeBoundaries[2][3][4][2] = {
     {  // fp16
         {  // fp16 ws2
-            {256, 256},  // fp16 ws2 o110: measured (bf16 data), mean 1.008x the best program
-            {1024, 1024},  // fp16 ws2 o111: measured (bf16 data), mean 1.005x the best program
-            {256, 256},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.008x the best program
-            {256, 256},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.008x the best program
+            {1024, 16384},  // fp16 ws2 o110: measured (bf16 data), mean 1.003x the best program
+            {1024, 1024},  // fp16 ws2 o111: measured (bf16 data), mean 1.007x the best program
+            {1024, 16384},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.003x the best program
+            {1024, 16384},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.003x the best program
         },
         {  // fp16 ws4
             {64, 1024},  // fp16 ws4 o110: written model
@@ -32,10 +32,10 @@ static const int kRegimeBoundaries[2][3][4][2] = {
     },
     {  // bf16
         {  // bf16 ws2
-            {256, 256},  // bf16 ws2 o110: measured, mean 1.008x the best program
-            {1024, 1024},  // bf16 ws2 o111: measured, mean 1.005x the best program
-            {256, 256},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.008x the best program
-            {256, 256},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.008x the best program
+            {1024, 16384},  // bf16 ws2 o110: measured, mean 1.003x the best program
+            {1024, 1024},  // bf16 ws2 o111: measured, mean 1.007x the best program
+            {1024, 16384},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.003x the best program
+            {1024, 16384},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.003x the best program
         },
         {  // bf16 ws4
             {64, 1024},  // bf16 ws4 o110: written model
