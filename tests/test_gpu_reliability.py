@@ -32,12 +32,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import gc
-import importlib
 import json
 import os
 import pathlib
 import random
-import sys
 import time
 
 import pytest
@@ -46,6 +44,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
+import multiproc
 import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -55,7 +54,7 @@ dispatch = pytest.importorskip("dispatch")
 H = 2048
 D = torch.bfloat16
 MIB = 1 << 20
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+ENV = multiproc.ENV
 FAULT_MAX_TOKENS = 512
 FAULT_ONESHOT_CAP = 64  # T = 8 runs one-shot, T = 300 two-shot (ws2: twoshot, ws4: twoshot_early)
 LIFETIME_CYCLES = int(os.environ.get("MOE_AR_LIFETIME_CYCLES", "1000"))
@@ -588,29 +587,10 @@ def test_create_close_cycles_leak_no_device_memory(seed_for, record_result):
 # ---- lifetimes, two processes (two process groups; CUDA IPC create/close cycles) ------------------------------
 
 def _spawn(fn_name, nprocs, args, timeout_s):
-    import torch.multiprocessing as mp
-    os.environ.update(ENV)
-    here = str(pathlib.Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    fn = getattr(importlib.import_module("test_gpu_reliability"), fn_name)  # picklable by this name
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):  # raises if a child raised or died
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(10)
-            pytest.fail(f"{fn_name}: children still running after {timeout_s} s (a hang)")
+    multiproc.spawn("test_gpu_reliability", fn_name, nprocs, args, timeout_s)
 
 
-def _read_rows(out_dir):
-    rows = []
-    for p in sorted(pathlib.Path(out_dir).glob("rank*.json")):
-        rows.extend(json.loads(p.read_text()))
-    return rows
+_read_rows = multiproc.read_rank_rows
 
 
 def test_two_groups_and_ipc_cycles_two_processes(tmp_path, base_seed, record_result):

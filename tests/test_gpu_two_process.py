@@ -13,24 +13,23 @@ the parent kills the children that are left if the deadline passes.
 """
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import pathlib
 import random
-import sys
 import time
 
 import pytest
 import torch
 
+import multiproc
 import reference as ref
 from generator import policy
 from generator import spec as gspec
 
 pytestmark = pytest.mark.gpu
 
-ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+ENV = multiproc.ENV
 HIDDENS = (2048, 2880, 4096, 5120, 7168, 8192)
 MAX_TOKENS = 384
 CASES_PER_PROGRAM = 4
@@ -46,29 +45,10 @@ def _two_gpus():
 # ---- parent side ------------------------------------------------------------------------------
 
 def _spawn(fn_name, nprocs, args, timeout_s):
-    import torch.multiprocessing as mp
-    os.environ.update(ENV)
-    here = str(pathlib.Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    fn = getattr(importlib.import_module("test_gpu_two_process"), fn_name)  # picklable by this name
-    ctx = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout_s
-    while not ctx.join(timeout=5):  # raises if a child raised or died
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.kill()
-            for p in ctx.processes:
-                p.join(10)
-            pytest.fail(f"{fn_name}: children still running after {timeout_s} s (a hang)")
+    multiproc.spawn("test_gpu_two_process", fn_name, nprocs, args, timeout_s)
 
 
-def _read_summaries(out_dir):
-    rows = []
-    for p in sorted(pathlib.Path(out_dir).glob("rank*.json")):
-        rows.extend(json.loads(p.read_text()))
-    return rows
+_read_summaries = multiproc.read_rank_rows
 
 
 def test_all_world_size_2_programs_two_processes(tmp_path, base_seed, record_result):
