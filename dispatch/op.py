@@ -40,13 +40,12 @@ def fp8_scale_shape(tokens: int, hidden: int, layout: str = "row") -> tuple:
     return (tokens, groups) if layout == "row" else (groups, -(-tokens // 4) * 4)
 
 
-def quant_profiles() -> dict:
-    """The `quant=` values and the output profile each selects (None: plain)."""
-    return dict(registry.program_set().profile_of_quant)
-
-
-def _quant_names() -> str:
-    return ", ".join(repr(q) for q in quant_profiles())
+def _profile_of(quant) -> str:
+    """The output profile `quant` asks for (from the manifest; no copy on the call path)."""
+    profiles = registry.program_set().profile_of_quant
+    if not isinstance(quant, (str, type(None))) or quant not in profiles:
+        raise ValueError(f"quant: {quant!r}, expected one of {', '.join(repr(q) for q in profiles)}")
+    return profiles[quant]
 
 
 # ---- argument checks --------------------------------------------------------------------
@@ -75,7 +74,7 @@ def _check_args(ws, a):
     H = ws.hidden
     idx = a["expanded_idx_to_permuted_idx"]
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
-        raise ValueError(f"expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
+        raise ValueError("expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
     T, K = idx.shape
     _tensor("expanded_idx_to_permuted_idx", idx, ws, (torch.int32,), ndim=2, align=4)
     if T > ws.max_tokens:
@@ -98,10 +97,7 @@ def _check_args(ws, a):
     _tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H))
     _tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,))
     quant = a.get("quant")
-    profiles = quant_profiles()
-    if not isinstance(quant, (str, type(None))) or quant not in profiles:
-        raise ValueError(f"quant: {quant!r}, expected one of {_quant_names()}")
-    profile = profiles[quant]
+    profile = _profile_of(quant)
     if quant == "nvfp4":
         if a.get("global_scale") is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
@@ -175,10 +171,7 @@ def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str
     """The program the dispatcher runs on this rank for a call of `tokens` tokens with `quant`
     (None, "nvfp4", "fp8_group128" or "fp8_tensor") and, when `has_shared`, a shared-expert operand.
     Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell."""
-    profiles = quant_profiles()
-    if not isinstance(quant, (str, type(None))) or quant not in profiles:
-        raise ValueError(f"quant: {quant!r}, expected one of {_quant_names()}")
-    profile = profiles[quant]
+    profile = _profile_of(quant)
     family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens)
     return registry.program_for(family, ws.dtype_name, ws.world_size, profile)
 

@@ -517,7 +517,7 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
     to it passes the same checks, so the full check is repeated only for ranks that differ.
     """
     m = case.meta
-    dtype, T, H = m["dtype"], m["tokens"], m["hidden"]
+    T, H = m["tokens"], m["hidden"]
     if ref is None:
         ref = reference_for(case)
     dev = ref["residual_out"].device
