@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: e9a64bf063a61a5c91201b8f514d623577b3a7bbc9c96dcc252bc13529591652
+// inputs sha256: 2c74d8e166fb3b37eefa494190076840bbc3e1b325b1bb4095fe28162bdd5a67
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -166,9 +166,10 @@ __device__ __forceinline__ unsigned long long global_timer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// The state words are written by the previous call's last block, on some other SM. This SM's L1 may
-// still hold them from the previous call's own reads when this kernel was started early by PDL (a GPU
-// run saw ranks disagree on the call counter, hence on the buffer, with PDL on): read them from L2.
+// The state words are written by the previous call's last block, on some other SM, and with PDL this
+// kernel starts while that call still runs: read them from L2, never from a possibly stale L1 line.
+// (Tried against the PDL-burst timeouts of bench_results/gpu_tests/README.md: it did not change them;
+// kept as the safe read.)
 __device__ __forceinline__ unsigned load_state(const unsigned* p) { return __ldcg(p); }
 // Programmatic dependent launch: both are no-ops when the launch did not ask for it.
 __device__ __forceinline__ void wait_for_previous_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
