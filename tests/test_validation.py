@@ -267,12 +267,15 @@ def test_world_run_rejects_before_launching_any_rank(world, seed_for):
     (dict(dtype=torch.float32), "dtype"),
     (dict(hidden=H - 8), "hidden"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(vec_per_thread=5), "vec_per_thread"),
+    (dict(vec_per_thread=1, hidden=8192), "vec_per_thread"),  # 1,024 threads a row: over 512
 ])
 def test_bad_world_is_rejected(args, pattern):
     a = dict(world_size=2, max_tokens=MAX_T, hidden=H, dtype=DT)
     a.update(args)
+    keywords = {k: a.pop(k) for k in ("vec_per_thread",) if k in a}
     with pytest.raises(ValueError, match=pattern):
-        _dispatch().EmulatedWorld(a["world_size"], a["max_tokens"], a["hidden"], a["dtype"])
+        _dispatch().EmulatedWorld(a["world_size"], a["max_tokens"], a["hidden"], a["dtype"], **keywords)
 
 
 @pytest.mark.gpu
