@@ -40,7 +40,7 @@ def fp8_scale_shape(tokens: int, hidden: int, layout: str = "row") -> tuple:
     return (tokens, groups) if layout == "row" else (groups, -(-tokens // 4) * 4)
 
 
-def _profile_of(quant) -> str:
+def profile_for_quant(quant) -> str:
     """The output profile `quant` asks for (from the manifest; no copy on the call path)."""
     profiles = registry.program_set().profile_of_quant
     if not isinstance(quant, (str, type(None))) or quant not in profiles:
@@ -97,7 +97,7 @@ def _check_args(ws, a):
     _tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H))
     _tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,))
     quant = a.get("quant")
-    profile = _profile_of(quant)
+    profile = profile_for_quant(quant)
     if quant == "nvfp4":
         if a.get("global_scale") is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
@@ -171,7 +171,7 @@ def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str
     """The program the dispatcher runs on this rank for a call of `tokens` tokens with `quant`
     (None, "nvfp4", "fp8_group128" or "fp8_tensor") and, when `has_shared`, a shared-expert operand.
     Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell."""
-    profile = _profile_of(quant)
+    profile = profile_for_quant(quant)
     family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens)
     return registry.program_for(family, ws.dtype_name, ws.world_size, profile)
 

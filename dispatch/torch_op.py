@@ -50,9 +50,8 @@ from typing import Optional
 
 import torch
 
-from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, fp8_scale_shape, scale_out_bytes
-
-QUANTS = (None, "nvfp4", "fp8_group128", "fp8_tensor")
+from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, profile_for_quant, fp8_scale_shape, \
+    scale_out_bytes
 
 OP_NAME = "moe_ar::moe_finalize_allreduce"
 _HANDLE_ATTR = "_moe_ar_op_handle"
@@ -199,8 +198,7 @@ def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permut
     if shared_expert_output is not None:
         _check_shape("shared_expert_output",
                      _meta_tensor("shared_expert_output", shared_expert_output, (D,), 2, dev), (T, H))
-    if quant not in QUANTS:
-        raise ValueError(f"quant: {quant!r}, expected one of {', '.join(repr(q) for q in QUANTS)}")
+    profile_for_quant(quant)  # ValueError naming quant unless the manifest has a profile for it
     if weight_bias not in (0, 1):
         raise ValueError(f"weight_bias: {weight_bias!r}, expected 0 or 1")
     norm_out = res.new_empty((T, H))

@@ -131,7 +131,7 @@ class _WorkspaceBase:
         # split, the same on every rank (tuning experiments: fewer vectors per thread, more threads).
         nvec = hidden // 8
         vpt = limits["max_vec_per_thread"] if vec_per_thread is None else vec_per_thread
-        if not isinstance(vpt, int) or not 1 <= vpt <= limits["max_vec_per_thread"]:
+        if isinstance(vpt, bool) or not isinstance(vpt, int) or not 1 <= vpt <= limits["max_vec_per_thread"]:
             raise ValueError(f"vec_per_thread: {vec_per_thread!r}, expected 1..{limits['max_vec_per_thread']}")
         self.threads = 32 * -(-nvec // (32 * vpt))
         if self.threads > limits["max_threads"]:
