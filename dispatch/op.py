@@ -198,9 +198,6 @@ class _Launcher:
         self.writes_scales = "scale_out" in info["outputs"]
         prog = registry.load(name, ws.device_index)
         sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
-        per_sm = prog.max_blocks_per_sm(ws.threads)
-        if per_sm < 1:
-            raise ValueError(f"hidden: {ws.hidden} needs {ws.threads} threads a block, which {name} cannot run")
         # Every block of every rank on this GPU must be resident at once: blocks spin on peers.
         # When ranks share a GPU (emulation), each rank may have two kernels resident (its current
         # one and the next, started early by PDL), and blocks of different programs (different
@@ -208,7 +205,12 @@ class _Launcher:
         # the occupancy figure left a rank's blocks unplaced and timed out. Each kernel gets a
         # quarter of its rank's share, so four kernels per rank would still fit.
         sharing = ws.ranks_on_device * (4 if ws.ranks_on_device > 1 else 1)
-        self.max_blocks = max(1, per_sm * sms // sharing)
+        self.max_blocks = []  # per row split of the workspace
+        for split in ws.row_splits:
+            per_sm = prog.max_blocks_per_sm(split.threads)
+            if per_sm < 1:
+                raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
+            self.max_blocks.append(max(1, per_sm * sms // sharing))
         self.function = cu.CUfunction(prog.function_ptr)
         self.args = registry.params_struct()()
         a = self.args
@@ -220,10 +222,10 @@ class _Launcher:
         a.timeout_ns = ws.timeout_ns
         a.hidden = ws.hidden
         a.rank = ws.rank
-        a.vec_per_thread = ws.vec_per_thread
         self.arg_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self.arg_address = ctypes.addressof(self.arg_pointer)
-        self.configs = {pdl: self._config(cu, ws.threads, pdl) for pdl in (False, True)}
+        # [row split][pdl]
+        self.configs = [[self._config(cu, split.threads, pdl) for pdl in (False, True)] for split in ws.row_splits]
         self.cu = cu
 
     @staticmethod
@@ -265,9 +267,12 @@ class _Launcher:
         args.routed_scaling_factor = a["routed_scaling_factor"]
         args.eps = a["eps"]
         args.weight_bias = float(a["weight_bias"])
-        config = self.configs[bool(pdl)]
-        units = T * ws.vec_per_thread if self.sliced_units else T
-        config.gridDimX = min(units, self.max_blocks)
+        i = ws.row_split_index(T)
+        vec_per_thread = ws.row_splits[i].vec_per_thread
+        args.vec_per_thread = vec_per_thread
+        config = self.configs[i][bool(pdl)]
+        units = T * vec_per_thread if self.sliced_units else T
+        config.gridDimX = min(units, self.max_blocks[i])
         config.hStream = self.cu.CUstream(torch.cuda.current_stream(ws.device).cuda_stream)
         err, = self.cu.cuLaunchKernelEx(config, self.function, self.arg_address, 0)
         if int(err) != 0:

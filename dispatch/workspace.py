@@ -16,6 +16,7 @@ Per rank, allocated once:
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -33,6 +34,20 @@ _CUDA_HOST_ALLOC_PORTABLE_MAPPED = 0x01 | 0x02
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
 
 _live_workspaces = []  # weak bookkeeping for dispatch.check()
+_ALL_TOKENS = 2**31 - 1
+
+
+class RowSplit(NamedTuple):
+    """Calls of up to `max_tokens` tokens spread a row over `threads` threads (a block), each
+    holding up to `vec_per_thread` 16-byte vectors."""
+    max_tokens: int
+    threads: int
+    vec_per_thread: int
+
+
+def _split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
+    threads = 32 * -(-nvec // (32 * vec_per_thread))  # whole warps
+    return RowSplit(max_tokens, threads, -(-nvec // threads))
 
 
 def buffer_elems_for(world_size: int, max_tokens: int, hidden: int, oneshot_max_tokens: int) -> int:
@@ -124,26 +139,39 @@ class _WorkspaceBase:
         self.oneshot_max_tokens = min(max_tokens, 1024) if oneshot_max_tokens is None else int(oneshot_max_tokens)
         self.buffer_elems = buffer_elems_for(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.ranks_on_device = ranks_on_device
-        # Geometry: a row of H/8 16-byte vectors is spread over `threads` threads, each holding up
-        # to max_vec_per_thread of them (the same for every program, so ranks that mix programs of
-        # one protocol class reduce each row in the same order and agree bit for bit).
-        # By default the fewest threads (most vectors per thread); vec_per_thread asks for another
-        # split, the same on every rank (tuning experiments: fewer vectors per thread, more threads).
+        # Geometry: a row of H/8 16-byte vectors is spread over a block's threads, each holding up
+        # to vec_per_thread of them. By default the split follows T (the manifest's limits): few
+        # tokens get more threads a row (a shorter critical path), more tokens the fewest threads
+        # (the most loads in flight a thread). Every rank of a call has the same T and so the same
+        # split, and reduces each row in the same order. vec_per_thread fixes one split for every
+        # call instead (the same on every rank; tuning experiments).
         nvec = hidden // 8
-        vpt = limits["max_vec_per_thread"] if vec_per_thread is None else vec_per_thread
-        if isinstance(vpt, bool) or not isinstance(vpt, int) or not 1 <= vpt <= limits["max_vec_per_thread"]:
-            raise ValueError(f"vec_per_thread: {vec_per_thread!r}, expected 1..{limits['max_vec_per_thread']}")
-        self.threads = 32 * -(-nvec // (32 * vpt))
-        if self.threads > limits["max_threads"]:
-            raise ValueError(f"vec_per_thread: {vpt} vectors a thread needs {self.threads} threads for hidden "
-                             f"{hidden}, more than {limits['max_threads']}")
-        self.vec_per_thread = -(-nvec // self.threads)
+        if vec_per_thread is None:
+            wide = _split(nvec, limits["max_vec_per_thread"], _ALL_TOKENS)
+            few = _split(nvec, limits["few_tokens_vec_per_thread"], limits["few_tokens_max"])
+            fits = few.threads <= limits["max_threads"] and few.threads != wide.threads
+            self.row_splits = (few, wide) if fits else (wide,)
+        else:
+            if (isinstance(vec_per_thread, bool) or not isinstance(vec_per_thread, int)
+                    or not 1 <= vec_per_thread <= limits["max_vec_per_thread"]):
+                raise ValueError(f"vec_per_thread: {vec_per_thread!r}, expected 1..{limits['max_vec_per_thread']}")
+            self.row_splits = (_split(nvec, vec_per_thread, _ALL_TOKENS),)
+        if self.row_splits[-1].threads > limits["max_threads"]:
+            raise ValueError(f"vec_per_thread: {vec_per_thread} vectors a thread needs {self.row_splits[-1].threads} "
+                             f"threads for hidden {hidden}, more than {limits['max_threads']}")
         self._launchers = {}
         self._closed = False
         # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
         # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
         self._fault_stop_after_units = 0
         _live_workspaces.append(self)
+
+    def row_split_index(self, T: int) -> int:
+        """The index in row_splits of the split a call of T tokens uses."""
+        i = 0
+        while T > self.row_splits[i].max_tokens:
+            i += 1
+        return i
 
     def _check_error_words(self) -> None:
         err = self._memory.error
@@ -180,8 +208,8 @@ class Workspace(_WorkspaceBase):
     Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer;
     0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, default min(max_tokens, 1024)),
-    `vec_per_thread` (16-byte vectors of a row per thread, 1..4; default 4, the fewest threads; every
-    rank must pass the same).
+    `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every call; default None: per
+    call, 2 up to the manifest's few_tokens_max tokens and 4 above; every rank must pass the same).
     Raises ValueError naming the argument for a missing group, an unsupported dtype, a world size
     with no programs (2, 4, 8 are generated), a bad hidden, max_tokens or timeout_s. After close(),
     a call with this workspace raises ValueError.

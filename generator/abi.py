@@ -46,3 +46,11 @@ PARAMS = (
 MAX_THREADS = 512
 MAX_VEC_PER_THREAD = 4
 MAX_HIDDEN = MAX_THREADS * MAX_VEC_PER_THREAD * 8
+REGISTERS_PER_SM = 65536  # sm_90 and sm_100
+# The row split the runtime picks per call (a workspace may fix one instead): up to
+# FEW_TOKENS_MAX tokens, FEW_TOKENS_VEC_PER_THREAD vectors a thread (more threads on a row, a
+# shorter critical path: -9% at 128 tokens, measured on 2x H200); above, MAX_VEC_PER_THREAD (the
+# fewest threads, the most loads in flight per thread: better once the GPU is full). Every rank
+# of a call has the same T, so every rank picks the same split.
+FEW_TOKENS_MAX = 128
+FEW_TOKENS_VEC_PER_THREAD = 2

@@ -197,6 +197,7 @@ def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs):
     archs = list(archs) or list(manifest["targets"])
     jobs = jobs or os.cpu_count() or 1
     symbols = {p["name"]: p["symbol"] for p in programs}
+    budgets = {p["name"]: nvrtc_build.spill_budget(p["register_cap"]) for p in programs}
     total = len(programs) * len(archs)
     start = time.perf_counter()
     with click.progressbar(length=total, label=f"compiling {total} (program, arch) with {jobs} jobs",
@@ -207,21 +208,22 @@ def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs):
     failed, warned = [], []
     rows = []
     for r in results:
-        issues = nvrtc_build.problems(r, symbols[r.program])
+        budget = budgets[r.program]
+        issues = nvrtc_build.problems(r, symbols[r.program], budget)
         if issues:
             failed.append((r, issues))
-        elif nvrtc_build.warnings(r):
+        elif nvrtc_build.warnings(r, budget):
             warned.append(r)
         entry = next((e for e in r.entries if e.function == symbols[r.program]), None)
         rows.append((r.program, r.arch, entry.registers if entry else "-",
                      entry.spill_store_bytes if entry else "-", entry.spill_load_bytes if entry else "-",
                      entry.stack_bytes if entry else "-", r.cubin_bytes or "-", f"{r.seconds:.2f}",
-                     "FAIL" if issues else f"ok, {len(nvrtc_build.warnings(r))} warnings" if r in warned else "ok"))
+                     "FAIL" if issues else f"ok, {len(nvrtc_build.warnings(r, budget))} warnings" if r in warned else "ok"))
     _print_rows(rows, ("program", "arch", "registers", "spill st", "spill ld", "stack", "cubin bytes",
                        "seconds", "status"))
     for r in warned:
         click.echo(f"\n==== {r.program} {r.arch}: warnings", err=True)
-        click.echo("\n".join(nvrtc_build.warnings(r)), err=True)
+        click.echo("\n".join(nvrtc_build.warnings(r, budgets[r.program])), err=True)
     for r, issues in failed:
         click.echo(f"\n==== {r.program} {r.arch}: {'; '.join(issues)}", err=True)
         click.echo(r.log.rstrip(), err=True)

@@ -17,7 +17,9 @@ from .verify import FORMAT, sha256_bytes
 # device. One text per field, the same for every program today.
 LAUNCH = {
     "threads": f"32 * ceil(H / 8 / vec_per_thread / 32), at most {abi.MAX_THREADS}",
-    "vec_per_thread": f"1 to {abi.MAX_VEC_PER_THREAD}, chosen by the workspace (default {abi.MAX_VEC_PER_THREAD}: the fewest threads)",
+    "vec_per_thread": (f"per call: {abi.FEW_TOKENS_VEC_PER_THREAD} for T <= {abi.FEW_TOKENS_MAX} where the row fits in "
+                       f"{abi.MAX_THREADS} threads, else {abi.MAX_VEC_PER_THREAD} (the fewest threads); a workspace may "
+                       f"fix one value from 1 to {abi.MAX_VEC_PER_THREAD}"),
     "grid": "persistent: min(work units, co-resident blocks on the GPU; when ranks share a GPU, a quarter of each rank's share)",
     "cluster": 1,
     "dynamic_smem": 0,
@@ -59,6 +61,7 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
             "sliced_units": spec.FAMILY_REGIME[program.family][0] in spec.SLICED_REGIMES,
             "outputs": ["norm_out", "residual_out", *spec.PROFILE_EXTRA_OUTPUTS[program.profile]],
             "launch": LAUNCH,
+            "register_cap": spec.register_cap(program.family, program.world_size),
             "params": "param_plan",
             "code_sha256": code_sha256[program.name],
         })
@@ -93,6 +96,8 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
             "max_threads": abi.MAX_THREADS,
             "max_vec_per_thread": abi.MAX_VEC_PER_THREAD,
             "max_hidden": abi.MAX_HIDDEN,
+            "few_tokens_max": abi.FEW_TOKENS_MAX,
+            "few_tokens_vec_per_thread": abi.FEW_TOKENS_VEC_PER_THREAD,
         },
         "targets": list(spec.ARCH_TARGETS),
         "compile_options": list(spec.COMPILE_OPTIONS),

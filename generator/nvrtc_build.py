@@ -119,23 +119,29 @@ def compile_one(program: str, arch: str, source: str, opts: list[str]) -> Compil
                          parse_ptxas_log(log) if ok else ())
 
 
-# A few spilled bytes are ptxas's choice at the register cap (64 registers keeps four blocks of a
-# row on a multiprocessor) and cost less than the occupancy more registers would lose; more than
-# this many is a kernel change that went wrong, and fails the gate.
+# A few spilled bytes are ptxas's own choice and cost less than the occupancy more registers would
+# lose; more than this many is a kernel change that went wrong, and fails the gate.
 SPILL_BUDGET_BYTES = 64
+# A program compiled under a register cap (spec.REGISTER_CAP) spills by design: the cap was chosen
+# because it measured faster with the spills than without the cap. Its budget is wider, still a gate.
+CAPPED_SPILL_BUDGET_BYTES = 256
 
 
-def warnings(result: CompileResult) -> list[str]:
+def spill_budget(register_cap: int | None) -> int:
+    return SPILL_BUDGET_BYTES if register_cap is None else CAPPED_SPILL_BUDGET_BYTES
+
+
+def warnings(result: CompileResult, budget: int = SPILL_BUDGET_BYTES) -> list[str]:
     """Compiler warnings and spills within the budget (they do not fail the gate)."""
     out = [line for line in result.log.splitlines() if "warning" in line.lower()]
     for e in result.entries:
-        if 0 < max(e.spill_store_bytes, e.spill_load_bytes) <= SPILL_BUDGET_BYTES:
+        if 0 < max(e.spill_store_bytes, e.spill_load_bytes) <= budget:
             out.append(f"{e.function}: spills {e.spill_store_bytes} bytes stores, {e.spill_load_bytes} bytes loads "
-                       f"(within the {SPILL_BUDGET_BYTES}-byte budget)")
+                       f"(within the {budget}-byte budget)")
     return out
 
 
-def problems(result: CompileResult, symbol: str) -> list[str]:
+def problems(result: CompileResult, symbol: str, budget: int = SPILL_BUDGET_BYTES) -> list[str]:
     """Why this result fails the gate (empty when it passes)."""
     if not result.ok:
         return ["NVRTC error"]
@@ -145,9 +151,9 @@ def problems(result: CompileResult, symbol: str) -> list[str]:
         out.append(f"kernel symbol {symbol!r} is not an entry function of the cubin (found: {found}); "
                    f"the program must define it extern \"C\"")
     for e in result.entries:
-        if max(e.spill_store_bytes, e.spill_load_bytes) > SPILL_BUDGET_BYTES:
+        if max(e.spill_store_bytes, e.spill_load_bytes) > budget:
             out.append(f"{e.function}: spills {e.spill_store_bytes} bytes stores, {e.spill_load_bytes} bytes loads "
-                       f"(over the {SPILL_BUDGET_BYTES}-byte budget)")
+                       f"(over the {budget}-byte budget)")
     return out
 
 

@@ -189,6 +189,18 @@ def _selection_context(selection: tuning.Selection) -> dict:
     }
 
 
+def register_bound(program: spec.ProgramSpec) -> str:
+    """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP)."""
+    cap = spec.register_cap(program.family, program.world_size)
+    if cap is None:
+        return f"__launch_bounds__({abi.MAX_THREADS})"
+    # __maxnreg__ and __launch_bounds__ exclude each other; the cap must still let a block of
+    # MAX_THREADS threads launch.
+    if cap * abi.MAX_THREADS > abi.REGISTERS_PER_SM:
+        raise ValueError(f"register cap {cap} for {program.name}: a block of {abi.MAX_THREADS} threads would not fit")
+    return f"__maxnreg__({cap})"
+
+
 def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
     """Every generated file, in memory."""
     root = pathlib.Path(root)
@@ -222,7 +234,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       regime_cpp=regime_cpp,
                       shared_prefetch=shared_prefetch,
                       body_file=body_name,
-                      max_threads=abi.MAX_THREADS,
+                      register_bound=register_bound(program),
                       family_meaning=spec.FAMILY_MEANING[program.family],
                       profile_meaning=spec.OUTPUT_PROFILE_MEANING[program.profile])
         out.add(program.file_name, cpp_header(PROGRAM_TEMPLATE, inputs) + text)

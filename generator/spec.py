@@ -100,6 +100,20 @@ FAMILY_REGIME = {
 }
 REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime::kTwoShot",
               "twoshot_early": "moe_ar::Regime::kTwoShotEarly"}
+# Register caps, per (regime, world size); absent: None, compiled with __launch_bounds__(MAX_THREADS)
+# and ptxas chooses. A cap compiles with __maxnreg__(cap). 72 keeps four 224-thread blocks (H 7168)
+# on a multiprocessor. Measured on 2x H200 (bench_results/registers/): the world-size-2 two-shot
+# programs gain 8-16% from 512 tokens up with the cap, though they spill 36-204 bytes (to L1);
+# the one-shot programs, which serve the small-T latency range, lose 5-20% and stay uncapped.
+# World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
+# spill 116-560 bytes).
+REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72}
+
+
+def register_cap(family: str, world_size: int) -> int | None:
+    return REGISTER_CAP.get((FAMILY_REGIME[family][0], world_size))
+
+
 # Regimes whose exchange phases split a row into blockDim-wide slices (one work unit per slice).
 SLICED_REGIMES = ("oneshot", "twoshot_early")
 

@@ -6,7 +6,7 @@
 #             test in $OUT/gpu-tests.jsonl, the log in $OUT/gpu-tests.log
 #   bench     the benchmark against NCCL and torch symmetric memory (2 GPUs): JSON + PNG + summary
 #   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
-#   latency   small-T latency with PDL and with another row split (vec_per_thread 2)
+#   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
 #   soak      long randomized runs (dispatch/soak.py): world size 2 on two GPUs, 4 and 8 emulated
 #             on one GPU each; tests/reliability_summary.py turns the results into the summary
 #   example   the two-process example, plain and NVFP4
@@ -58,10 +58,11 @@ if step fp8bench && [ "$GPUS" -ge 2 ]; then
         --systems auto,auto+quant --out "$OUT/bench-fp8.json" 2>&1 | grep -v "it/s]" | tail -30 || status=1
 fi
 if step latency && [ "$GPUS" -ge 2 ]; then
-    for variant in "--pdl" "--vec-per-thread 2" "--vec-per-thread 2 --pdl"; do
-        tag=$(echo "$variant" | tr -d ' -')
-        $BENCH --shapes 7168:8:shared --tokens 1,16,128 --profiles 110 --systems auto,nccl+torch $variant \
-            --out "$OUT/bench-latency-$tag.json" 2>&1 | grep -v "it/s]" | tail -8 || status=1
+    # the default (row split per call), with PDL, and each fixed split: where the per-call boundary belongs
+    for variant in "" "--pdl" "--vec-per-thread 4" "--vec-per-thread 2"; do
+        tag=$(echo "default $variant" | tr -d ' -')
+        $BENCH --shapes 7168:8:shared --tokens 1,16,64,128,256,512,1024 --profiles 110 --systems auto,nccl+torch \
+            --bw-gib 1 $variant --out "$OUT/bench-latency-$tag.json" 2>&1 | grep -v "it/s]" | tail -10 || status=1
     done
 fi
 if step soak; then

@@ -2,6 +2,7 @@
 import pathlib
 
 import pytest
+import torch
 
 from dispatch import registry
 
@@ -40,3 +41,29 @@ def test_shared_variant_only_where_generated_and_holes_fall_back():
     assert registry.select_family("bf16", 4, "110", e4 + 1, True, 10 ** 6) == "twoshot_shared"
     assert registry.program_for("twoshot_shared", "bf16", 2, "110") == "moe_ar_ts_bf16_ws2_o110"
     assert registry.program_for("twoshot_early_shared", "fp16", 8, "111") == "moe_ar_tse_fp16_ws8_o111"
+
+
+@pytest.mark.parametrize("hidden", [1024, 4096, 7168, 8192, 16384])
+def test_row_split_follows_tokens(hidden):
+    """Default geometry: 2 vectors a thread up to few_tokens_max tokens where the row fits in
+    max_threads, 4 above; every vector of the row has a thread, every block is whole warps."""
+    from dispatch.workspace import _ALL_TOKENS, _WorkspaceBase
+    limits = registry.program_set().limits
+    ws = _WorkspaceBase()
+    ws._init_common(2, 0, 4096, hidden, torch.bfloat16, 0, 1.0, None, ranks_on_device=1)
+    nvec = hidden // 8
+    for s in ws.row_splits:
+        assert s.threads % 32 == 0 and s.threads <= limits["max_threads"]
+        assert s.threads * s.vec_per_thread >= nvec > s.threads * (s.vec_per_thread - 1)
+    assert ws.row_splits[-1].max_tokens == _ALL_TOKENS
+    assert ws.row_splits[-1].vec_per_thread == -(-nvec // ws.row_splits[-1].threads)
+    few = limits["few_tokens_max"]
+    two_splits = 32 * -(-nvec // (32 * limits["few_tokens_vec_per_thread"])) <= limits["max_threads"]
+    assert len(ws.row_splits) == (2 if two_splits else 1)
+    for T, expect_few in ((1, True), (few, True), (few + 1, False), (4096, False)):
+        chosen = ws.row_splits[ws.row_split_index(T)]
+        assert chosen.threads == (ws.row_splits[0].threads if expect_few else ws.row_splits[-1].threads)
+    # a fixed split is one split for every call
+    fixed = _WorkspaceBase()
+    fixed._init_common(2, 0, 4096, hidden, torch.bfloat16, 0, 1.0, None, ranks_on_device=1, vec_per_thread=4)
+    assert len(fixed.row_splits) == 1 and fixed.row_split_index(1) == fixed.row_split_index(4096) == 0

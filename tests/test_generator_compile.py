@@ -37,6 +37,12 @@ def test_ptxas_log_parsing():
                                       (nvrtc_build.EntryStats("moe_ar_ts_bf16_ws4_o110", 64, 8, 8, 16),))
     assert nvrtc_build.problems(small, "moe_ar_ts_bf16_ws4_o110") == []
     assert any("within the" in w for w in nvrtc_build.warnings(small))
+    # a program under a register cap has the wider budget: 84 bytes pass there, 300 do not
+    capped = nvrtc_build.spill_budget(72)
+    assert nvrtc_build.problems(result, "moe_ar_ts_bf16_ws4_o110", capped) == []
+    big = nvrtc_build.CompileResult("k", "sm_90a", True, LOG, 0.4, 1000,
+                                    (nvrtc_build.EntryStats("moe_ar_ts_bf16_ws4_o110", 72, 300, 300, 300),))
+    assert any("over the 256-byte budget" in p for p in nvrtc_build.problems(big, "moe_ar_ts_bf16_ws4_o110", capped))
 
 
 @pytest.mark.compile

@@ -137,7 +137,7 @@ def _phase1_units(ws, name, T):
     else:
         info = dispatch.program_info(name)
         sliced = info.get("sliced_units", info["family"] not in ("twoshot", "twoshot_shared"))
-    return T * ws.vec_per_thread if sliced else T
+    return T * ws.row_splits[ws.row_split_index(T)].vec_per_thread if sliced else T
 
 
 def _sleep_cycles(device_index, seconds):

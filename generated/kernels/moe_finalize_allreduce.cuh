@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 2c74d8e166fb3b37eefa494190076840bbc3e1b325b1bb4095fe28162bdd5a67
+// inputs sha256: e2e099af27b2189f8f61e30cb507573c41e730199bd6185e2c19308b2ac55e8d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -394,6 +394,16 @@ __device__ __forceinline__ void fill_nvfp4_reciprocals(const Params& p) {
   }
 }
 
+// max |x_i| of one vector, in float (exact: the dtype converts to float exactly).
+template <typename D>
+__device__ __forceinline__ float amax_of(uint4 v) {
+  float x[8], m = 0.f;
+  Vec<D>::to_float(v, x);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(x[i]));
+  return m;
+}
+
 // Quantize this thread's norm_out vectors of row t (one per round, in the dtype). The thread holding
 // vector v ^ 1 holds the other half of each 16-element block. All rounds are handled side by side,
 // so their dependent chains (amax, shuffle, a division, a table lookup) overlap instead of running in turn.
@@ -403,13 +413,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
   const float gs = *p.quant_scale;
   float amax[kMaxVecPerThread];
 #pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r) {
-    float x[8];
-    Vec<D>::to_float(normed[r], x);  // zeros for vectors past the row
-    amax[r] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax[r] = fmaxf(amax[r], fabsf(x[i]));
-  }
+  for (int r = 0; r < kMaxVecPerThread; ++r) amax[r] = amax_of<D>(normed[r]);  // 0 for vectors past the row
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r)  // every lane shuffles: vpt is the same for the block
     if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
@@ -455,34 +459,41 @@ __device__ __forceinline__ float pow2_ceil(float s) {
   if (b & 0x007fffffu) b = (b & 0xff800000u) + 0x00800000u;
   return __uint_as_float(b);
 }
-// e4m3(clamp(x_i / s, -448, 448)) of 8 values, as 8 bytes in element order. Correctly rounded
-// division, as the reference (x / s in float32), not a multiplication by 1 / s.
-__device__ __forceinline__ uint2 e4m3x8_divided(const float (&x)[8], float s) {
-  unsigned b[8];
+// e4m3(clamp(q_i, -448, 448)) of 8 values, as 8 bytes in element order: the conversion saturates
+// to +-448 (the clamp) and keeps NaN a NaN, as the rule's clamp does; one instruction per pair.
+__device__ __forceinline__ uint2 e4m3x8(const float (&q)[8]) {
+  unsigned pair[4];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float q = fminf(fmaxf(__fdiv_rn(x[i], s), -kE4m3Max), kE4m3Max);
-    b[i] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
+  for (int i = 0; i < 4; ++i)  // q[2i] goes to the low byte
+    pair[i] = __nv_cvt_float2_to_fp8x2(make_float2(q[2 * i], q[2 * i + 1]), __NV_SATFINITE, __NV_E4M3);
+  return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
+}
+// x_i / s, correctly rounded as the reference's float32 division (not a multiplication by a rounded
+// 1 / s), in place. For a finite power-of-two s, 1 / s is exact and x * (1 / s) is that quotient.
+__device__ __forceinline__ void divide8(float (&x)[8], float s, bool s_is_pow2) {
+  if (s_is_pow2 && isfinite(s)) {
+    // 2^e -> 2^-e from the exponent bits; every scale here (2^-42 .. 2^120) and its inverse are normal
+    const float inverse = __uint_as_float((254u << 23) - __float_as_uint(s));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(x[i], inverse);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __fdiv_rn(x[i], s);
   }
-  return make_uint2(b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24);
 }
 
 // Per-token-group FP8 of this thread's norm_out vectors of row t. A group of 128 elements is 16
 // consecutive vectors of one round, held by 16 consecutive lanes (a half warp): its amax is a
 // 4-step butterfly. Lane 0 of the group writes the float32 scale, row-major [T, H/128] or
-// column-major [H/128, roundup(T, 4)].
+// column-major [H/128, roundup(T, 4)]. The values are unpacked twice (for the amax, then for the
+// quantization) rather than held as floats in between: fewer registers, more blocks resident.
 template <typename D>
 __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, groups = H / kFp8Group;
   const bool column_major = p.quant_flags & kScalesColumnMajor, pow2 = p.quant_flags & kScalesPow2;
-  float x[kMaxVecPerThread][8], amax[kMaxVecPerThread];
+  float amax[kMaxVecPerThread];
 #pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r) {
-    Vec<D>::to_float(normed[r], x[r]);  // zeros for vectors past the row
-    amax[r] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) amax[r] = fmaxf(amax[r], fabsf(x[r][i]));
-  }
+  for (int r = 0; r < kMaxVecPerThread; ++r) amax[r] = amax_of<D>(normed[r]);  // 0 for vectors past the row
 #pragma unroll
   for (int o = 1; o < 16; o <<= 1)  // every lane shuffles: vpt is the same for the block
 #pragma unroll
@@ -496,7 +507,10 @@ __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, c
     if (r >= vpt || v >= nvec) continue;
     float s = __fdiv_rn(fmaxf(amax[r], kFp8GroupEps), kE4m3Max);
     if (pow2) s = pow2_ceil(s);
-    quant[v] = e4m3x8_divided(x[r], s);
+    float x[8];
+    Vec<D>::to_float(normed[r], x);
+    divide8(x, s, pow2);
+    quant[v] = e4m3x8(x);
     if (v % 16 == 0) {
       const int g = v / 16;
       scales[column_major ? (long long)g * ((p.tokens + 3) / 4 * 4) + t : (long long)t * groups + g] = s;
@@ -516,7 +530,8 @@ __device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, 
     if (r >= vpt || v >= nvec) continue;
     float x[8];
     Vec<D>::to_float(normed[r], x);
-    quant[v] = e4m3x8_divided(x, s);
+    divide8(x, s, false);
+    quant[v] = e4m3x8(x);
   }
 }
 

@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 2c74d8e166fb3b37eefa494190076840bbc3e1b325b1bb4095fe28162bdd5a67
+// inputs sha256: e2e099af27b2189f8f61e30cb507573c41e730199bd6185e2c19308b2ac55e8d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws2_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 2, output profile 110 (norm_out + residual_out (input dtype))
 #include "moe_finalize_allreduce.cuh"
 
-extern "C" __global__ void __launch_bounds__(512) moe_ar_tse_fp16_ws2_o110(const moe_ar::Params p) {
+extern "C" __global__ void __maxnreg__(72) moe_ar_tse_fp16_ws2_o110(const moe_ar::Params p) {
   moe_ar::run<__half, 2, moe_ar::Profile::kPlain, moe_ar::Regime::kTwoShotEarly, /*shared_prefetch=*/false>(p);
 }
