@@ -69,7 +69,7 @@ def cpp_header(template: str, inputs: str) -> str:
 
 def json_header(inputs: str) -> dict:
     return {
-        "do_not_edit": f"GENERATED FILE, DO NOT EDIT; edit generator/ or templates/ and run `gen-programs`",
+        "do_not_edit": "GENERATED FILE, DO NOT EDIT; edit generator/ or templates/ and run `gen-programs`",
         "generator": GENERATOR,
         "template": "none: generator/manifest.py writes this file",
         "inputs_sha256": inputs,

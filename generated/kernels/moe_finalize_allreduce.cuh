@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: e2e099af27b2189f8f61e30cb507573c41e730199bd6185e2c19308b2ac55e8d
+// inputs sha256: 190efaa3721572d2ca55d55651eff84e962f35a30a1b13f030bfbd5c6fe86c84
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -440,13 +440,20 @@ __device__ __forceinline__ void zero_scale_padding_of_row(const Params& p, int t
   for (int k = cols; k < padded_cols; ++k)
     static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, k, num_k_tiles)] = 0;
 }
-// The 4 scale columns 4g..4g+3 of a row are 4 contiguous bytes: one 32-bit store each.
+// The padding rows T..roundup(T, 128)-1 all lie in the last 128-row tile, which is one 512-byte
+// block per group of 4 scale columns: word w of a block holds row (w % 4) * 32 + w / 4 of the tile.
+// The whole grid zeroes the padding rows' words, consecutive threads on consecutive words (at small
+// T the grid is a few blocks, and a row per block was the critical path).
 __device__ __forceinline__ void zero_scale_padding_rows(const Params& p) {
-  const int T = p.tokens, padded_T = (T + 127) / 128 * 128;
+  const int T = p.tokens, first_padding = T % 128;  // rows of the last tile from here on are padding
+  if (first_padding == 0) return;
   const int groups = (p.hidden / 16 + 3) / 4, num_k_tiles = (p.hidden + 63) / 64;
-  for (int m = T + blockIdx.x; m < padded_T; m += gridDim.x)
-    for (int g = threadIdx.x; g < groups; g += blockDim.x)
-      *reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.scale_out) + swizzled_scale_offset(m, 4 * g, num_k_tiles)) = 0;
+  unsigned* tile_words = reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.scale_out) +
+                                                     (long long)(T / 128) * (num_k_tiles * 512));
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < groups * 128; i += gridDim.x * blockDim.x) {
+    const int w = i % 128;
+    if ((w % 4) * 32 + w / 4 >= first_padding) tile_words[i] = 0;  // word i: group i / 128, word w
+  }
 }
 
 // ---------------------------------------------------------------------------------------------

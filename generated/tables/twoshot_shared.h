@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: e2e099af27b2189f8f61e30cb507573c41e730199bd6185e2c19308b2ac55e8d
+// inputs sha256: 190efaa3721572d2ca55d55651eff84e962f35a30a1b13f030bfbd5c6fe86c84
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
