@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: 190efaa3721572d2ca55d55651eff84e962f35a30a1b13f030bfbd5c6fe86c84
+// inputs sha256: dc1d6017777e8733bd181f30a23e1cb87768c4b657b7af1f0844da4469a46b2a
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens}; source:
-// cells measured in bench_results/h200x2-2026-11-30-8115375-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-a7a918f-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; else
 // twoshot; then the shared-expert variant where the rank has a shared operand;
 // a hole falls back to its fallback_family
@@ -12,10 +12,10 @@
 static const int kRegimeBoundaries[2][3][4][2] = {
     {  // fp16
         {  // fp16 ws2
-            {1024, 16384},  // fp16 ws2 o110: measured (bf16 data), mean 1.003x the best program
-            {1024, 1024},  // fp16 ws2 o111: measured (bf16 data), mean 1.007x the best program
-            {1024, 16384},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.003x the best program
-            {1024, 16384},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.003x the best program
+            {1024, 16384},  // fp16 ws2 o110: measured (bf16 data), mean 1.000x the best program
+            {1024, 16384},  // fp16 ws2 o111: measured (bf16 data), mean 1.000x the best program
+            {1024, 16384},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.000x the best program
+            {1024, 16384},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.000x the best program
         },
         {  // fp16 ws4
             {64, 1024},  // fp16 ws4 o110: written model
@@ -32,10 +32,10 @@ static const int kRegimeBoundaries[2][3][4][2] = {
     },
     {  // bf16
         {  // bf16 ws2
-            {1024, 16384},  // bf16 ws2 o110: measured, mean 1.003x the best program
-            {1024, 1024},  // bf16 ws2 o111: measured, mean 1.007x the best program
-            {1024, 16384},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.003x the best program
-            {1024, 16384},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.003x the best program
+            {1024, 16384},  // bf16 ws2 o110: measured, mean 1.000x the best program
+            {1024, 16384},  // bf16 ws2 o111: measured, mean 1.000x the best program
+            {1024, 16384},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.000x the best program
+            {1024, 16384},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.000x the best program
         },
         {  // bf16 ws4
             {64, 1024},  // bf16 ws4 o110: written model
