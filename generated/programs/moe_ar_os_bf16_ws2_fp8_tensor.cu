@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: dc1d6017777e8733bd181f30a23e1cb87768c4b657b7af1f0844da4469a46b2a
+// inputs sha256: 9da64a063c967301d2b579f18767d7ba8b7ee4a3c2e40d0b6b739bda77f5fd70
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_bf16_ws2_fp8_tensor: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype bf16, world size 2, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)

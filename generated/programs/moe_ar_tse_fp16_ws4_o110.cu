@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: dc1d6017777e8733bd181f30a23e1cb87768c4b657b7af1f0844da4469a46b2a
+// inputs sha256: 9da64a063c967301d2b579f18767d7ba8b7ee4a3c2e40d0b6b739bda77f5fd70
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws4_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 4, output profile 110 (norm_out + residual_out (input dtype))
