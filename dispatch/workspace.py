@@ -209,7 +209,7 @@ class Workspace(_WorkspaceBase):
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer;
     0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, default min(max_tokens, 1024)),
     `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every call; default None: per
-    call, 2 up to the manifest's few_tokens_max (512) tokens and 4 above; every rank must pass the same).
+    call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above; every rank must pass the same).
     Raises ValueError naming the argument for a missing group, an unsupported dtype, a world size
     with no programs (2, 4, 8 are generated), a bad hidden, max_tokens or timeout_s. After close(),
     a call with this workspace raises ValueError.

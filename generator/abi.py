@@ -50,9 +50,11 @@ REGISTERS_PER_SM = 65536  # sm_90 and sm_100
 # The row split the runtime picks per call (a workspace may fix one instead): up to
 # FEW_TOKENS_MAX tokens, FEW_TOKENS_VEC_PER_THREAD vectors a thread (more threads on a row, a
 # shorter critical path), above, MAX_VEC_PER_THREAD (the fewest threads, the most loads in flight a
-# thread: better once the GPU is full). Measured on 2x H200, H 7168, world size 2, a7a918f
-# (bench_results/latency/): 2 vectors a thread against 4 at 16 / 128 / 256 / 512 / 1024 tokens:
-# 8.8 / 16.4 / 23.2 / 38.8 / 73.5 us against 9.4 / 18.0 / 24.4 / 40.1 / 72.0. Every rank of a call
-# has the same T, so every rank picks the same split.
-FEW_TOKENS_MAX = 512
+# thread: better once the GPU is full). Measured on 2x H200, H 7168, world size 2 (bench_results/
+# latency/), 2 vectors a thread against 4, us: plain 8.8 / 16.4 / 22.7 / 38.6 / 73.5 against
+# 9.4 / 18.0 / 24.2 / 39.7 / 72.0 at 16 / 128 / 256 / 512 / 1024 tokens; NVFP4 28.2 / 53.3 against
+# 29.1 / 52.2 and FP8-group 28.1 / 53.1 against 28.6 / 51.6 at 256 / 512. One boundary for every
+# profile (ranks that mix programs then still split rows alike): 256, where all three gain.
+# Every rank of a call has the same T, so every rank picks the same split.
+FEW_TOKENS_MAX = 256
 FEW_TOKENS_VEC_PER_THREAD = 2

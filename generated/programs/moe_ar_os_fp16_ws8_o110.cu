@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 9da64a063c967301d2b579f18767d7ba8b7ee4a3c2e40d0b6b739bda77f5fd70
+// inputs sha256: 3802f0e6d94b1bf8e4ffb97bfa9030653b5514a58b249dec4678b73b42e5dfaa
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_fp16_ws8_o110: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype fp16, world size 8, output profile 110 (norm_out + residual_out (input dtype))
