@@ -102,8 +102,9 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
               "twoshot_early": "moe_ar::Regime::kTwoShotEarly"}
 # Register caps, per (regime, world size); absent: None, compiled with __launch_bounds__(MAX_THREADS)
 # and ptxas chooses. A cap compiles with __maxnreg__(cap). 72 keeps four 224-thread blocks (H 7168)
-# on a multiprocessor. Measured on 2x H200 (bench_results/registers/): the world-size-2 two-shot
-# programs gain 8-16% from 512 tokens up with the cap, though they spill 36-204 bytes (to L1);
+# on a multiprocessor. Measured on 2x H200 (bench_results/registers/): from 1,024 tokens up the
+# world-size-2 two-shot programs gain 5-16% with the cap (NVFP4 and FP8-group the most; the plain
+# early two-shot, already at 64 registers, neither gains nor loses), though they spill 36-204 bytes;
 # the one-shot programs, which serve the small-T latency range, lose 5-20% and stay uncapped.
 # World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
 # spill 116-560 bytes).

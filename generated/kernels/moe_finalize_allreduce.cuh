@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 3802f0e6d94b1bf8e4ffb97bfa9030653b5514a58b249dec4678b73b42e5dfaa
+// inputs sha256: 77d93664cc6bb82d22f10bf896ffa96703af09525b26418fe7a05d4abd577631
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
