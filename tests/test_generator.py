@@ -199,6 +199,31 @@ def test_manifest_contents(rendered, manifest):
         spec.OUTPUT_PROFILES)
 
 
+def test_register_bound_follows_the_cap(rendered, manifest):
+    """Each program file carries the qualifier of its cap (spec.REGISTER_CAP), the manifest the cap,
+    and a capped block of MAX_THREADS threads still fits the register file."""
+    capped = 0
+    for p in manifest["programs"]:
+        cap = spec.register_cap(p["family"], p["world_size"])
+        assert p["register_cap"] == cap
+        text = rendered.outputs[p["file"]].decode()
+        want = f"__maxnreg__({cap})" if cap else f"__launch_bounds__({render.abi.MAX_THREADS})"
+        assert f'extern "C" __global__ void {want} {p["symbol"]}(' in text
+        assert ("__maxnreg__" in text) == bool(cap) and ("__launch_bounds__" in text) != bool(cap)
+        capped += bool(cap)
+    assert capped == sum(1 for p in manifest["programs"]
+                         if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP)
+    too_many = spec.ProgramSpec("twoshot", "bf16", 2, "110")
+    original = dict(spec.REGISTER_CAP)
+    try:
+        spec.REGISTER_CAP[("twoshot", 2)] = 129  # 129 x 512 threads > 65,536 registers
+        with pytest.raises(ValueError, match="would not fit"):
+            render.register_bound(too_many)
+    finally:
+        spec.REGISTER_CAP.clear()
+        spec.REGISTER_CAP.update(original)
+
+
 def test_outputs_refuse_a_path_twice():
     outputs = render.Outputs()
     outputs.add("tables/x.h", "a")
