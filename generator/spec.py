@@ -32,7 +32,7 @@ OUTPUT_PROFILE_MEANING = {
 # The value of the call's `quant=` argument that asks for each profile.
 PROFILE_QUANT = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 # Families: the token regime plus how the shared-expert row is loaded.
-FAMILIES = ("oneshot", "twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared")
+FAMILIES = ("oneshot", "twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared", "twoshot_pipelined")
 # Compile targets: every program compiles for each of these.
 ARCH_TARGETS = ("sm_90a", "sm_100a")
 # NVRTC options every program is compiled with (besides --gpu-architecture and
@@ -46,6 +46,7 @@ FAMILY_MEANING = {
     "twoshot_early": "two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)",
     "twoshot_shared": "twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only",
     "twoshot_early_shared": "twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only",
+    "twoshot_pipelined": "two-shot with its phases pipelined over token columns: one column's reads overlap the exchange of the columns before (large T; draft, not yet selected)",
 }
 # The base family each variant falls back to when its cell is a hole.
 BASE_FAMILY = {
@@ -54,6 +55,7 @@ BASE_FAMILY = {
     "twoshot_early": "twoshot",
     "twoshot_shared": "twoshot",
     "twoshot_early_shared": "twoshot_early",
+    "twoshot_pipelined": "twoshot",
 }
 # Programs of one protocol class run the same exchange (same buffers, same
 # Lamport sequence); ranks may mix programs of one class in one call.
@@ -63,6 +65,7 @@ PROTOCOL = {
     "twoshot_early": "lamport2",
     "twoshot_shared": "lamport2",
     "twoshot_early_shared": "lamport2",
+    "twoshot_pipelined": "lamport2",
 }
 
 FAMILY_SHORT = {
@@ -71,6 +74,7 @@ FAMILY_SHORT = {
     "twoshot_early": "tse",
     "twoshot_shared": "tss",
     "twoshot_early_shared": "tses",
+    "twoshot_pipelined": "tsp",
 }
 # C++ spelling of each family: the table generated/tables/<family>.h declares
 # k<FAMILY_CAMEL>Kernels.
@@ -80,6 +84,7 @@ FAMILY_CAMEL = {
     "twoshot_early": "TwoShotEarly",
     "twoshot_shared": "TwoShotShared",
     "twoshot_early_shared": "TwoShotEarlyShared",
+    "twoshot_pipelined": "TwoShotPipelined",
 }
 
 # How each axis value reaches the C++ body (templates/moe_finalize_allreduce.cuh.j2).
@@ -97,9 +102,10 @@ FAMILY_REGIME = {
     "twoshot_early": ("twoshot_early", False),
     "twoshot_shared": ("twoshot", True),
     "twoshot_early_shared": ("twoshot_early", True),
+    "twoshot_pipelined": ("twoshot_pipelined", False),
 }
 REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime::kTwoShot",
-              "twoshot_early": "moe_ar::Regime::kTwoShotEarly"}
+              "twoshot_early": "moe_ar::Regime::kTwoShotEarly", "twoshot_pipelined": "moe_ar::Regime::kTwoShotPipelined"}
 # Register caps, per (regime, world size); absent: None, compiled with __launch_bounds__(MAX_THREADS)
 # and ptxas chooses. A cap compiles with __maxnreg__(cap). 72 keeps four 224-thread blocks (H 7168)
 # on a multiprocessor. Measured on 2x H200 (bench_results/registers/): from 1,024 tokens up the
@@ -107,8 +113,10 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # early two-shot, already at 64 registers, neither gains nor loses), though they spill 36-204 bytes;
 # the one-shot programs, which serve the small-T latency range, lose 5-20% and stay uncapped.
 # World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
-# spill 116-560 bytes).
-REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72}
+# spill 116-560 bytes). The pipelined two-shot (a draft, not measured yet) is capped like the
+# two-shot: uncapped, ptxas gives it 98-128 registers (two blocks a multiprocessor); capped, it
+# spills 104-240 bytes. Measure both before it is selected.
+REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
 
 
 def register_cap(family: str, world_size: int) -> int | None:

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 77d93664cc6bb82d22f10bf896ffa96703af09525b26418fe7a05d4abd577631
+// inputs sha256: 3814304ee48a2b8675d58ae58096da2dec6943cb7b885986c70f3f66a79ee206
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -35,7 +35,7 @@
 namespace moe_ar {
 
 enum class Profile { kPlain, kNvfp4, kFp8Group128, kFp8Tensor };
-enum class Regime { kOneShot, kTwoShot, kTwoShotEarly };
+enum class Regime { kOneShot, kTwoShot, kTwoShotEarly, kTwoShotPipelined };
 
 constexpr int kMaxWorldSize = 8;
 constexpr int kMaxVecPerThread = 4;
@@ -596,6 +596,113 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
 }
 
 // ---------------------------------------------------------------------------------------------
+// Bookkeeping at the end of a call: the last block to finish advances this rank's state.
+// ---------------------------------------------------------------------------------------------
+__device__ __forceinline__ void finish_call(const Params& p, unsigned call, int cur, int prev, long long extent,
+                                            unsigned bad_rows) {
+  if (bad_rows) atomicAdd(p.state + kBadRows, bad_rows);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned done = atomicAdd(p.state + kDoneBlocks, 1u);
+    if (done == gridDim.x - 1) {
+      p.state[kExtent0 + cur] = (unsigned)extent;
+      p.state[kExtent0 + prev] = 0;
+      p.state[kCallCounter] = call + 1;
+      p.state[kDoneBlocks] = 0;
+      __threadfence();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two-shot, pipelined: the two-shot's three phases side by side instead of one after the other.
+// ---------------------------------------------------------------------------------------------
+// Same buffers, layout and Lamport sequence as the two-shot (one protocol class); only the order
+// differs. Column j is token j of every owner (t = o * C + j). Block b takes columns b, b + G,
+// b + 2G, ... (G = gridDim.x); at its step k it
+//   sends this rank's partials of column j_k to their owners   (HBM reads, NVLink writes)
+//   clears column j_k's share of the previous call's buffer     (HBM writes)
+//   reduces its own token of column j_k-1, sends residual_out    (waits, NVLink writes)
+//   normalizes the rows of column j_k-2                          (waits, HBM writes)
+// so one column's reads overlap the exchange of the columns before. Every wait concerns a column
+// whose sends come earlier in every rank's order than any send still waiting behind it, so the
+// exchange always progresses (also when ranks run different grid sizes or mix programs).
+template <typename D, int W, Profile P>
+__device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
+                                                   Deadline& deadline, unsigned& bad_rows) {
+  const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, C = lay.tokens_per_owner;
+  const int G = gridDim.x;
+  D* my_buffer = static_cast<D*>(buffer_of<W>(p, p.rank)) + cur * p.buffer_elems;
+  uint4* prev_buffer = reinterpret_cast<uint4*>(static_cast<D*>(buffer_of<W>(p, p.rank)) +
+                                                ((cur + 2) % 3) * p.buffer_elems);
+  const long long clear_n = prev_extent / kElemsPerVec, clear_per_column = (clear_n + C - 1) / C;
+  const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
+  if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
+  if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
+
+  const int columns = blockIdx.x < C ? (C - 1 - blockIdx.x) / G + 1 : 0;  // this block's columns
+  for (int k = 0; k < columns + 2; ++k) {
+    const int j1 = blockIdx.x + k * G, j2 = j1 - G, j3 = j2 - G;  // the columns of the three phases
+    if (k < columns) {
+      // phase 1: this rank's partial of token o * C + j1 -> owner o's slot [rank][j1]
+#pragma unroll 1
+      for (int o = 0; o < W; ++o) {
+        const int t = o * C + j1;
+        if (t >= T) continue;
+        D* slot = static_cast<D*>(buffer_of<W>(p, o)) + cur * p.buffer_elems + ((long long)p.rank * C + j1) * H;
+        for (int r = 0; r < vpt; ++r) {
+          const int v = r * blockDim.x + threadIdx.x;
+          if (v >= nvec) continue;
+          const uint4 partial = partial_vector<D, false>(p, t, v, bad_rows);
+          if (!deadline.expired) *reinterpret_cast<uint4*>(slot + v * kElemsPerVec) = partial;
+        }
+      }
+      const long long end = min(clear_n, (j1 + 1) * clear_per_column);
+      for (long long i = j1 * clear_per_column + threadIdx.x; i < end; i += blockDim.x) prev_buffer[i] = sentinel;
+    }
+    if (k == columns) allow_next_kernel();  // this block sends no more partials (also a block with none)
+    if (k >= 1 && k - 1 < columns) {
+      // phase 2: reduce this rank's token of column j2, send residual_out to every rank's row t
+      const int t = p.rank * C + j2;
+      if (t < T) {
+        uint4 sum[kMaxVecPerThread];
+        wait_and_reduce<D, W, true>(my_buffer + (long long)j2 * H, (long long)C * H, 0, vpt, t, sum, deadline, p,
+                                    kPhaseReduceScatter);
+        if (!deadline.expired) {  // peers must time out too, not take this row as the sum
+#pragma unroll
+          for (int r = 0; r < kMaxVecPerThread; ++r) {
+            const int v = r * blockDim.x + threadIdx.x;
+            if (r >= vpt || v >= nvec) continue;
+            const uint4 res = without_sentinel(sum[r]);
+            const long long offset = cur * p.buffer_elems + lay.gather_base + (long long)t * H + v * kElemsPerVec;
+#pragma unroll
+            for (int q = 0; q < W; ++q) *reinterpret_cast<uint4*>(static_cast<D*>(p.peer_buffers[q]) + offset) = res;
+          }
+        }
+      }
+    }
+    if (k >= 2) {
+      // phase 3: the rows of column j3, as every owner sent them: residual_out, RMSNorm, quant
+#pragma unroll 1
+      for (int o = 0; o < W; ++o) {
+        const int t = o * C + j3;
+        if (t >= T) continue;  // the same for the whole block: norm_row's barriers stay aligned
+        uint4 res[kMaxVecPerThread];
+        wait_and_reduce<D, 1, false>(my_buffer + lay.gather_base + (long long)t * H, 0, 0, vpt, t, res, deadline, p,
+                                     kPhaseAllGather);
+#pragma unroll
+        for (int r = 0; r < kMaxVecPerThread; ++r) {
+          const int v = r * blockDim.x + threadIdx.x;
+          if (r < vpt && v < nvec) reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
+        }
+        norm_row<D, P>(p, t, res);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The kernel body
 // ---------------------------------------------------------------------------------------------
 template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch>
@@ -603,7 +710,7 @@ __device__ __forceinline__ void run(const Params& p) {
   static_assert(W >= 2 && W <= kMaxWorldSize, "world size");
   const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   // Whole rows per work unit, or one blockDim-wide slice of a row ("round") per unit.
-  const bool sliced_send = R != Regime::kTwoShot;
+  const bool sliced_send = R == Regime::kOneShot || R == Regime::kTwoShotEarly;
   wait_for_previous_kernel();  // inputs and workspace belong to the previous kernel until here
 
   Deadline deadline{p.timeout_ns ? global_timer_ns() + p.timeout_ns : 0ull, false};
@@ -642,6 +749,12 @@ __device__ __forceinline__ void run(const Params& p) {
     }
   }
 
+  if (R == Regime::kTwoShotPipelined && !p.fault_stop_after) {
+    pipelined_two_shot<D, W, P>(p, lay, cur, prev_extent, deadline, bad_rows);
+    finish_call(p, call, cur, prev, lay.extent, bad_rows);
+    return;
+  }
+
   // ---- phase 1: send this rank's partial of every token ------------------------------------
   {
     const int all_units = sliced_send ? T * vpt : T;
@@ -670,6 +783,7 @@ __device__ __forceinline__ void run(const Params& p) {
   }
   allow_next_kernel();
   if (p.fault_stop_after) return;  // the injected fault: this rank never takes part again in this call
+  if (R == Regime::kTwoShotPipelined) return;  // not reached (it ran above); keeps what follows out of its code
 
   // ---- clear the buffer of the previous call (and the NVFP4 scale padding rows) ------------
   {
@@ -724,20 +838,7 @@ __device__ __forceinline__ void run(const Params& p) {
     norm_row<D, P>(p, t, res);
   }
 
-  // ---- bookkeeping: the last block to finish advances this rank's state ---------------------
-  if (bad_rows) atomicAdd(p.state + kBadRows, bad_rows);
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const unsigned done = atomicAdd(p.state + kDoneBlocks, 1u);
-    if (done == gridDim.x - 1) {
-      p.state[kExtent0 + cur] = (unsigned)lay.extent;
-      p.state[kExtent0 + prev] = 0;
-      p.state[kCallCounter] = call + 1;
-      p.state[kDoneBlocks] = 0;
-      __threadfence();
-    }
-  }
+  finish_call(p, call, cur, prev, lay.extent, bad_rows);
 }
 
 }  // namespace moe_ar

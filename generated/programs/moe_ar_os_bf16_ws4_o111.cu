@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 77d93664cc6bb82d22f10bf896ffa96703af09525b26418fe7a05d4abd577631
+// inputs sha256: 3814304ee48a2b8675d58ae58096da2dec6943cb7b885986c70f3f66a79ee206
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_bf16_ws4_o111: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype bf16, world size 4, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 77d93664cc6bb82d22f10bf896ffa96703af09525b26418fe7a05d4abd577631
+// inputs sha256: 3814304ee48a2b8675d58ae58096da2dec6943cb7b885986c70f3f66a79ee206
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws2_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 2, output profile 110 (norm_out + residual_out (input dtype))

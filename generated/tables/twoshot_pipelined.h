@@ -1,0 +1,52 @@
+// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
+// inputs sha256: 3814304ee48a2b8675d58ae58096da2dec6943cb7b885986c70f3f66a79ee206
+// To change it, edit the template or generator/ and run `gen-programs`.
+#pragma once
+
+// Kernel table of family twoshot_pipelined (protocol lamport2, base family twoshot):
+//   two-shot with its phases pipelined over token columns: one column's reads overlap the exchange of the columns before (large T; draft, not yet selected)
+// Each entry is a program's kernel symbol; nullptr is a hole, and selection
+// runs the fallback family named in the entry's comment instead.
+// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111, fp8_group128, fp8_tensor]
+static const char* const kTwoShotPipelinedKernels[2][3][4] = {
+    {  // fp16
+        {  // fp16 ws2
+            "moe_ar_tsp_fp16_ws2_o110",  // fp16 ws2 o110
+            "moe_ar_tsp_fp16_ws2_o111",  // fp16 ws2 o111
+            "moe_ar_tsp_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
+            "moe_ar_tsp_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
+        },
+        {  // fp16 ws4
+            nullptr,  // fp16 ws4 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws4 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws4 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws4 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+        },
+        {  // fp16 ws8
+            nullptr,  // fp16 ws8 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws8 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+        },
+    },
+    {  // bf16
+        {  // bf16 ws2
+            "moe_ar_tsp_bf16_ws2_o110",  // bf16 ws2 o110
+            "moe_ar_tsp_bf16_ws2_o111",  // bf16 ws2 o111
+            "moe_ar_tsp_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
+            "moe_ar_tsp_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
+        },
+        {  // bf16 ws4
+            nullptr,  // bf16 ws4 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws4 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws4 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws4 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+        },
+        {  // bf16 ws8
+            nullptr,  // bf16 ws8 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws8 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+        },
+    },
+};
