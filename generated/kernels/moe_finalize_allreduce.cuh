@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 3814304ee48a2b8675d58ae58096da2dec6943cb7b885986c70f3f66a79ee206
+// inputs sha256: 1a2d98edca64085bc3c9c5941acb1654ab32b77ea8f08b5b59460fe594a1f760
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -245,6 +245,20 @@ __device__ __forceinline__ void wait_and_reduce(const D* base, long long slot_st
   // Gave up: what this thread holds is not the sum; make that visible instead of plausible.
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) out[r] = make_uint4(kNanWord, kNanWord, kNanWord, kNanWord);
+}
+
+// Wait for one Lamport vector: what wait_and_reduce does for one source and one vector, for loops
+// that cannot keep a whole row in registers. NaN once the deadline has passed.
+__device__ __forceinline__ uint4 wait_vector(const uint4* addr, Deadline& d, const Params& p, int phase) {
+  while (!d.expired) {
+    const uint4 v = load_volatile(addr);
+    if (!has_sentinel(v)) return v;
+    if (d.at != 0 && global_timer_ns() > d.at) {
+      record_timeout(p.error, p.rank, phase);
+      d.expired = true;
+    }
+  }
+  return make_uint4(kNanWord, kNanWord, kNanWord, kNanWord);
 }
 
 // Rank q's buffer base. Selected with compile-time indices: a run-time index into the kernel
@@ -616,24 +630,30 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned call, int 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Two-shot, pipelined: the two-shot's three phases side by side instead of one after the other.
+// Two-shot, pipelined (world size 2): the two-shot's three phases side by side, not one after another.
 // ---------------------------------------------------------------------------------------------
-// Same buffers, layout and Lamport sequence as the two-shot (one protocol class); only the order
-// differs. Column j is token j of every owner (t = o * C + j). Block b takes columns b, b + G,
-// b + 2G, ... (G = gridDim.x); at its step k it
-//   sends this rank's partials of column j_k to their owners   (HBM reads, NVLink writes)
-//   clears column j_k's share of the previous call's buffer     (HBM writes)
-//   reduces its own token of column j_k-1, sends residual_out    (waits, NVLink writes)
-//   normalizes the rows of column j_k-2                          (waits, HBM writes)
-// so one column's reads overlap the exchange of the columns before. Every wait concerns a column
-// whose sends come earlier in every rank's order than any send still waiting behind it, so the
-// exchange always progresses (also when ranks run different grid sizes or mix programs).
+// Same buffers, layout and Lamport sequence as the two-shot (one protocol class). Column j is token j
+// of each owner (t = o * C + j). Block b takes columns b, b + G, b + 2G, ... (G = gridDim.x); at its
+// step k it
+//   sends this rank's partial of the peer's token of column j_k     (HBM reads, NVLink writes)
+//   clears column j_k's share of the previous call's buffer          (HBM writes)
+//   reduces its own token of column j_k-1: its own partial computed  (HBM reads, a wait)
+//     here, the peer's from the buffer; writes residual_out and
+//     norm_out, sends residual_out to the peer                       (HBM and NVLink writes)
+//   normalizes the peer's token of column j_k-2 as the peer sent it  (a wait, HBM writes)
+// so one column's reads overlap the exchange of the columns before, and nothing this rank computes
+// goes through its own buffer (the two-shot sends half of its partials and residual rows to itself,
+// to HBM and back). Every wait concerns a column whose sends come earlier in both ranks' order than
+// any send still waiting behind it, so the exchange always progresses (also when the ranks run
+// different grid sizes or mix programs).
 template <typename D, int W, Profile P>
 __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
                                                    Deadline& deadline, unsigned& bad_rows) {
+  static_assert(W == 2, "the pipelined two-shot is generated for world size 2 only (generator/policy.py)");
   const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, C = lay.tokens_per_owner;
-  const int G = gridDim.x;
+  const int G = gridDim.x, peer = 1 - p.rank;
   D* my_buffer = static_cast<D*>(buffer_of<W>(p, p.rank)) + cur * p.buffer_elems;
+  D* peer_buffer = static_cast<D*>(buffer_of<W>(p, peer)) + cur * p.buffer_elems;
   uint4* prev_buffer = reinterpret_cast<uint4*>(static_cast<D*>(buffer_of<W>(p, p.rank)) +
                                                 ((cur + 2) % 3) * p.buffer_elems);
   const long long clear_n = prev_extent / kElemsPerVec, clear_per_column = (clear_n + C - 1) / C;
@@ -645,12 +665,10 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
   for (int k = 0; k < columns + 2; ++k) {
     const int j1 = blockIdx.x + k * G, j2 = j1 - G, j3 = j2 - G;  // the columns of the three phases
     if (k < columns) {
-      // phase 1: this rank's partial of token o * C + j1 -> owner o's slot [rank][j1]
-#pragma unroll 1
-      for (int o = 0; o < W; ++o) {
-        const int t = o * C + j1;
-        if (t >= T) continue;
-        D* slot = static_cast<D*>(buffer_of<W>(p, o)) + cur * p.buffer_elems + ((long long)p.rank * C + j1) * H;
+      // phase 1: this rank's partial of the peer's token of column j1 -> the peer's slot [rank][j1]
+      const int t = peer * C + j1;
+      if (t < T) {
+        D* slot = peer_buffer + ((long long)p.rank * C + j1) * H;
         for (int r = 0; r < vpt; ++r) {
           const int v = r * blockDim.x + threadIdx.x;
           if (v >= nvec) continue;
@@ -663,31 +681,44 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
     }
     if (k == columns) allow_next_kernel();  // this block sends no more partials (also a block with none)
     if (k >= 1 && k - 1 < columns) {
-      // phase 2: reduce this rank's token of column j2, send residual_out to every rank's row t
+      // phase 2: this rank's token of column j2, vector by vector: its own partial (computed here)
+      // plus the peer's (polled). a + b == b + a exactly, so the sum has the bits of the two-shot's
+      // rank-ordered one. The row goes to residual_out and the peer, then back from residual_out
+      // (this thread's own stores, in L2) for the norm: a row held in registers here would spill.
       const int t = p.rank * C + j2;
-      if (t < T) {
-        uint4 sum[kMaxVecPerThread];
-        wait_and_reduce<D, W, true>(my_buffer + (long long)j2 * H, (long long)C * H, 0, vpt, t, sum, deadline, p,
-                                    kPhaseReduceScatter);
-        if (!deadline.expired) {  // peers must time out too, not take this row as the sum
+      if (t < T) {  // the same for the whole block: norm_row's barriers stay aligned
+        const uint4* peer_slot = reinterpret_cast<const uint4*>(my_buffer + ((long long)peer * C + j2) * H);
+        uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H);
+        uint4* peer_row = reinterpret_cast<uint4*>(peer_buffer + lay.gather_base + (long long)t * H);
+#pragma unroll 1
+        for (int r = 0; r < vpt; ++r) {
+          const int v = r * blockDim.x + threadIdx.x;
+          if (v >= nvec) continue;
+          const uint4 own = partial_vector<D, false>(p, t, v, bad_rows);
+          float s[8], x[8];
+          Vec<D>::to_float(own, s);
+          Vec<D>::to_float(wait_vector(peer_slot + v, deadline, p, kPhaseReduceScatter), x);
 #pragma unroll
-          for (int r = 0; r < kMaxVecPerThread; ++r) {
-            const int v = r * blockDim.x + threadIdx.x;
-            if (r >= vpt || v >= nvec) continue;
-            const uint4 res = without_sentinel(sum[r]);
-            const long long offset = cur * p.buffer_elems + lay.gather_base + (long long)t * H + v * kElemsPerVec;
-#pragma unroll
-            for (int q = 0; q < W; ++q) *reinterpret_cast<uint4*>(static_cast<D*>(p.peer_buffers[q]) + offset) = res;
-          }
+          for (int i = 0; i < 8; ++i) s[i] += x[i];
+          add_residual<D>(p, t, v, s);
+          const uint4 res = without_sentinel(Vec<D>::from_float(s));  // as the peer receives it
+          residual_out[v] = res;
+          // after an expired wait, send nothing: the peer must time out too, not take this as the sum
+          if (!deadline.expired) peer_row[v] = res;
         }
+        uint4 res[kMaxVecPerThread];
+#pragma unroll
+        for (int r = 0; r < kMaxVecPerThread; ++r) {
+          const int v = r * blockDim.x + threadIdx.x;
+          res[r] = r < vpt && v < nvec ? residual_out[v] : make_uint4(0, 0, 0, 0);
+        }
+        norm_row<D, P>(p, t, res);
       }
     }
     if (k >= 2) {
-      // phase 3: the rows of column j3, as every owner sent them: residual_out, RMSNorm, quant
-#pragma unroll 1
-      for (int o = 0; o < W; ++o) {
-        const int t = o * C + j3;
-        if (t >= T) continue;  // the same for the whole block: norm_row's barriers stay aligned
+      // phase 3: the peer's token of column j3 as the peer sent it: residual_out, RMSNorm, quant
+      const int t = peer * C + j3;
+      if (t < T) {  // the same for the whole block: norm_row's barriers stay aligned
         uint4 res[kMaxVecPerThread];
         wait_and_reduce<D, 1, false>(my_buffer + lay.gather_base + (long long)t * H, 0, 0, vpt, t, res, deadline, p,
                                      kPhaseAllGather);
@@ -749,10 +780,12 @@ __device__ __forceinline__ void run(const Params& p) {
     }
   }
 
-  if (R == Regime::kTwoShotPipelined && !p.fault_stop_after) {
-    pipelined_two_shot<D, W, P>(p, lay, cur, prev_extent, deadline, bad_rows);
-    finish_call(p, call, cur, prev, lay.extent, bad_rows);
-    return;
+  if constexpr (R == Regime::kTwoShotPipelined) {
+    if (!p.fault_stop_after) {  // the injected fault takes the two-shot's path below
+      pipelined_two_shot<D, W, P>(p, lay, cur, prev_extent, deadline, bad_rows);
+      finish_call(p, call, cur, prev, lay.extent, bad_rows);
+      return;
+    }
   }
 
   // ---- phase 1: send this rank's partial of every token ------------------------------------
