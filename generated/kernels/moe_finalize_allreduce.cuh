@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 1a2d98edca64085bc3c9c5941acb1654ab32b77ea8f08b5b59460fe594a1f760
+// inputs sha256: e8896962ecb11afedff0c4bd46736d40562a507dd7170010383c2f5beefa99ee
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -641,9 +641,12 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned call, int 
 //     here, the peer's from the buffer; writes residual_out and
 //     norm_out, sends residual_out to the peer                       (HBM and NVLink writes)
 //   normalizes the peer's token of column j_k-2 as the peer sent it  (a wait, HBM writes)
-// so one column's reads overlap the exchange of the columns before, and nothing this rank computes
-// goes through its own buffer (the two-shot sends half of its partials and residual rows to itself,
-// to HBM and back). Every wait concerns a column whose sends come earlier in both ranks' order than
+// so one column's reads overlap the exchange of the columns before. Two savings in HBM traffic over
+// the two-shot: nothing this rank computes goes through its own buffer (the two-shot sends half of
+// its partials and residual rows to itself, to HBM and back), and every received vector is cleared
+// as soon as it is read, while its line is still in L2, so the call leaves its buffer clean (extent
+// 0: the next call clears nothing) and a received line is written back to HBM once, not twice.
+// After a timeout the buffer may hold late arrivals; the required reset() refills it. Every wait concerns a column whose sends come earlier in both ranks' order than
 // any send still waiting behind it, so the exchange always progresses (also when the ranks run
 // different grid sizes or mix programs).
 template <typename D, int W, Profile P>
@@ -683,11 +686,10 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
     if (k >= 1 && k - 1 < columns) {
       // phase 2: this rank's token of column j2, vector by vector: its own partial (computed here)
       // plus the peer's (polled). a + b == b + a exactly, so the sum has the bits of the two-shot's
-      // rank-ordered one. The row goes to residual_out and the peer, then back from residual_out
-      // (this thread's own stores, in L2) for the norm: a row held in registers here would spill.
+      // rank-ordered one. The row goes to residual_out and to the peer; it is normed below.
       const int t = p.rank * C + j2;
-      if (t < T) {  // the same for the whole block: norm_row's barriers stay aligned
-        const uint4* peer_slot = reinterpret_cast<const uint4*>(my_buffer + ((long long)peer * C + j2) * H);
+      if (t < T) {
+        uint4* peer_slot = reinterpret_cast<uint4*>(my_buffer + ((long long)peer * C + j2) * H);
         uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H);
         uint4* peer_row = reinterpret_cast<uint4*>(peer_buffer + lay.gather_base + (long long)t * H);
 #pragma unroll 1
@@ -698,6 +700,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
           float s[8], x[8];
           Vec<D>::to_float(own, s);
           Vec<D>::to_float(wait_vector(peer_slot + v, deadline, p, kPhaseReduceScatter), x);
+          peer_slot[v] = sentinel;  // read once: clean again for the call that reuses this buffer
 #pragma unroll
           for (int i = 0; i < 8; ++i) s[i] += x[i];
           add_residual<D>(p, t, v, s);
@@ -706,29 +709,36 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
           // after an expired wait, send nothing: the peer must time out too, not take this as the sum
           if (!deadline.expired) peer_row[v] = res;
         }
-        uint4 res[kMaxVecPerThread];
+      }
+    }
+    // phase 3: RMSNorm and quantization of two rows: this rank's token of column j2 (from
+    // residual_out, just written by these same threads) and the peer's token of column j3 (as the
+    // peer sent it; it also goes to residual_out). One loop, so norm_row is inlined once.
+#pragma unroll 1
+    for (int from_peer = 0; from_peer < 2; ++from_peer) {
+      const bool active = from_peer ? k >= 2 : k >= 1 && k - 1 < columns;
+      const int t = from_peer ? peer * C + j3 : p.rank * C + j2;
+      if (!active || t >= T) continue;  // the same for the whole block: norm_row's barriers stay aligned
+      uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H);
+      uint4 res[kMaxVecPerThread];
+      if (from_peer) {
+        uint4* row = reinterpret_cast<uint4*>(my_buffer + lay.gather_base + (long long)t * H);
+        wait_and_reduce<D, 1, false>(reinterpret_cast<D*>(row), 0, 0, vpt, t, res, deadline, p, kPhaseAllGather);
+#pragma unroll
+        for (int r = 0; r < kMaxVecPerThread; ++r) {
+          const int v = r * blockDim.x + threadIdx.x;
+          if (r >= vpt || v >= nvec) continue;
+          row[v] = sentinel;  // read once: clean again
+          residual_out[v] = res[r];
+        }
+      } else {
 #pragma unroll
         for (int r = 0; r < kMaxVecPerThread; ++r) {
           const int v = r * blockDim.x + threadIdx.x;
           res[r] = r < vpt && v < nvec ? residual_out[v] : make_uint4(0, 0, 0, 0);
         }
-        norm_row<D, P>(p, t, res);
       }
-    }
-    if (k >= 2) {
-      // phase 3: the peer's token of column j3 as the peer sent it: residual_out, RMSNorm, quant
-      const int t = peer * C + j3;
-      if (t < T) {  // the same for the whole block: norm_row's barriers stay aligned
-        uint4 res[kMaxVecPerThread];
-        wait_and_reduce<D, 1, false>(my_buffer + lay.gather_base + (long long)t * H, 0, 0, vpt, t, res, deadline, p,
-                                     kPhaseAllGather);
-#pragma unroll
-        for (int r = 0; r < kMaxVecPerThread; ++r) {
-          const int v = r * blockDim.x + threadIdx.x;
-          if (r < vpt && v < nvec) reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
-        }
-        norm_row<D, P>(p, t, res);
-      }
+      norm_row<D, P>(p, t, res);
     }
   }
 }
@@ -783,7 +793,7 @@ __device__ __forceinline__ void run(const Params& p) {
   if constexpr (R == Regime::kTwoShotPipelined) {
     if (!p.fault_stop_after) {  // the injected fault takes the two-shot's path below
       pipelined_two_shot<D, W, P>(p, lay, cur, prev_extent, deadline, bad_rows);
-      finish_call(p, call, cur, prev, lay.extent, bad_rows);
+      finish_call(p, call, cur, prev, 0, bad_rows);  // it leaves its buffer clean: nothing to clear
       return;
     }
   }
