@@ -95,8 +95,12 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
     # A workspace built with a smaller one-shot buffer than the table's boundary caps the one-shot range.
     if tokens <= min(bounds["oneshot_max_tokens"], oneshot_capacity):
         regime = "oneshot"
+    elif tokens <= bounds["early_max_tokens"]:
+        regime = "twoshot_early"
+    elif tokens <= bounds["twoshot_max_tokens"]:
+        regime = "twoshot"
     else:
-        regime = "twoshot_early" if tokens <= bounds["early_max_tokens"] else "twoshot"
+        regime = "twoshot_pipelined"
     shared = ps.family_of.get((regime, True))
     if has_shared and shared is not None and (shared, dtype, world_size, profile) in ps.cells:
         return shared

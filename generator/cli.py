@@ -17,7 +17,7 @@ import time
 
 import click
 
-from . import spec, verify
+from . import spec, tuning, verify
 from .render import REPO_ROOT
 
 GENERATED = REPO_ROOT / "generated"
@@ -139,7 +139,8 @@ def tables(ctx):
             click.echo(f"  hole{mark}: {reason}")
         click.echo()
     sel = manifest["selection"]
-    click.echo(f"selection ({sel['table']}, source: {sel['source']}): oneshot_max_tokens / early_max_tokens")
+    click.echo(f"selection ({sel['table']}, source: {sel['source']}): "
+               "oneshot_max_tokens / early_max_tokens / twoshot_max_tokens (all: never pipelined)")
     click.echo(f"  {sel['rule']}")
     bounds = {(b["dtype"], b["world_size"], b["profile"]): b for b in sel["boundaries"]}
     rows = []
@@ -149,7 +150,8 @@ def tables(ctx):
             for profile in axes["output_profiles"]:
                 b = bounds[(dtype, ws, profile)]
                 mark = "" if b["source"].startswith("measured") else " (model)"
-                row.append(f"{b['oneshot_max_tokens']} / {b['early_max_tokens']}{mark}")
+                last = "all" if b["twoshot_max_tokens"] == tuning.ALL_TOKENS else b["twoshot_max_tokens"]
+                row.append(f"{b['oneshot_max_tokens']} / {b['early_max_tokens']} / {last}{mark}")
             rows.append(row)
     _print_rows(rows, tuple(["  "] + [spec.profile_tag(p) for p in axes["output_profiles"]]))
     click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")

@@ -77,9 +77,9 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
         if a is None or b is None:
             lines.append(f"{'+' if a is None else '-'} {label}: {'added' if a is None else 'removed'}")
             continue
-        for field in ("oneshot_max_tokens", "early_max_tokens"):
-            if a[field] != b[field]:
-                lines.append(f"~ {label}: {field} {a[field]} -> {b[field]}")
+        for field in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens"):
+            if a.get(field) != b.get(field):  # a manifest from before a field existed has None
+                lines.append(f"~ {label}: {field} {a.get(field)} -> {b.get(field)}")
     if old.get("selection", {}).get("source") not in (None, new["selection"]["source"]):
         lines.append(f"~ selection source: {old['selection']['source']} -> {new['selection']['source']}")
     if "body" in old and _code_hash(old["body"]) != _code_hash(new["body"]):

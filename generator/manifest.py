@@ -25,7 +25,8 @@ LAUNCH = {
     "dynamic_smem": 0,
 }
 
-SELECTION_RULE = ("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; else twoshot; "
+SELECTION_RULE = ("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; "
+                  "T <= twoshot_max_tokens: twoshot; else twoshot_pipelined; "
                   "then the shared-expert variant where the rank has a shared operand; a hole falls back "
                   "to its fallback_family")
 
@@ -71,7 +72,8 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
     } for h in enumeration.holes]
     boundaries = [{
         "dtype": dtype, "world_size": ws, "profile": profile,
-        "oneshot_max_tokens": b.oneshot_max_tokens, "early_max_tokens": b.early_max_tokens, "source": b.source,
+        "oneshot_max_tokens": b.oneshot_max_tokens, "early_max_tokens": b.early_max_tokens,
+        "twoshot_max_tokens": b.twoshot_max_tokens, "source": b.source,
     } for (dtype, ws, profile), b in selection.boundaries.items()]
     return {
         "_generated": generated_info,

@@ -176,13 +176,15 @@ def _selection_context(selection: tuning.Selection) -> dict:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
                 b = selection.boundaries[(dtype, ws, profile)]
-                entries.append({"value": f"{{{b.oneshot_max_tokens}, {b.early_max_tokens}}}",
+                last = "kAllTokens" if b.twoshot_max_tokens == tuning.ALL_TOKENS else b.twoshot_max_tokens
+                entries.append({"value": f"{{{b.oneshot_max_tokens}, {b.early_max_tokens}, {last}}}",
                                 "comment": f"{_cell_label(dtype, ws, profile)}: {b.source}"})
             worlds.append({"label": f"{dtype} ws{ws}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
     return {
         "source": selection.source,
         "rule": manifest.SELECTION_RULE,
+        "all_tokens": tuning.ALL_TOKENS,
         "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
         "index_comment": _index_comment(),
         "rows": rows,

@@ -46,7 +46,7 @@ FAMILY_MEANING = {
     "twoshot_early": "two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)",
     "twoshot_shared": "twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only",
     "twoshot_early_shared": "twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only",
-    "twoshot_pipelined": "two-shot with its phases pipelined over token columns: one column's reads overlap the exchange of the columns before (large T; draft, not yet selected)",
+    "twoshot_pipelined": "two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)",
 }
 # The base family each variant falls back to when its cell is a hole.
 BASE_FAMILY = {
@@ -113,9 +113,9 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # early two-shot, already at 64 registers, neither gains nor loses), though they spill 36-204 bytes;
 # the one-shot programs, which serve the small-T latency range, lose 5-20% and stay uncapped.
 # World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
-# spill 116-560 bytes). The pipelined two-shot (a draft, not measured yet) is capped like the
-# two-shot: uncapped, ptxas gives it 98-128 registers (two blocks a multiprocessor); capped, it
-# spills 104-240 bytes. Measure both before it is selected.
+# spill 116-560 bytes). The pipelined two-shot (world size 2 only) measured fastest at 72 too: at
+# 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127 registers), though it spills
+# 64-124 bytes (bench_results/pipelined/).
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
 
 

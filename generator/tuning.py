@@ -4,7 +4,8 @@ For a call with T tokens in cell (dtype, world size, profile):
 
     T <= oneshot_max_tokens                       -> oneshot
     oneshot_max_tokens < T <= early_max_tokens    -> twoshot_early
-    T > early_max_tokens                          -> twoshot
+    early_max_tokens < T <= twoshot_max_tokens    -> twoshot
+    T > twoshot_max_tokens                        -> twoshot_pipelined
 
 (each then swapped for its shared-expert variant where the rank has a shared
 operand and the variant's cell is not a hole).
@@ -36,11 +37,15 @@ BENCH_DIR = "bench_results"
 # down to a power of two). At W = 2 the bytes are equal and only measurement can decide.
 # Two-shot early splits each owned row into slices; it pays while the T / W owned rows alone
 # do not fill the GPU (about 2 blocks on each of 132 multiprocessors): T <= 256 * W.
+# The pipelined two-shot is generated for world size 2 only (generator/policy.py); where it is not,
+# the two-shot serves every T above early_max_tokens.
 MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64, 8: 16}
 MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048}
+ALL_TOKENS = 2**31 - 1  # "no upper bound": twoshot_max_tokens of a cell that never pipelines
 MODEL_SOURCE = "written model"
 
-BASE_FAMILIES = ("oneshot", "twoshot_early", "twoshot")
+# The regimes in the order they take over as T grows.
+BASE_FAMILIES = ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined")
 # A profile no benchmark measured takes the plain profile's boundaries: the exchange is the same,
 # only the per-row work of the last phase differs.
 BORROW_PROFILE = "110"
@@ -50,7 +55,16 @@ BORROW_PROFILE = "110"
 class Boundaries:
     oneshot_max_tokens: int
     early_max_tokens: int
+    twoshot_max_tokens: int
     source: str
+
+    def family(self, tokens: int) -> str:
+        """The base family for T tokens (before the shared-expert variant and hole fallback)."""
+        if tokens <= self.oneshot_max_tokens:
+            return "oneshot"
+        if tokens <= self.early_max_tokens:
+            return "twoshot_early"
+        return "twoshot" if tokens <= self.twoshot_max_tokens else "twoshot_pipelined"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,10 +101,11 @@ def measured_times(paths) -> dict:
     return out
 
 
-def fit_boundaries(points: dict) -> tuple[int, int, float]:
-    """The (oneshot_max_tokens, early_max_tokens) on the measured token grid that minimize the mean
-    log slowdown against the best base program at every measured point; also that mean, as a ratio.
-    A rule may pick one-shot only where one-shot was measured at every shape."""
+def fit_boundaries(points: dict) -> tuple[int, int, int, float]:
+    """The (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens) on the measured token grid
+    (twoshot_max_tokens may also be ALL_TOKENS: never pipelined) that minimize the mean log
+    slowdown against the best base program at every measured point; also that mean, as a ratio.
+    A rule may pick a family only where that family was measured at every shape it serves."""
     tokens = sorted({p[3] for p in points})
     candidates = [0] + tokens
     best = None
@@ -98,21 +113,22 @@ def fit_boundaries(points: dict) -> tuple[int, int, float]:
         for b in candidates:
             if b < a:
                 continue
-            total, n = 0.0, 0
-            for point, times in points.items():
-                T = point[3]
-                family = "oneshot" if T <= a else "twoshot_early" if T <= b else "twoshot"
-                if family not in times:
-                    break
-                total += math.log(times[family] / min(times.values()))
-                n += 1
-            else:
-                cost = total / max(n, 1)
-                if best is None or cost < best[2] - 1e-12:
-                    best = (a, b, cost)
+            for c in [ALL_TOKENS] + [x for x in candidates if x >= b]:  # a tie keeps the two-shot
+                rule = Boundaries(a, b, c, "")
+                total, n = 0.0, 0
+                for point, times in points.items():
+                    family = rule.family(point[3])
+                    if family not in times:
+                        break
+                    total += math.log(times[family] / min(times.values()))
+                    n += 1
+                else:
+                    cost = total / max(n, 1)
+                    if best is None or cost < best[3] - 1e-12:
+                        best = (a, b, c, cost)
     if best is None:
-        raise ValueError("tuning: no boundary pair is feasible for the measured points")
-    return best[0], best[1], math.exp(best[2])
+        raise ValueError("tuning: no boundary triple is feasible for the measured points")
+    return best[0], best[1], best[2], math.exp(best[3])
 
 
 def selection(root: pathlib.Path | None = None) -> Selection:
@@ -131,15 +147,15 @@ def selection(root: pathlib.Path | None = None) -> Selection:
                 donors = [(d, pr) for pr in (profile, BORROW_PROFILE) for d in (dtype, *spec.DTYPES)]
                 donor = next((k for k in ((d, ws, pr) for d, pr in donors) if k in measured), None)
                 if donor is not None:
-                    a, b, ratio = fit_boundaries(measured[donor])
+                    a, b, c, ratio = fit_boundaries(measured[donor])
                     borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
                     borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
                     borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
-                    b_ = Boundaries(a, b, f"measured{borrowed}, mean {ratio:.3f}x the best program")
+                    b_ = Boundaries(a, b, c, f"measured{borrowed}, mean {ratio:.3f}x the best program")
                 else:
-                    b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], MODEL_SOURCE)
-                if not 0 <= b_.oneshot_max_tokens <= b_.early_max_tokens:
+                    b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], ALL_TOKENS, MODEL_SOURCE)
+                if not 0 <= b_.oneshot_max_tokens <= b_.early_max_tokens <= b_.twoshot_max_tokens:
                     raise ValueError(f"tuning: {dtype} ws{ws} {spec.profile_tag(profile)}: need 0 <= oneshot_max_tokens "
-                                     f"<= early_max_tokens, got {b_}")
+                                     f"<= early_max_tokens <= twoshot_max_tokens, got {b_}")
                 boundaries[(dtype, ws, profile)] = b_
     return Selection(f"cells measured in {names}, the rest from the written model", boundaries)

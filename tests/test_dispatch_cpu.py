@@ -23,11 +23,17 @@ def _bounds(dtype, ws, profile):
 @pytest.mark.parametrize("profile", ["110", "111"])
 def test_select_family_follows_the_committed_boundaries(ws, profile):
     b = _bounds("bf16", ws, profile)
-    a, e = b["oneshot_max_tokens"], b["early_max_tokens"]
+    a, e, s = b["oneshot_max_tokens"], b["early_max_tokens"], b["twoshot_max_tokens"]
     big = 10 ** 6
     assert registry.select_family("bf16", ws, profile, a, False, big) == "oneshot"
-    assert registry.select_family("bf16", ws, profile, a + 1, False, big) == ("twoshot_early" if e > a else "twoshot")
-    assert registry.select_family("bf16", ws, profile, e + 1, False, big) == "twoshot"
+    assert registry.select_family("bf16", ws, profile, a + 1, False, big) == (
+        "twoshot_early" if e > a else "twoshot" if s > a else "twoshot_pipelined")
+    assert registry.select_family("bf16", ws, profile, e + 1, False, big) == ("twoshot" if s > e else "twoshot_pipelined")
+    if s < 2**31 - 1:
+        assert registry.select_family("bf16", ws, profile, s + 1, False, big) == "twoshot_pipelined"
+        assert registry.select_family("bf16", ws, profile, s, False, big) != "twoshot_pipelined"
+    # where the pipelined two-shot is a hole, the two-shot runs (named explicitly)
+    assert registry.program_for("twoshot_pipelined", "bf16", 4, profile) == f"moe_ar_ts_bf16_ws4_{'o' + profile if profile in ('110', '111') else profile}"
     # a workspace whose one-shot buffer is smaller than the boundary caps the one-shot range
     if a > 1:
         assert registry.select_family("bf16", ws, profile, a, False, a - 1) != "oneshot"

@@ -111,7 +111,7 @@ def test_selection_covers_every_cell():
     assert set(selection.boundaries) == set(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
     # World size 8 has no machine here: the written model, and the table says so.
     assert selection.boundaries[("bf16", 8, "111")] == tuning.Boundaries(
-        tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.MODEL_SOURCE)
+        tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS, tuning.MODEL_SOURCE)
     # World size 2 was measured (bench_results/), and fp16 borrows the bf16 measurement.
     assert selection.boundaries[("bf16", 2, "110")].source.startswith("measured")
     assert selection.boundaries[("fp16", 2, "110")].source.startswith("measured (bf16 data")
@@ -131,11 +131,23 @@ def test_fit_boundaries_follows_the_measurements():
     points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
                     twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200},
                     twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150})
-    a, b, ratio = tuning.fit_boundaries(points)
-    assert (a, b) == (64, 256) and ratio == pytest.approx(1.0)
+    a, b, c, ratio = tuning.fit_boundaries(points)
+    # the pipelined two-shot was not measured: never chosen, not even above the measured range
+    assert (a, b, c) == (64, 256, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0)
     # never picks one-shot where one-shot was not measured (a workspace cap)
     points = _times(oneshot={1: 1}, twoshot_early={1: 9, 2: 9}, twoshot={1: 12, 2: 12})
-    assert tuning.fit_boundaries(points)[:2] == (1, 2)
+    assert tuning.fit_boundaries(points)[:3] == (1, 2, tuning.ALL_TOKENS)
+    # pipelined fastest from 1024: it takes over there; the two-shot keeps 512
+    points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
+                    twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200, 2048: 400},
+                    twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150, 2048: 300},
+                    twoshot_pipelined={1: 30, 64: 30, 128: 40, 256: 60, 512: 85, 1024: 140, 2048: 270})
+    assert tuning.fit_boundaries(points)[:3] == (64, 256, 512)
+    # without the two-shot measured, the pipelined one follows the early one directly
+    # (twoshot_max_tokens == early_max_tokens: no T runs the two-shot)
+    for times in points.values():
+        del times["twoshot"]
+    assert tuning.fit_boundaries(points)[:3] == (64, 256, 256)
 
 
 # ---- rendering ----------------------------------------------------------------------
@@ -267,7 +279,7 @@ def test_full_regeneration_is_fast(tmp_path):
 
 _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
                        r'(?P<tag>\w+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
-_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+)\},\s*// (\w+) ws(\d+) (\w+): \S.*$")
+_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+|kAllTokens)\},\s*// (\w+) ws(\d+) (\w+): \S.*$")
 
 
 def _cells():
@@ -298,15 +310,19 @@ def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
 
 def test_selection_table_parses_back_to_the_manifest(rendered, manifest):
     text = rendered.outputs[manifest["selection"]["table"]].decode()
-    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}][2]"
+    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}][3]"
     assert f"static const int kRegimeBoundaries{dims} = {{" in text
+    assert f"constexpr int kAllTokens = {tuning.ALL_TOKENS};" in text
     tag_to_profile = {spec.profile_tag(p): p for p in spec.OUTPUT_PROFILES}
-    rows = [(a, b, d, w, tag_to_profile[t]) for a, b, d, w, t in
+    rows = [(a, b, c, d, w, tag_to_profile[t]) for a, b, c, d, w, t in
             (m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m)]
-    assert [(d, int(w), p) for _, _, d, w, p in rows] == _cells()
-    expected = {(b["dtype"], b["world_size"], b["profile"]): (b["oneshot_max_tokens"], b["early_max_tokens"])
+    assert [(d, int(w), p) for _, _, _, d, w, p in rows] == _cells()
+    expected = {(b["dtype"], b["world_size"], b["profile"]):
+                (b["oneshot_max_tokens"], b["early_max_tokens"], b["twoshot_max_tokens"])
                 for b in manifest["selection"]["boundaries"]}
-    assert {(d, int(w), p): (int(a), int(b)) for a, b, d, w, p in rows} == expected
+    parsed = {(d, int(w), p): (int(a), int(b), tuning.ALL_TOKENS if c == "kAllTokens" else int(c))
+              for a, b, c, d, w, p in rows}
+    assert parsed == expected
 
 
 # ---- the manifest verifier ----------------------------------------------------------
@@ -471,5 +487,6 @@ def test_tables_marks_holes_and_fallbacks():
     assert "-- hole[1] -> twoshot_early" in r.stdout
     assert "no shared-expert prefetch at world size 2" in r.stdout
     assert "selection (tables/selection.h, source: cells measured in bench_results/" in r.stdout
-    assert re.search(r"bf16 ws8 +16 / 2048 \(model\)", r.stdout), r.stdout
-    assert re.search(r"bf16 ws2 +\d+ / \d+ +\d", r.stdout), r.stdout  # measured: no model mark
+    assert re.search(r"bf16 ws8 +16 / 2048 / all \(model\)", r.stdout), r.stdout
+    assert "hole[1]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
+    assert re.search(r"bf16 ws2 +\d+ / \d+ / (\d+|all) +\d", r.stdout), r.stdout  # measured: no model mark

@@ -358,6 +358,46 @@ def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, 
         world.close()
 
 
+@pytest.mark.parametrize("devices_kind", ["one_gpu", "two_gpus"])
+@pytest.mark.parametrize("profile", gspec.OUTPUT_PROFILES)
+def test_pipelined_mixes_with_the_two_shot_class(profile, devices_kind, seed_for, record_result):
+    """World size 2: the pipelined two-shot on one rank and another program of its protocol class on
+    the other, and random programs of the class call after call. The pipelined program leaves its
+    buffer clean (extent 0) while the others leave theirs for the next call to clear, so this
+    crosses every switch between the two bookkeepings."""
+    dispatch = _dispatch()
+    ws = 2
+    devices = _devices(devices_kind, ws)
+    rnd = random.Random(seed_for("plan"))
+    dname = rnd.choice(gspec.DTYPES)
+    dtype = ref.NAME_TO_DTYPE[dname]
+    quant = PROFILE_QUANT[profile]
+    hidden = rnd.choice([h for h in HIDDENS if profile != "fp8_group128" or h % 128 == 0])
+    cls = [s.name for s in SPECS if s.world_size == ws and s.dtype == dname and s.profile == profile
+           and gspec.PROTOCOL[s.family] == "lamport2"]
+    pipelined = next(n for n in cls if dispatch.program_info(n)["family"] == "twoshot_pipelined")
+    others = [n for n in cls if n != pipelined]
+    assert others, cls
+    max_tokens = 384
+    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0)
+    try:
+        with recording(record_result, program=f"mixed lamport2 ws2 {dname} {profile} (pipelined)", hidden=hidden,
+                       devices=devices_kind) as info:
+            plans = [[pipelined, o] for o in others] + [[o, pipelined] for o in others]
+            plans += [[rnd.choice(cls), rnd.choice(cls)] for _ in range(8)]
+            for j, progs in enumerate(plans):
+                T = rnd.choice([rnd.randint(1, 5), rnd.randint(2, 128), rnd.randint(129, max_tokens)])
+                case = ref.make_case(ws, T, hidden, rnd.randint(1, 8), dtype, seed=seed_for(f"case{j}"),
+                                     device=devices or DEVICE, shared=rnd.random() < 0.7,
+                                     scale_kind=rnd.choice([None, "fp32", "dtype"]),
+                                     rsf=rnd.choice([1.0, ref.f32(rnd.uniform(0.5, 2))]), weight_bias=rnd.randint(0, 1))
+                run_world(world, case, quant=quant, programs=progs, gs_factor=_gs_factor(j, rnd),
+                          pdl=rnd.random() < 0.5, label=f"mixed {progs}", **fp8_options(j))
+                info["cases"] += 1
+    finally:
+        world.close()
+
+
 # ---- automatic selection: 1,000 calls crossing every regime boundary -------------------------------
 
 def regime_boundaries(dispatch, ws_obj, max_tokens):

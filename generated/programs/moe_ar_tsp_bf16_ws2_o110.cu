@@ -1,7 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: e8896962ecb11afedff0c4bd46736d40562a507dd7170010383c2f5beefa99ee
+// inputs sha256: c5a39c2ead1763e0d30369a2dcc268399066b17cfa9a6928188de70f561e6951
 // To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_tsp_bf16_ws2_o110: two-shot with its phases pipelined over token columns: one column's reads overlap the exchange of the columns before (large T; draft, not yet selected)
+// moe_ar_tsp_bf16_ws2_o110: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype bf16, world size 2, output profile 110 (norm_out + residual_out (input dtype))
 #include "moe_finalize_allreduce.cuh"
 

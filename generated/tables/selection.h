@@ -1,53 +1,55 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: e8896962ecb11afedff0c4bd46736d40562a507dd7170010383c2f5beefa99ee
+// inputs sha256: c5a39c2ead1763e0d30369a2dcc268399066b17cfa9a6928188de70f561e6951
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
-// Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens}; source:
+// Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens, twoshot_max_tokens}; source:
 // cells measured in bench_results/h200x2-2026-11-30-a7a918f-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
-// T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; else
-// twoshot; then the shared-expert variant where the rank has a shared operand;
-// a hole falls back to its fallback_family
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111, fp8_group128, fp8_tensor][oneshot_max_tokens, early_max_tokens]
-static const int kRegimeBoundaries[2][3][4][2] = {
+// T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
+// twoshot_max_tokens: twoshot; else twoshot_pipelined; then the shared-expert
+// variant where the rank has a shared operand; a hole falls back to its
+// fallback_family
+// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111, fp8_group128, fp8_tensor][oneshot_max_tokens, early_max_tokens, twoshot_max_tokens]
+constexpr int kAllTokens = 2147483647;  // twoshot_max_tokens of a cell that never pipelines
+static const int kRegimeBoundaries[2][3][4][3] = {
     {  // fp16
         {  // fp16 ws2
-            {1024, 16384},  // fp16 ws2 o110: measured (bf16 data), mean 1.000x the best program
-            {1024, 16384},  // fp16 ws2 o111: measured (bf16 data), mean 1.000x the best program
-            {1024, 16384},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.000x the best program
-            {1024, 16384},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // fp16 ws2 o110: measured (bf16 data), mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // fp16 ws2 o111: measured (bf16 data), mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.000x the best program
         },
         {  // fp16 ws4
-            {64, 1024},  // fp16 ws4 o110: written model
-            {64, 1024},  // fp16 ws4 o111: written model
-            {64, 1024},  // fp16 ws4 fp8_group128: written model
-            {64, 1024},  // fp16 ws4 fp8_tensor: written model
+            {64, 1024, kAllTokens},  // fp16 ws4 o110: written model
+            {64, 1024, kAllTokens},  // fp16 ws4 o111: written model
+            {64, 1024, kAllTokens},  // fp16 ws4 fp8_group128: written model
+            {64, 1024, kAllTokens},  // fp16 ws4 fp8_tensor: written model
         },
         {  // fp16 ws8
-            {16, 2048},  // fp16 ws8 o110: written model
-            {16, 2048},  // fp16 ws8 o111: written model
-            {16, 2048},  // fp16 ws8 fp8_group128: written model
-            {16, 2048},  // fp16 ws8 fp8_tensor: written model
+            {16, 2048, kAllTokens},  // fp16 ws8 o110: written model
+            {16, 2048, kAllTokens},  // fp16 ws8 o111: written model
+            {16, 2048, kAllTokens},  // fp16 ws8 fp8_group128: written model
+            {16, 2048, kAllTokens},  // fp16 ws8 fp8_tensor: written model
         },
     },
     {  // bf16
         {  // bf16 ws2
-            {1024, 16384},  // bf16 ws2 o110: measured, mean 1.000x the best program
-            {1024, 16384},  // bf16 ws2 o111: measured, mean 1.000x the best program
-            {1024, 16384},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.000x the best program
-            {1024, 16384},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // bf16 ws2 o110: measured, mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // bf16 ws2 o111: measured, mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.000x the best program
+            {1024, 16384, kAllTokens},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.000x the best program
         },
         {  // bf16 ws4
-            {64, 1024},  // bf16 ws4 o110: written model
-            {64, 1024},  // bf16 ws4 o111: written model
-            {64, 1024},  // bf16 ws4 fp8_group128: written model
-            {64, 1024},  // bf16 ws4 fp8_tensor: written model
+            {64, 1024, kAllTokens},  // bf16 ws4 o110: written model
+            {64, 1024, kAllTokens},  // bf16 ws4 o111: written model
+            {64, 1024, kAllTokens},  // bf16 ws4 fp8_group128: written model
+            {64, 1024, kAllTokens},  // bf16 ws4 fp8_tensor: written model
         },
         {  // bf16 ws8
-            {16, 2048},  // bf16 ws8 o110: written model
-            {16, 2048},  // bf16 ws8 o111: written model
-            {16, 2048},  // bf16 ws8 fp8_group128: written model
-            {16, 2048},  // bf16 ws8 fp8_tensor: written model
+            {16, 2048, kAllTokens},  // bf16 ws8 o110: written model
+            {16, 2048, kAllTokens},  // bf16 ws8 o111: written model
+            {16, 2048, kAllTokens},  // bf16 ws8 fp8_group128: written model
+            {16, 2048, kAllTokens},  // bf16 ws8 fp8_tensor: written model
         },
     },
 };

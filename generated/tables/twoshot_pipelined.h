@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: e8896962ecb11afedff0c4bd46736d40562a507dd7170010383c2f5beefa99ee
+// inputs sha256: c5a39c2ead1763e0d30369a2dcc268399066b17cfa9a6928188de70f561e6951
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Kernel table of family twoshot_pipelined (protocol lamport2, base family twoshot):
-//   two-shot with its phases pipelined over token columns: one column's reads overlap the exchange of the columns before (large T; draft, not yet selected)
+//   two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
 // [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111, fp8_group128, fp8_tensor]
@@ -17,16 +17,16 @@ static const char* const kTwoShotPipelinedKernels[2][3][4] = {
             "moe_ar_tsp_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
         },
         {  // fp16 ws4
-            nullptr,  // fp16 ws4 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // fp16 ws4 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // fp16 ws4 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // fp16 ws4 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws4 o110 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws4 o111 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws4 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws4 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
         },
         {  // fp16 ws8
-            nullptr,  // fp16 ws8 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // fp16 ws8 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // fp16 ws8 o110 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws8 o111 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
         },
     },
     {  // bf16
@@ -37,16 +37,16 @@ static const char* const kTwoShotPipelinedKernels[2][3][4] = {
             "moe_ar_tsp_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
         },
         {  // bf16 ws4
-            nullptr,  // bf16 ws4 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // bf16 ws4 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // bf16 ws4 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // bf16 ws4 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws4 o110 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws4 o111 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws4 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws4 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
         },
         {  // bf16 ws8
-            nullptr,  // bf16 ws8 o110 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // bf16 ws8 o111 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot: draft: world size 2 only until it is measured on the GPU
-            nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot: draft: world size 2 only until it is measured on the GPU
+            nullptr,  // bf16 ws8 o110 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws8 o111 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
         },
     },
 };
