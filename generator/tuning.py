@@ -101,11 +101,16 @@ def measured_times(paths) -> dict:
     return out
 
 
-def fit_boundaries(points: dict) -> tuple[int, int, int, float]:
+# The issue's target for the automatic choice: within 5% of the best program at every measured point.
+AUTO_TARGET_SLOWDOWN = 1.05
+
+
+def fit_boundaries(points: dict) -> tuple[int, int, int, float, float, int]:
     """The (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens) on the measured token grid
-    (twoshot_max_tokens may also be ALL_TOKENS: never pipelined) that minimize the mean log
-    slowdown against the best base program at every measured point; also that mean, as a ratio.
-    A rule may pick a family only where that family was measured at every shape it serves."""
+    (twoshot_max_tokens may also be ALL_TOKENS: never pipelined) with the fewest measured points
+    slower than AUTO_TARGET_SLOWDOWN x the best base program there, the mean log slowdown breaking
+    ties; also the worst and the mean slowdown, as ratios, and the number of points over the
+    target. A rule may pick a family only where that family was measured at every shape it serves."""
     tokens = sorted({p[3] for p in points})
     candidates = [0] + tokens
     best = None
@@ -115,20 +120,21 @@ def fit_boundaries(points: dict) -> tuple[int, int, int, float]:
                 continue
             for c in [ALL_TOKENS] + [x for x in candidates if x >= b]:  # a tie keeps the two-shot
                 rule = Boundaries(a, b, c, "")
-                total, n = 0.0, 0
+                slowdowns = []
                 for point, times in points.items():
                     family = rule.family(point[3])
                     if family not in times:
                         break
-                    total += math.log(times[family] / min(times.values()))
-                    n += 1
+                    slowdowns.append(times[family] / min(times.values()))
                 else:
-                    cost = total / max(n, 1)
-                    if best is None or cost < best[3] - 1e-12:
-                        best = (a, b, c, cost)
+                    over = sum(x > AUTO_TARGET_SLOWDOWN for x in slowdowns)
+                    cost = (over, sum(math.log(x) for x in slowdowns) / max(len(slowdowns), 1))
+                    if best is None or cost[0] < best[3][0] or (cost[0] == best[3][0] and cost[1] < best[3][1] - 1e-12):
+                        best = (a, b, c, cost, max(slowdowns, default=1.0))
     if best is None:
         raise ValueError("tuning: no boundary triple is feasible for the measured points")
-    return best[0], best[1], best[2], math.exp(best[3])
+    a, b, c, (over, mean_log), worst = best
+    return a, b, c, worst, math.exp(mean_log), over
 
 
 def selection(root: pathlib.Path | None = None) -> Selection:
@@ -147,11 +153,14 @@ def selection(root: pathlib.Path | None = None) -> Selection:
                 donors = [(d, pr) for pr in (profile, BORROW_PROFILE) for d in (dtype, *spec.DTYPES)]
                 donor = next((k for k in ((d, ws, pr) for d, pr in donors) if k in measured), None)
                 if donor is not None:
-                    a, b, c, ratio = fit_boundaries(measured[donor])
+                    a, b, c, worst, mean, over = fit_boundaries(measured[donor])
+                    n = len(measured[donor])
                     borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
                     borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
                     borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
-                    b_ = Boundaries(a, b, c, f"measured{borrowed}, mean {ratio:.3f}x the best program")
+                    b_ = Boundaries(a, b, c, f"measured{borrowed}: {over} of {n} points over "
+                                             f"{AUTO_TARGET_SLOWDOWN}x the best program, at most {worst:.3f}x, "
+                                             f"mean {mean:.3f}x")
                 else:
                     b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], ALL_TOKENS, MODEL_SOURCE)
                 if not 0 <= b_.oneshot_max_tokens <= b_.early_max_tokens <= b_.twoshot_max_tokens:

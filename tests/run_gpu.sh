@@ -6,6 +6,7 @@
 #             test in $OUT/gpu-tests.jsonl, the log in $OUT/gpu-tests.log
 #   bench     the benchmark against NCCL and torch symmetric memory (2 GPUs): JSON + PNG + summary
 #   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
+#   autobench the automatic choice under the committed tables against every forced program
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
 #   soak      long randomized runs (dispatch/soak.py): world size 2 on two GPUs, 4 and 8 emulated
 #             on one GPU each; tests/reliability_summary.py turns the results into the summary
@@ -24,7 +25,7 @@ OUT=${RES:-$(mktemp -d /tmp/moe-ar-gpu-XXXX)}; mkdir -p "$OUT"
 pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null; true; }
 trap pack EXIT
 export MOE_AR_COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-STEPS=${STEPS:-tests bench fp8bench latency soak example}
+STEPS=${STEPS:-tests bench fp8bench autobench latency soak example}
 GPUS=$(nvidia-smi -L | wc -l)
 status=0
 step() { pack; [[ " $STEPS " == *" $1 "* ]]; }  # packs what the steps before wrote
@@ -56,6 +57,12 @@ fi
 if step fp8bench && [ "$GPUS" -ge 2 ]; then
     $BENCH --shapes 7168:8:shared --tokens 1,16,128,256,1024,4096,8192 --profiles 110,fp8_group128,fp8_tensor \
         --systems auto,auto+quant --out "$OUT/bench-fp8.json" 2>&1 | grep -v "it/s]" | tail -30 || status=1
+fi
+if step autobench && [ "$GPUS" -ge 2 ]; then
+    # the automatic choice under the committed tables against every forced program, target shape
+    # (not a tuning input: bench_results/*.json at the top level are; this goes to bench_results/auto/)
+    $BENCH --shapes 7168:8:shared --profiles 110,111 --systems auto,programs --bw-gib 1 \
+        --out "$OUT/bench-auto.json" 2>&1 | grep -v "it/s]" | tail -35 || status=1
 fi
 if step latency && [ "$GPUS" -ge 2 ]; then
     # the default (row split per call), with PDL, and each fixed split: where the per-call boundary belongs

@@ -131,9 +131,9 @@ def test_fit_boundaries_follows_the_measurements():
     points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
                     twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200},
                     twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150})
-    a, b, c, ratio = tuning.fit_boundaries(points)
+    a, b, c, worst, ratio, over = tuning.fit_boundaries(points)
     # the pipelined two-shot was not measured: never chosen, not even above the measured range
-    assert (a, b, c) == (64, 256, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0)
+    assert (a, b, c) == (64, 256, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0) and worst == 1.0 and over == 0
     # never picks one-shot where one-shot was not measured (a workspace cap)
     points = _times(oneshot={1: 1}, twoshot_early={1: 9, 2: 9}, twoshot={1: 12, 2: 12})
     assert tuning.fit_boundaries(points)[:3] == (1, 2, tuning.ALL_TOKENS)
@@ -148,6 +148,18 @@ def test_fit_boundaries_follows_the_measurements():
     for times in points.values():
         del times["twoshot"]
     assert tuning.fit_boundaries(points)[:3] == (64, 256, 256)
+
+
+def test_fit_boundaries_counts_points_over_the_target_first():
+    """The target is per point (within 5% of the best program): a rule with fewer points over it
+    wins even where its mean slowdown is larger."""
+    points = {(4096, 8, False, 1): {"oneshot": 100, "twoshot_early": 115},
+              (7168, 8, True, 1): {"oneshot": 106, "twoshot_early": 100},
+              (7168, 4, True, 1): {"oneshot": 106, "twoshot_early": 100}}
+    a, b, c, worst, mean, over = tuning.fit_boundaries(points)
+    assert (a, b, c) == (0, 1, tuning.ALL_TOKENS)  # the early two-shot: one point over, not two
+    assert over == 1 and worst == pytest.approx(1.15)
+    assert mean == pytest.approx(1.15 ** (1 / 3))
 
 
 # ---- rendering ----------------------------------------------------------------------

@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: c5a39c2ead1763e0d30369a2dcc268399066b17cfa9a6928188de70f561e6951
+// inputs sha256: ab517de5f7a4323e3d72112c6500ffd1de4f001acd2c9fc4af5ea72eab6c9ea0
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens, twoshot_max_tokens}; source:
-// cells measured in bench_results/h200x2-2026-11-30-a7a918f-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-afdb3f8-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; else twoshot_pipelined; then the shared-expert
 // variant where the rank has a shared operand; a hole falls back to its
@@ -14,10 +14,10 @@ constexpr int kAllTokens = 2147483647;  // twoshot_max_tokens of a cell that nev
 static const int kRegimeBoundaries[2][3][4][3] = {
     {  // fp16
         {  // fp16 ws2
-            {1024, 16384, kAllTokens},  // fp16 ws2 o110: measured (bf16 data), mean 1.000x the best program
-            {1024, 16384, kAllTokens},  // fp16 ws2 o111: measured (bf16 data), mean 1.000x the best program
-            {1024, 16384, kAllTokens},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110), mean 1.000x the best program
-            {1024, 16384, kAllTokens},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110), mean 1.000x the best program
+            {1024, 1024, 1024},  // fp16 ws2 o110: measured (bf16 data): 2 of 60 points over 1.05x the best program, at most 1.227x, mean 1.005x
+            {512, 512, 512},  // fp16 ws2 o111: measured (bf16 data): 1 of 60 points over 1.05x the best program, at most 1.057x, mean 1.001x
+            {1024, 1024, 1024},  // fp16 ws2 fp8_group128: measured (bf16 data, profile 110): 2 of 60 points over 1.05x the best program, at most 1.227x, mean 1.005x
+            {1024, 1024, 1024},  // fp16 ws2 fp8_tensor: measured (bf16 data, profile 110): 2 of 60 points over 1.05x the best program, at most 1.227x, mean 1.005x
         },
         {  // fp16 ws4
             {64, 1024, kAllTokens},  // fp16 ws4 o110: written model
@@ -34,10 +34,10 @@ static const int kRegimeBoundaries[2][3][4][3] = {
     },
     {  // bf16
         {  // bf16 ws2
-            {1024, 16384, kAllTokens},  // bf16 ws2 o110: measured, mean 1.000x the best program
-            {1024, 16384, kAllTokens},  // bf16 ws2 o111: measured, mean 1.000x the best program
-            {1024, 16384, kAllTokens},  // bf16 ws2 fp8_group128: measured (profile 110), mean 1.000x the best program
-            {1024, 16384, kAllTokens},  // bf16 ws2 fp8_tensor: measured (profile 110), mean 1.000x the best program
+            {1024, 1024, 1024},  // bf16 ws2 o110: measured: 2 of 60 points over 1.05x the best program, at most 1.227x, mean 1.005x
+            {512, 512, 512},  // bf16 ws2 o111: measured: 1 of 60 points over 1.05x the best program, at most 1.057x, mean 1.001x
+            {1024, 1024, 1024},  // bf16 ws2 fp8_group128: measured (profile 110): 2 of 60 points over 1.05x the best program, at most 1.227x, mean 1.005x
+            {1024, 1024, 1024},  // bf16 ws2 fp8_tensor: measured (profile 110): 2 of 60 points over 1.05x the best program, at most 1.227x, mean 1.005x
         },
         {  // bf16 ws4
             {64, 1024, kAllTokens},  // bf16 ws4 o110: written model
