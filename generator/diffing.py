@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from . import spec
+from . import spec, tuning
 
 
 def manifest_at(rev: str, root, path: str = "generated/manifest.json") -> dict | None:
@@ -77,9 +77,11 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
         if a is None or b is None:
             lines.append(f"{'+' if a is None else '-'} {label}: {'added' if a is None else 'removed'}")
             continue
+        def shown(value):  # a manifest from before a field existed has none
+            return "absent" if value is None else "all" if value == tuning.ALL_TOKENS else value
         for field in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens"):
-            if a.get(field) != b.get(field):  # a manifest from before a field existed has None
-                lines.append(f"~ {label}: {field} {a.get(field)} -> {b.get(field)}")
+            if a.get(field) != b.get(field):
+                lines.append(f"~ {label}: {field} {shown(a.get(field))} -> {shown(b.get(field))}")
     if old.get("selection", {}).get("source") not in (None, new["selection"]["source"]):
         lines.append(f"~ selection source: {old['selection']['source']} -> {new['selection']['source']}")
     if "body" in old and _code_hash(old["body"]) != _code_hash(new["body"]):
