@@ -193,7 +193,7 @@ class _Launcher:
         self.regime = info["regime"]
         self.profile = info["profile"]
         self.sliced_units = info["sliced_units"]  # a work unit is a row slice, not a whole row
-        self.column_units = self.regime == "twoshot_pipelined"  # a work unit is a column: one token per rank
+        self.column_units = self.regime == "twoshot_pipelined"  # a work unit is a column: a token of each rank
         self.quant_scale_arg = {"111": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
         self.writes_quant = "quant_out" in info["outputs"]
         self.writes_scales = "scale_out" in info["outputs"]
@@ -272,7 +272,12 @@ class _Launcher:
         vec_per_thread = ws.row_splits[i].vec_per_thread
         args.vec_per_thread = vec_per_thread
         config = self.configs[i][bool(pdl)]
-        units = T * vec_per_thread if self.sliced_units else -(-T // ws.world_size) if self.column_units else T
+        if self.sliced_units:
+            units = T * vec_per_thread  # a unit is one row slice
+        elif self.column_units:
+            units = -(-T // ws.world_size)  # a unit is one column: a token of each rank
+        else:
+            units = T  # a unit is one row
         config.gridDimX = min(units, self.max_blocks[i])
         config.hStream = self.cu.CUstream(torch.cuda.current_stream(ws.device).cuda_stream)
         err, = self.cu.cuLaunchKernelEx(config, self.function, self.arg_address, 0)

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: e9a9c51fe2f7ab09f98b4648afc000a3fb2f59665f3a893773b5af2dc34973b9
+// inputs sha256: 7344bc18afa7b73f0671a55c70b9877acbfc0d0b11ab5c0f7312da3128536db5
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -646,9 +646,10 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned call, int 
 // its partials and residual rows to itself, to HBM and back), and every received vector is cleared
 // as soon as it is read, while its line is still in L2, so the call leaves its buffer clean (extent
 // 0: the next call clears nothing) and a received line is written back to HBM once, not twice.
-// After a timeout the buffer may hold late arrivals; the required reset() refills it. Every wait concerns a column whose sends come earlier in both ranks' order than
-// any send still waiting behind it, so the exchange always progresses (also when the ranks run
-// different grid sizes or mix programs).
+// After a timeout the buffer may hold late arrivals; the required reset() refills it.
+// Every wait concerns a column whose sends come earlier in both ranks' order than any send still
+// waiting behind it, so the exchange always progresses (also when the ranks run different grid
+// sizes or mix programs).
 template <typename D, int W, Profile P>
 __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
                                                    Deadline& deadline, unsigned& bad_rows) {

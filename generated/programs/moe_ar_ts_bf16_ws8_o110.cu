@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: e9a9c51fe2f7ab09f98b4648afc000a3fb2f59665f3a893773b5af2dc34973b9
+// inputs sha256: 7344bc18afa7b73f0671a55c70b9877acbfc0d0b11ab5c0f7312da3128536db5
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_ts_bf16_ws8_o110: Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
 // dtype bf16, world size 8, output profile 110 (norm_out + residual_out (input dtype))

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: e9a9c51fe2f7ab09f98b4648afc000a3fb2f59665f3a893773b5af2dc34973b9
+// inputs sha256: 7344bc18afa7b73f0671a55c70b9877acbfc0d0b11ab5c0f7312da3128536db5
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
