@@ -55,8 +55,18 @@ H = 2048
 D = torch.bfloat16
 MIB = 1 << 20
 ENV = multiproc.ENV
-FAULT_MAX_TOKENS = 512
-FAULT_ONESHOT_CAP = 64  # T = 8 runs one-shot, T = 300 two-shot (ws2: twoshot, ws4: twoshot_early)
+FAULT_ONESHOT_CAP = 64  # T = 8 runs one-shot, T = 300 a two-shot (the early one at world sizes 2 and 4)
+
+
+def _pipelined_tokens():
+    """The smallest T the committed tables give the pipelined two-shot (world size 2, bf16, plain);
+    None where they never do."""
+    last = dispatch.registry.program_set().selection[("bf16", 2, "110")]["twoshot_max_tokens"]
+    return None if last >= 2**31 - 1 else last + 1
+
+
+PIPELINED_T = _pipelined_tokens()
+FAULT_MAX_TOKENS = max(512, PIPELINED_T or 0)
 LIFETIME_CYCLES = int(os.environ.get("MOE_AR_LIFETIME_CYCLES", "1000"))
 IPC_CYCLES = int(os.environ.get("MOE_AR_IPC_CYCLES", "1000"))
 IPC_GUARD_S = float(os.environ.get("MOE_AR_IPC_GUARD_S", "120"))  # stop the IPC cycles early past this (recorded)
@@ -188,24 +198,34 @@ def _no_gc():
 
 WORLDS = [pytest.param(2, None, id="ws2-1gpu"), pytest.param(4, None, id="ws4-1gpu"),
           pytest.param(2, [0, 1], id="ws2-2gpus")]
-REGIME_T = {"oneshot": 8, "twoshot": 300}
+REGIME_T = {"oneshot": 8, "twoshot": 300, "pipelined": PIPELINED_T}
+
+
+def _regime_case(world, regime, rank):
+    """T for the regime (skips where this world has no such regime) and the program it runs."""
+    if regime == "pipelined" and (world.world_size != 2 or PIPELINED_T is None):
+        pytest.skip("the pipelined two-shot runs at world size 2 only, where the tables select it")
+    T = REGIME_T[regime]
+    name = _program(world, rank, T)
+    if regime == "pipelined":
+        assert dispatch.program_info(name)["family"] == "twoshot_pipelined", name
+    return T, name
 
 
 @pytest.mark.parametrize("timeout_s", [10.0, 0.02], ids=["deadline10s", "deadline20ms"])
-@pytest.mark.parametrize("regime", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("regime", ["oneshot", "twoshot", "pipelined"])
 @pytest.mark.parametrize("ws,devices", WORLDS)
 def test_late_rank(ws, devices, regime, timeout_s, seed_for, record_result):
     if devices is not None and torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
-    T = REGIME_T[regime]
     other_T = REGIME_T["twoshot" if regime == "oneshot" else "oneshot"]
     late = ws - 1
     world = dispatch.EmulatedWorld(ws, FAULT_MAX_TOKENS, H, D, devices=devices, timeout_s=timeout_s,
                                    oneshot_max_tokens=FAULT_ONESHOT_CAP)
     try:
+        T, name = _regime_case(world, regime, late)
         with recording(record_result, what="late rank (~100 ms)", world_size=ws, devices=devices or "one_gpu",
-                       tokens=T, regime=regime, timeout_s=timeout_s, late_rank=late,
-                       program=_program(world, late, T)) as info:
+                       tokens=T, regime=regime, timeout_s=timeout_s, late_rank=late, program=name) as info:
             with _no_gc():
                 _run_checked(world, T, seed_for("warm"), "before the fault")  # compiles and loads the programs
             info["calls"] += 1
@@ -254,10 +274,9 @@ def test_late_rank(ws, devices, regime, timeout_s, seed_for, record_result):
 # ---- faults: a rank stops mid-exchange --------------------------------------------------------------------
 
 @pytest.mark.parametrize("how", ["one_unit", "half_the_units"])
-@pytest.mark.parametrize("regime", ["oneshot", "twoshot"])
+@pytest.mark.parametrize("regime", ["oneshot", "twoshot", "pipelined"])
 @pytest.mark.parametrize("ws", [2, 4])
 def test_rank_stops_mid_exchange(ws, regime, how, seed_for, record_result):
-    T = REGIME_T[regime]
     other_T = REGIME_T["twoshot" if regime == "oneshot" else "oneshot"]
     timeout_s = 0.2
     world = dispatch.EmulatedWorld(ws, FAULT_MAX_TOKENS, H, D, timeout_s=timeout_s,
@@ -267,7 +286,7 @@ def test_rank_stops_mid_exchange(ws, regime, how, seed_for, record_result):
         wsf = world.workspaces[faulty]
         if not hasattr(wsf, "_fault_stop_after_units"):
             pytest.skip("this dispatch has no _fault_stop_after_units test hook")
-        name = _program(world, faulty, T)
+        T, name = _regime_case(world, regime, faulty)
         with recording(record_result, what="rank stops mid-exchange", world_size=ws, devices="one_gpu", tokens=T,
                        regime=regime, timeout_s=timeout_s, faulty_rank=faulty, program=name) as info:
             _run_checked(world, T, seed_for("warm"), "before the fault")
