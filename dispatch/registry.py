@@ -82,6 +82,10 @@ def params_struct() -> type:
 
 # ---- selection --------------------------------------------------------------------------
 
+# A boundary with no upper bound (twoshot_max_tokens of a cell that never pipelines); the manifest
+# carries generator/tuning.py's ALL_TOKENS, restated here because the runtime never imports the generator.
+ALL_TOKENS = 2**31 - 1
+
 def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool,
                   oneshot_capacity: int) -> str:
     """The family for a call, from the committed regime boundaries.

@@ -405,11 +405,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def default_max_tokens(selection_rows, dtype_name: str, world_size: int) -> int:
     """max(2048, last boundary + 255) rounded up to a multiple of 128, so that every regime of every
     profile of (dtype, world size) in the selection table is reachable."""
+    from dispatch import registry
     last = 1
     for s in selection_rows:
         if s.get("dtype") == dtype_name and int(s.get("world_size", -1)) == world_size:
             last = max(last, *(int(s[k]) + 1 for k in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens")
-                               if int(s[k]) < 2**31 - 1))  # 2**31 - 1: no upper bound
+                               if int(s[k]) < registry.ALL_TOKENS))
     need = last + 255
     return max(2048, -(-need // 128) * 128)
 

@@ -15,6 +15,11 @@ def test_runtime_manifest_reader_is_the_generators_verbatim():
     assert (ROOT / "dispatch" / "manifest.py").read_bytes() == (ROOT / "generator" / "verify.py").read_bytes()
 
 
+def test_all_tokens_is_the_generators():
+    from generator import tuning
+    assert registry.ALL_TOKENS == tuning.ALL_TOKENS
+
+
 def _bounds(dtype, ws, profile):
     return registry.program_set().selection[(dtype, ws, profile)]
 
@@ -29,7 +34,7 @@ def test_select_family_follows_the_committed_boundaries(ws, profile):
     assert registry.select_family("bf16", ws, profile, a + 1, False, big) == (
         "twoshot_early" if e > a else "twoshot" if s > a else "twoshot_pipelined")
     assert registry.select_family("bf16", ws, profile, e + 1, False, big) == ("twoshot" if s > e else "twoshot_pipelined")
-    if s < 2**31 - 1:
+    if s < registry.ALL_TOKENS:
         assert registry.select_family("bf16", ws, profile, s + 1, False, big) == "twoshot_pipelined"
         assert registry.select_family("bf16", ws, profile, s, False, big) != "twoshot_pipelined"
     # where the pipelined two-shot is a hole, the two-shot runs (named explicitly)

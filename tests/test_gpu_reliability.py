@@ -62,7 +62,7 @@ def _pipelined_tokens():
     """The smallest T the committed tables give the pipelined two-shot (world size 2, bf16, plain);
     None where they never do."""
     last = dispatch.registry.program_set().selection[("bf16", 2, "110")]["twoshot_max_tokens"]
-    return None if last >= 2**31 - 1 else last + 1
+    return None if last >= dispatch.registry.ALL_TOKENS else last + 1
 
 
 PIPELINED_T = _pipelined_tokens()
