@@ -62,7 +62,7 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
             "sliced_units": spec.FAMILY_REGIME[program.family][0] in spec.SLICED_REGIMES,
             "outputs": ["norm_out", "residual_out", *spec.PROFILE_EXTRA_OUTPUTS[program.profile]],
             "launch": LAUNCH,
-            "register_cap": spec.register_cap(program.family, program.world_size),
+            "register_cap": spec.register_cap(program.family, program.world_size, program.profile),
             "params": "param_plan",
             "code_sha256": code_sha256[program.name],
         })

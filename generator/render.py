@@ -193,7 +193,7 @@ def _selection_context(selection: tuning.Selection) -> dict:
 
 def register_bound(program: spec.ProgramSpec) -> str:
     """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP)."""
-    cap = spec.register_cap(program.family, program.world_size)
+    cap = spec.register_cap(program.family, program.world_size, program.profile)
     if cap is None:
         return f"__launch_bounds__({abi.MAX_THREADS})"
     # __maxnreg__ and __launch_bounds__ exclude each other; the cap must still let a block of

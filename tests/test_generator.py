@@ -228,7 +228,7 @@ def test_register_bound_follows_the_cap(rendered, manifest):
     and a capped block of MAX_THREADS threads still fits the register file."""
     capped = 0
     for p in manifest["programs"]:
-        cap = spec.register_cap(p["family"], p["world_size"])
+        cap = spec.register_cap(p["family"], p["world_size"], p["profile"])
         assert p["register_cap"] == cap
         text = rendered.outputs[p["file"]].decode()
         want = f"__maxnreg__({cap})" if cap else f"__launch_bounds__({render.abi.MAX_THREADS})"
@@ -237,6 +237,11 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
                          if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP)
+    # the pipelined two-shot's plain output loads eight routes at a time and has a cap of its own
+    pipelined = {(p["dtype"], p["profile"]): p["register_cap"] for p in manifest["programs"]
+                 if p["family"] == "twoshot_pipelined"}
+    assert pipelined and all(cap == (spec.PIPELINED_PLAIN_CAP if spec.PROFILE_QUANT[prof] is None else 72)
+                             for (_, prof), cap in pipelined.items())
     too_many = spec.ProgramSpec("twoshot", "bf16", 2, "110")
     original = dict(spec.REGISTER_CAP)
     try:

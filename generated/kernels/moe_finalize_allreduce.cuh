@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 7344bc18afa7b73f0671a55c70b9877acbfc0d0b11ab5c0f7312da3128536db5
+// inputs sha256: 89b8d554b3a7050f22283ef523a4e5f48176a02e5ed12e20d175aa4f08712c86
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -298,20 +298,25 @@ __device__ __forceinline__ Layout layout_of(int T, int H) {
 
 // ---------------------------------------------------------------------------------------------
 // Phase 1: this rank's partial of one 16-byte vector of token t, rounded once to the dtype.
+// kRoutes routes at a time: that many independent 16-byte loads in flight. kSharedFirst issues the
+// shared expert's load before the routes' (in flight with them, one register vector held longer).
+// Neither changes the order of the additions, so not the result's bits.
 // ---------------------------------------------------------------------------------------------
-template <typename D, bool kSharedPrefetch>
+template <typename D, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false>
 __device__ __forceinline__ uint4 partial_vector(const Params& p, int t, int v, unsigned& bad_rows) {
   const int H = p.hidden, K = p.top_k;
+  uint4 shared_first = make_uint4(0, 0, 0, 0);
+  if (kSharedFirst && p.shared_in != nullptr)
+    shared_first = *reinterpret_cast<const uint4*>(static_cast<const D*>(p.shared_in) + (long long)t * H + v * kElemsPerVec);
   float acc[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = 0.f;
   const int* idx = p.expanded_idx + (long long)t * K;
-  for (int k0 = 0; k0 < K; k0 += 4) {
-    // Four routes at a time: four independent 16-byte loads in flight.
-    uint4 rows[4];
-    float scale[4];
+  for (int k0 = 0; k0 < K; k0 += kRoutes) {
+    uint4 rows[kRoutes];
+    float scale[kRoutes];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kRoutes; ++j) {
       const int k = k0 + j;
       const int row = k < K ? idx[k] : -1;
       const bool in_range = row >= 0 && row < p.rows;
@@ -328,7 +333,7 @@ __device__ __forceinline__ uint4 partial_vector(const Params& p, int t, int v, u
       scale[j] = s;
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kRoutes; ++j) {
       float x[8];
       Vec<D>::to_float(rows[j], x);
 #pragma unroll
@@ -340,7 +345,9 @@ __device__ __forceinline__ uint4 partial_vector(const Params& p, int t, int v, u
   for (int i = 0; i < 8; ++i) out[i] = acc[i] * p.routed_scaling_factor;
   if (p.shared_in != nullptr) {
     const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H + v * kElemsPerVec;
-    const uint4 sv = kSharedPrefetch ? load_readonly(shared) : *reinterpret_cast<const uint4*>(shared);
+    const uint4 sv = kSharedFirst      ? shared_first
+                     : kSharedPrefetch ? load_readonly(shared)
+                                       : *reinterpret_cast<const uint4*>(shared);
     float x[8];
     Vec<D>::to_float(sv, x);
 #pragma unroll
@@ -664,6 +671,12 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
   const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
   if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
+  // Loads in flight per partial vector, measured per profile on 2x H200 (bench_results/pipelined/):
+  // the plain output is fastest with eight routes at a time (and a cap of 80 registers,
+  // spec.REGISTER_CAP); the quantized outputs, whose norm step holds more registers, with four
+  // and the shared row's load first (under the cap of 72).
+  constexpr int kRoutes = P == Profile::kPlain ? 8 : 4;
+  constexpr bool kSharedFirst = P != Profile::kPlain;
 
   const int columns = blockIdx.x < C ? (C - 1 - blockIdx.x) / G + 1 : 0;  // this block's columns
   for (int k = 0; k < columns + 2; ++k) {
@@ -676,7 +689,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
         for (int r = 0; r < vpt; ++r) {
           const int v = r * blockDim.x + threadIdx.x;
           if (v >= nvec) continue;
-          const uint4 partial = partial_vector<D, false>(p, t, v, bad_rows);
+          const uint4 partial = partial_vector<D, false, kRoutes, kSharedFirst>(p, t, v, bad_rows);
           if (!deadline.expired) *reinterpret_cast<uint4*>(slot + v * kElemsPerVec) = partial;
         }
       }
@@ -697,7 +710,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
         for (int r = 0; r < vpt; ++r) {
           const int v = r * blockDim.x + threadIdx.x;
           if (v >= nvec) continue;
-          const uint4 own = partial_vector<D, false>(p, t, v, bad_rows);
+          const uint4 own = partial_vector<D, false, kRoutes, kSharedFirst>(p, t, v, bad_rows);
           float s[8], x[8];
           Vec<D>::to_float(own, s);
           Vec<D>::to_float(wait_vector(peer_slot + v, deadline, p, kPhaseReduceScatter), x);

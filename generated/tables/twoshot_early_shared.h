@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 7344bc18afa7b73f0671a55c70b9877acbfc0d0b11ab5c0f7312da3128536db5
+// inputs sha256: 89b8d554b3a7050f22283ef523a4e5f48176a02e5ed12e20d175aa4f08712c86
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
