@@ -115,18 +115,18 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
 # spill 116-560 bytes). The pipelined two-shot (world size 2 only) measured fastest at 72 too: at
 # 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127 registers), though it spills
-# 64-124 bytes (bench_results/pipelined/). Its plain-output programs load eight routes at a time
-# (the template's kRoutes) and need 80: against four routes at 72, -21 to -11% at hidden 4096 and
-# -7% at 7168 from 2,048 tokens, +9% at 7168 with 1,024 (where the one-shot runs); with the
-# quantized outputs eight routes lost 4-45% (PIPELINED_PLAIN_CAP).
+# 64-124 bytes (bench_results/pipelined/). Except for NVFP4 it loads eight routes at a time (the
+# template's kRoutes) and needs 80 (PIPELINED_WIDE_CAP): against four routes at 72, plain output
+# -21 to -11% at hidden 4096 and -7% at 7168 from 2,048 tokens, +9% at 7168 with 1,024 (where the
+# one-shot runs); FP8-group -21 to -11% at 4096, +12% to -6% at 7168; NVFP4 +4 to +27%.
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
-PIPELINED_PLAIN_CAP = 80
+PIPELINED_WIDE_CAP = 80
 
 
 def register_cap(family: str, world_size: int, profile: str) -> int | None:
     regime = FAMILY_REGIME[family][0]
-    if regime == "twoshot_pipelined" and PROFILE_QUANT[profile] is None:
-        return PIPELINED_PLAIN_CAP
+    if regime == "twoshot_pipelined" and PROFILE_QUANT[profile] != "nvfp4":
+        return PIPELINED_WIDE_CAP
     return REGISTER_CAP.get((regime, world_size))
 
 

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 89b8d554b3a7050f22283ef523a4e5f48176a02e5ed12e20d175aa4f08712c86
+// inputs sha256: f868e34f7eaf254dd15a80bce7e13775970f45e676e64015e0d3250f9ec50dab
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -672,10 +672,10 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
   if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // Loads in flight per partial vector, measured per profile on 2x H200 (bench_results/pipelined/):
-  // the plain output is fastest with eight routes at a time (and a cap of 80 registers,
-  // spec.REGISTER_CAP); the quantized outputs, whose norm step holds more registers, with four
-  // and the shared row's load first (under the cap of 72).
-  constexpr int kRoutes = P == Profile::kPlain ? 8 : 4;
+  // eight routes at a time (under a cap of 80 registers, spec.register_cap), the FP8 outputs also
+  // with the shared row's load first; NVFP4, whose norm step holds more registers, four routes
+  // with the shared row first (cap 72).
+  constexpr int kRoutes = P == Profile::kNvfp4 ? 4 : 8;
   constexpr bool kSharedFirst = P != Profile::kPlain;
 
   const int columns = blockIdx.x < C ? (C - 1 - blockIdx.x) / G + 1 : 0;  // this block's columns

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 89b8d554b3a7050f22283ef523a4e5f48176a02e5ed12e20d175aa4f08712c86
+// inputs sha256: f868e34f7eaf254dd15a80bce7e13775970f45e676e64015e0d3250f9ec50dab
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
