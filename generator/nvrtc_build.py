@@ -123,10 +123,8 @@ def compile_one(program: str, arch: str, source: str, opts: list[str]) -> Compil
 # lose; more than this many is a kernel change that went wrong, and fails the gate.
 SPILL_BUDGET_BYTES = 64
 # A program compiled under a register cap (spec.REGISTER_CAP) spills by design: the cap was chosen
-# because it measured faster with the spills than without the cap. Its budget is wider, still a gate:
-# the largest is the pipelined two-shot's FP8-group program (216 bytes stored, 276 loaded at a cap of
-# 80 on sm_90a), 11-21% faster at hidden 4096 than with fewer loads in flight and no spills past 256.
-CAPPED_SPILL_BUDGET_BYTES = 320
+# because it measured faster with the spills than without the cap. Its budget is wider, still a gate.
+CAPPED_SPILL_BUDGET_BYTES = 256
 
 
 def spill_budget(register_cap: int | None) -> int:

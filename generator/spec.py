@@ -115,17 +115,19 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
 # spill 116-560 bytes). The pipelined two-shot (world size 2 only) measured fastest at 72 too: at
 # 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127 registers), though it spills
-# 64-124 bytes (bench_results/pipelined/). Except for NVFP4 it loads eight routes at a time (the
-# template's kRoutes) and needs 80 (PIPELINED_WIDE_CAP): against four routes at 72, plain output
-# -21 to -11% at hidden 4096 and -7% at 7168 from 2,048 tokens, +9% at 7168 with 1,024 (where the
-# one-shot runs); FP8-group -21 to -11% at 4096, +12% to -6% at 7168; NVFP4 +4 to +27%.
+# 64-124 bytes (bench_results/pipelined/). With the plain and the FP8-tensor output it loads eight
+# routes at a time (the template's kRoutes) and needs 80 (PIPELINED_WIDE_CAP): against four routes
+# at 72, plain -21 to -11% at hidden 4096 and -7% at 7168 from 2,048 tokens (+9% at 7168 with 1,024,
+# where the one-shot runs), FP8-tensor -30 to -9% at 4096 and -8% at 7168 from 4,096. The outputs
+# with per-group scales lost with eight: NVFP4 +4 to +27%, FP8-group +19 to +44% at 7168.
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
 PIPELINED_WIDE_CAP = 80
+PIPELINED_WIDE_PROFILES = ("110", "fp8_tensor")
 
 
 def register_cap(family: str, world_size: int, profile: str) -> int | None:
     regime = FAMILY_REGIME[family][0]
-    if regime == "twoshot_pipelined" and PROFILE_QUANT[profile] != "nvfp4":
+    if regime == "twoshot_pipelined" and profile in PIPELINED_WIDE_PROFILES:
         return PIPELINED_WIDE_CAP
     return REGISTER_CAP.get((regime, world_size))
 

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: f868e34f7eaf254dd15a80bce7e13775970f45e676e64015e0d3250f9ec50dab
+// inputs sha256: 66aa78344071c1b8b27f7053987afef20eb5782846eaa8bc765ade7653069010
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -672,10 +672,11 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
   if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // Loads in flight per partial vector, measured per profile on 2x H200 (bench_results/pipelined/):
-  // eight routes at a time (under a cap of 80 registers, spec.register_cap), the FP8 outputs also
-  // with the shared row's load first; NVFP4, whose norm step holds more registers, four routes
-  // with the shared row first (cap 72).
-  constexpr int kRoutes = P == Profile::kNvfp4 ? 4 : 8;
+  // eight routes at a time (under a cap of 80 registers, spec.register_cap), FP8-tensor with the
+  // shared row's load first; the outputs with per-group scales (NVFP4, FP8-group), whose norm step
+  // holds more registers, four routes with the shared row first (cap 72).
+  constexpr bool kGroupScales = P == Profile::kNvfp4 || P == Profile::kFp8Group128;
+  constexpr int kRoutes = kGroupScales ? 4 : 8;
   constexpr bool kSharedFirst = P != Profile::kPlain;
 
   const int columns = blockIdx.x < C ? (C - 1 - blockIdx.x) / G + 1 : 0;  // this block's columns

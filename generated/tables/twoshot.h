@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: f868e34f7eaf254dd15a80bce7e13775970f45e676e64015e0d3250f9ec50dab
+// inputs sha256: 66aa78344071c1b8b27f7053987afef20eb5782846eaa8bc765ade7653069010
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
