@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 66aa78344071c1b8b27f7053987afef20eb5782846eaa8bc765ade7653069010
+// inputs sha256: deba9b7a464a54d3065db7394ebf19b2aa734c75d35147db1e5a4ce2f288811b
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws4_fp8_group128: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 4, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 66aa78344071c1b8b27f7053987afef20eb5782846eaa8bc765ade7653069010
+// inputs sha256: deba9b7a464a54d3065db7394ebf19b2aa734c75d35147db1e5a4ce2f288811b
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tsp_bf16_ws2_o111: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype bf16, world size 2, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))

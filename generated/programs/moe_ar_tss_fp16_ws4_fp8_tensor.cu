@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 66aa78344071c1b8b27f7053987afef20eb5782846eaa8bc765ade7653069010
+// inputs sha256: deba9b7a464a54d3065db7394ebf19b2aa734c75d35147db1e5a4ce2f288811b
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_fp16_ws4_fp8_tensor: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype fp16, world size 4, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)
