@@ -116,10 +116,11 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # spill 116-560 bytes). The pipelined two-shot (world size 2 only) measured fastest at 72 too: at
 # 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127 registers), though it spills
 # 64-124 bytes (bench_results/pipelined/). With the plain and the FP8-tensor output it loads eight
-# routes at a time (the template's kRoutes) and needs 80 (PIPELINED_WIDE_CAP): against four routes
-# at 72, plain -21 to -11% at hidden 4096 and -7% at 7168 from 2,048 tokens (+9% at 7168 with 1,024,
-# where the one-shot runs), FP8-tensor -30 to -9% at 4096 and -8% at 7168 from 4,096. The outputs
-# with per-group scales lost with eight: NVFP4 +4 to +27%, FP8-group +19 to +44% at 7168.
+# routes at a time (the template's kRoutes) and needs 80 (PIPELINED_WIDE_CAP). Full bench e2dc2bb
+# against afdb3f8, plain, from 2,048 tokens: -24 to -9% at hidden 4096, -4 to -10% at 7168 top_k 8,
+# but +3 to +5% at 7168 top_k 4 (four routes gain nothing from eight slots; the cap costs a block a
+# multiprocessor). FP8-tensor: -30 to -9% at 4096, -3 to -8% at 7168 top_k 8, +5 to +7% at top_k 4.
+# The outputs with per-group scales lost with eight: NVFP4 +4 to +27%, FP8-group +19 to +44% at 7168.
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
 PIPELINED_WIDE_CAP = 80
 PIPELINED_WIDE_PROFILES = ("110", "fp8_tensor")

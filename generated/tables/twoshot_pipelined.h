@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: deba9b7a464a54d3065db7394ebf19b2aa734c75d35147db1e5a4ce2f288811b
+// inputs sha256: a730976b8e8a0ed7b311a19b33e1973f7a9ea60dfb5543f2c61f86a6075793fe
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
