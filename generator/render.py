@@ -235,6 +235,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       profile_cpp=spec.PROFILE_CPP[program.profile],
                       regime_cpp=regime_cpp,
                       shared_prefetch=shared_prefetch,
+                      pipelined_loads=spec.pipelined_loads(program.family, program.profile),
                       body_file=body_name,
                       register_bound=register_bound(program),
                       family_meaning=spec.FAMILY_MEANING[program.family],

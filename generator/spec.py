@@ -115,22 +115,33 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
 # spill 116-560 bytes). The pipelined two-shot (world size 2 only) measured fastest at 72 too: at
 # 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127 registers), though it spills
-# 64-124 bytes (bench_results/pipelined/). With the plain and the FP8-tensor output it loads eight
-# routes at a time (the template's kRoutes) and needs 80 (PIPELINED_WIDE_CAP). Full bench e2dc2bb
-# against afdb3f8, plain, from 2,048 tokens: -24 to -9% at hidden 4096, -4 to -10% at 7168 top_k 8,
-# but +3 to +5% at 7168 top_k 4 (four routes gain nothing from eight slots; the cap costs a block a
-# multiprocessor). FP8-tensor: -30 to -9% at 4096, -3 to -8% at 7168 top_k 8, +5 to +7% at top_k 4.
-# The outputs with per-group scales lost with eight: NVFP4 +4 to +27%, FP8-group +19 to +44% at 7168.
+# 64-124 bytes (bench_results/pipelined/), except where it loads eight routes at a time
+# (PIPELINED_LOADS): those need PIPELINED_WIDE_CAP.
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
 PIPELINED_WIDE_CAP = 80
-PIPELINED_WIDE_PROFILES = ("110", "fp8_tensor")
+
+# The pipelined two-shot's loads in flight per partial vector, per output profile: (routes at a
+# time, shared row's load issued before the routes'). Measured on 2x H200 (bench_results/pipelined/,
+# full bench e2dc2bb against afdb3f8, from 2,048 tokens): eight routes under a cap of 80 against
+# four under 72, plain -24 to -9% at hidden 4096 and -4 to -10% at 7168 top_k 8, but +3 to +5% at
+# 7168 top_k 4 (four routes fill half the slots; the cap costs a block a multiprocessor);
+# FP8-tensor -30 to -9% at 4096, -3 to -8% at 7168 top_k 8, +5 to +7% at top_k 4. The outputs with
+# per-group scales, whose norm step holds more registers, lost with eight: NVFP4 +4 to +27%,
+# FP8-group +19 to +44% at 7168; the shared row first gains NVFP4 3-4%.
+PIPELINED_LOADS = {"110": (8, False), "111": (4, True), "fp8_group128": (4, True), "fp8_tensor": (8, True)}
+
+
+def pipelined_loads(family: str, profile: str) -> tuple[int, bool] | None:
+    """(routes at a time, shared row first) for a pipelined two-shot program; None for the others,
+    which load four routes at a time, the shared row last."""
+    return PIPELINED_LOADS[profile] if FAMILY_REGIME[family][0] == "twoshot_pipelined" else None
 
 
 def register_cap(family: str, world_size: int, profile: str) -> int | None:
-    regime = FAMILY_REGIME[family][0]
-    if regime == "twoshot_pipelined" and profile in PIPELINED_WIDE_PROFILES:
+    loads = pipelined_loads(family, profile)
+    if loads is not None and loads[0] > 4:
         return PIPELINED_WIDE_CAP
-    return REGISTER_CAP.get((regime, world_size))
+    return REGISTER_CAP.get((FAMILY_REGIME[family][0], world_size))
 
 
 # Regimes whose exchange phases split a row into blockDim-wide slices (one work unit per slice).

@@ -98,7 +98,8 @@ def test_every_family_has_all_its_tables():
 def test_every_profile_has_all_its_tables():
     """Adding an output profile is one place: the tuples and tables of spec.py (plus its math in
     the template); every name derived from it parses back."""
-    for table in (spec.OUTPUT_PROFILE_MEANING, spec.PROFILE_QUANT, spec.PROFILE_CPP, spec.PROFILE_EXTRA_OUTPUTS):
+    for table in (spec.OUTPUT_PROFILE_MEANING, spec.PROFILE_QUANT, spec.PROFILE_CPP, spec.PROFILE_EXTRA_OUTPUTS,
+                  spec.PIPELINED_LOADS):
         assert set(table) == set(spec.OUTPUT_PROFILES)
     assert len(set(spec.PROFILE_QUANT.values())) == len(spec.OUTPUT_PROFILES)
     for cell in spec.all_cells():
@@ -237,11 +238,20 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
                          if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP)
-    # the pipelined two-shot loads eight routes at a time (per-group scales: four) under a cap of its own
-    pipelined = {(p["dtype"], p["profile"]): p["register_cap"] for p in manifest["programs"]
-                 if p["family"] == "twoshot_pipelined"}
-    assert pipelined and all(cap == (72 if prof in ("111", "fp8_group128") else spec.PIPELINED_WIDE_CAP)
-                             for (_, prof), cap in pipelined.items())
+    # a pipelined two-shot program loading eight routes at a time has the wider cap, and its
+    # program file passes its loads to the kernel body; no other program passes any
+    pipelined = 0
+    for p in manifest["programs"]:
+        loads = spec.pipelined_loads(p["family"], p["profile"])
+        text = rendered.outputs[p["file"]].decode()
+        if loads is None:
+            assert "routes_in_flight" not in text and "shared_row_first" not in text
+            continue
+        pipelined += 1
+        assert p["register_cap"] == (spec.PIPELINED_WIDE_CAP if loads[0] == 8 else 72)
+        assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"
+                in text)
+    assert pipelined == sum(p["family"] == "twoshot_pipelined" for p in manifest["programs"]) > 0
     too_many = spec.ProgramSpec("twoshot", "bf16", 2, "110")
     original = dict(spec.REGISTER_CAP)
     try:

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: a730976b8e8a0ed7b311a19b33e1973f7a9ea60dfb5543f2c61f86a6075793fe
+// inputs sha256: 35e480caa1fbf2a6f65aefc856cd31064fda83140ba08ec6c9cd0d200a373cca
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -657,7 +657,9 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned call, int 
 // Every wait concerns a column whose sends come earlier in both ranks' order than any send still
 // waiting behind it, so the exchange always progresses (also when the ranks run different grid
 // sizes or mix programs).
-template <typename D, int W, Profile P>
+// kRoutes, kSharedFirst: its loads in flight per partial vector (partial_vector), chosen per output
+// profile by the generator (spec.PIPELINED_LOADS, with the register cap they need).
+template <typename D, int W, Profile P, int kRoutes, bool kSharedFirst>
 __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
                                                    Deadline& deadline, unsigned& bad_rows) {
   static_assert(W == 2, "the pipelined two-shot is generated for world size 2 only (generator/policy.py)");
@@ -671,13 +673,6 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
   const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
   if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
-  // Loads in flight per partial vector, measured per profile on 2x H200 (bench_results/pipelined/):
-  // eight routes at a time (under a cap of 80 registers, spec.register_cap), FP8-tensor with the
-  // shared row's load first; the outputs with per-group scales (NVFP4, FP8-group), whose norm step
-  // holds more registers, four routes with the shared row first (cap 72).
-  constexpr bool kGroupScales = P == Profile::kNvfp4 || P == Profile::kFp8Group128;
-  constexpr int kRoutes = kGroupScales ? 4 : 8;
-  constexpr bool kSharedFirst = P != Profile::kPlain;
 
   const int columns = blockIdx.x < C ? (C - 1 - blockIdx.x) / G + 1 : 0;  // this block's columns
   for (int k = 0; k < columns + 2; ++k) {
@@ -761,7 +756,9 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
 // ---------------------------------------------------------------------------------------------
 // The kernel body
 // ---------------------------------------------------------------------------------------------
-template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch>
+// kRoutes and kSharedFirst reach the pipelined two-shot only; the other regimes load four routes at a
+// time, the shared row last.
+template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false>
 __device__ __forceinline__ void run(const Params& p) {
   static_assert(W >= 2 && W <= kMaxWorldSize, "world size");
   const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
@@ -807,7 +804,7 @@ __device__ __forceinline__ void run(const Params& p) {
 
   if constexpr (R == Regime::kTwoShotPipelined) {
     if (!p.fault_stop_after) {  // the injected fault takes the two-shot's path below
-      pipelined_two_shot<D, W, P>(p, lay, cur, prev_extent, deadline, bad_rows);
+      pipelined_two_shot<D, W, P, kRoutes, kSharedFirst>(p, lay, cur, prev_extent, deadline, bad_rows);
       finish_call(p, call, cur, prev, 0, bad_rows);  // it leaves its buffer clean: nothing to clear
       return;
     }

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: a730976b8e8a0ed7b311a19b33e1973f7a9ea60dfb5543f2c61f86a6075793fe
+// inputs sha256: 35e480caa1fbf2a6f65aefc856cd31064fda83140ba08ec6c9cd0d200a373cca
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tses_fp16_ws4_fp8_group128: twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype fp16, world size 4, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))

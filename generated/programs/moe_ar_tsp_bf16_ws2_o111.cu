@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: a730976b8e8a0ed7b311a19b33e1973f7a9ea60dfb5543f2c61f86a6075793fe
+// inputs sha256: 35e480caa1fbf2a6f65aefc856cd31064fda83140ba08ec6c9cd0d200a373cca
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tsp_bf16_ws2_o111: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype bf16, world size 2, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))
 #include "moe_finalize_allreduce.cuh"
 
 extern "C" __global__ void __maxnreg__(72) moe_ar_tsp_bf16_ws2_o111(const moe_ar::Params p) {
-  moe_ar::run<__nv_bfloat16, 2, moe_ar::Profile::kNvfp4, moe_ar::Regime::kTwoShotPipelined, /*shared_prefetch=*/false>(p);
+  moe_ar::run<__nv_bfloat16, 2, moe_ar::Profile::kNvfp4, moe_ar::Regime::kTwoShotPipelined, /*shared_prefetch=*/false, /*routes_in_flight=*/4, /*shared_row_first=*/true>(p);
 }

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: a730976b8e8a0ed7b311a19b33e1973f7a9ea60dfb5543f2c61f86a6075793fe
+// inputs sha256: 35e480caa1fbf2a6f65aefc856cd31064fda83140ba08ec6c9cd0d200a373cca
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
