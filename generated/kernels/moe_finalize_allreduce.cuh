@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 35e480caa1fbf2a6f65aefc856cd31064fda83140ba08ec6c9cd0d200a373cca
+// inputs sha256: 952715c3165a6e6fba435fac497b99dc6abfdaee6be6f54667b2cf566dcd776a
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -425,42 +425,61 @@ __device__ __forceinline__ float amax_of(uint4 v) {
   return m;
 }
 
-// Quantize this thread's norm_out vectors of row t (one per round, in the dtype). The thread holding
-// vector v ^ 1 holds the other half of each 16-element block. All rounds are handled side by side,
-// so their dependent chains (amax, shuffle, a division, a table lookup) overlap instead of running in turn.
+// NVFP4 of norm_out vector v of row t, given its 16-element block's amax and the global scale gs.
 template <typename D>
+__device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, uint4 normed, float amax, float gs,
+                                                      int num_k_tiles) {
+  const float sf = __fdiv_rn(__fmul_rn(gs, amax), 6.0f);
+  const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
+  const float scale = nvfp4_reciprocals()[sf8];  // = sf8 != 0 ? 1 / (float(sf8) / gs) : 0
+  float x[8];
+  Vec<D>::to_float(normed, x);
+  unsigned packed = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(x[i], scale)) << (4 * i);
+  reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (p.hidden / 2))[v] = packed;
+  if ((v & 1) == 0) static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
+}
+
+// Quantize this thread's norm_out vectors of row t (one per round, in the dtype). The thread holding
+// vector v ^ 1 holds the other half of each 16-element block. Two schedules of the same arithmetic:
+//   kOverlapRounds: every step of all rounds before the next step, so the rounds' dependent chains
+//     (amax, shuffle, a division, a table lookup) overlap; the pipelined two-shot, which runs at a
+//     register cap anyway, is 18-29% faster with it than with the other;
+//   otherwise one round after another: the uncapped one-shot takes 64 registers instead of 105, twice
+//     the blocks a multiprocessor holds, and is 12-17% faster from 512 tokens (both on 2x H200).
+// Each is written out as measured: ptxas's spills at a cap move with small changes of the source (the
+// global scale held across the rounds instead of read in each cost the one-round form 20%).
+template <typename D, bool kOverlapRounds>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
-  const float gs = *p.quant_scale;
-  float amax[kMaxVecPerThread];
+  if constexpr (kOverlapRounds) {
+    const float gs = *p.quant_scale;
+    float amax[kMaxVecPerThread];
 #pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r) amax[r] = amax_of<D>(normed[r]);  // 0 for vectors past the row
+    for (int r = 0; r < kMaxVecPerThread; ++r) amax[r] = amax_of<D>(normed[r]);  // 0 for vectors past the row
 #pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r)  // every lane shuffles: vpt is the same for the block
-    if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+    for (int r = 0; r < kMaxVecPerThread; ++r)  // every lane shuffles: vpt is the same for the block
+      if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
 #pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
-    if (r >= vpt || v >= nvec) continue;
-    const float sf = __fdiv_rn(__fmul_rn(gs, amax[r]), 6.0f);
-    const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
-    const float scale = nvfp4_reciprocals()[sf8];  // = sf8 != 0 ? 1 / (float(sf8) / gs) : 0
-    float x[8];
-    Vec<D>::to_float(normed[r], x);
-    unsigned packed = 0;
+    for (int r = 0; r < kMaxVecPerThread; ++r) {
+      const int v = r * blockDim.x + threadIdx.x;
+      if (r >= vpt || v >= nvec) continue;
+      quantize_vector_nvfp4<D>(p, t, v, normed[r], amax[r], gs, num_k_tiles);
+    }
+  } else {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(x[i], scale)) << (4 * i);
-    reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (H / 2))[v] = packed;
-    if ((v & 1) == 0) static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
+    for (int r = 0; r < kMaxVecPerThread; ++r) {
+      if (r >= vpt) break;  // the same for the whole block: every lane below shuffles
+      const float own_amax = amax_of<D>(normed[r]);  // 0 for vectors past the row
+      const float amax = fmaxf(own_amax, __shfl_xor_sync(0xffffffffu, own_amax, 1));
+      const int v = r * blockDim.x + threadIdx.x;
+      if (v >= nvec) continue;
+      quantize_vector_nvfp4<D>(p, t, v, normed[r], amax, __ldg(p.quant_scale), num_k_tiles);
+    }
   }
 }
 
-// Zero the scale padding: columns past H/16 of row t (one thread), or whole padding rows.
-__device__ __forceinline__ void zero_scale_padding_of_row(const Params& p, int t) {
-  const int cols = p.hidden / 16, padded_cols = (cols + 3) / 4 * 4, num_k_tiles = (p.hidden + 63) / 64;
-  for (int k = cols; k < padded_cols; ++k)
-    static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, k, num_k_tiles)] = 0;
-}
 // The padding rows T..roundup(T, 128)-1 all lie in the last 128-row tile, which is one 512-byte
 // block per group of 4 scale columns: word w of a block holds row (w % 4) * 32 + w / 4 of the tile.
 // The whole grid zeroes the padding rows' words, consecutive threads on consecutive words (at small
@@ -475,6 +494,17 @@ __device__ __forceinline__ void zero_scale_padding_rows(const Params& p) {
     const int w = i % 128;
     if ((w % 4) * 32 + w / 4 >= first_padding) tile_words[i] = 0;  // word i: group i / 128, word w
   }
+}
+// The scale padding: the padding rows, and the columns past H / 16 of rows 0..T-1 (only where H is not
+// a multiple of 64). Once a call, by the whole grid, before the exchange: done per row, inside the row
+// epilogue, it took registers the epilogue needs (one-shot at world size 4: 98 against 64).
+__device__ __forceinline__ void zero_scale_padding(const Params& p) {
+  zero_scale_padding_rows(p);
+  const int cols = p.hidden / 16, padding_cols = (cols + 3) / 4 * 4 - cols, num_k_tiles = (p.hidden + 63) / 64;
+  const int n = p.tokens * padding_cols;  // 0 when H % 64 == 0
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+    static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(i / padding_cols, cols + i % padding_cols,
+                                                                   num_k_tiles)] = 0;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -514,35 +544,32 @@ __device__ __forceinline__ void divide8(float (&x)[8], float s, bool s_is_pow2) 
 // consecutive vectors of one round, held by 16 consecutive lanes (a half warp): its amax is a
 // 4-step butterfly. Lane 0 of the group writes the float32 scale, row-major [T, H/128] or
 // column-major [H/128, roundup(T, 4)]. The values are unpacked twice (for the amax, then for the
-// quantization) rather than held as floats in between: fewer registers, more blocks resident.
+// quantization) rather than held as floats in between, and the rounds go one at a time (as NVFP4's):
+// fewer registers, more blocks resident.
 template <typename D>
 __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, groups = H / kFp8Group;
   const bool column_major = p.quant_flags & kScalesColumnMajor, pow2 = p.quant_flags & kScalesPow2;
-  float amax[kMaxVecPerThread];
-#pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r) amax[r] = amax_of<D>(normed[r]);  // 0 for vectors past the row
-#pragma unroll
-  for (int o = 1; o < 16; o <<= 1)  // every lane shuffles: vpt is the same for the block
-#pragma unroll
-    for (int r = 0; r < kMaxVecPerThread; ++r)
-      if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], o));
   uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
-  float* scales = static_cast<float*>(p.scale_out);
+  // scale of group g: scale_row[g * group_stride]. An int: the offset stays below (H / 128) * (T + 3), and an
+  // int here keeps the function at 64 registers (a 64-bit stride took 74, one block less a multiprocessor).
+  const int group_stride = column_major ? (p.tokens + 3) / 4 * 4 : 1;
+  float* scale_row = static_cast<float*>(p.scale_out) + (column_major ? (long long)t : (long long)t * groups);
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
+    if (r >= vpt) break;  // the same for the whole block: every lane below shuffles
+    float amax = amax_of<D>(normed[r]);  // 0 for vectors past the row
+#pragma unroll
+    for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const int v = r * blockDim.x + threadIdx.x;
-    if (r >= vpt || v >= nvec) continue;
-    float s = __fdiv_rn(fmaxf(amax[r], kFp8GroupEps), kE4m3Max);
+    if (v >= nvec) continue;
+    float s = __fdiv_rn(fmaxf(amax, kFp8GroupEps), kE4m3Max);
     if (pow2) s = pow2_ceil(s);
     float x[8];
     Vec<D>::to_float(normed[r], x);
     divide8(x, s, pow2);
     quant[v] = e4m3x8(x);
-    if (v % 16 == 0) {
-      const int g = v / 16;
-      scales[column_major ? (long long)g * ((p.tokens + 3) / 4 * 4) + t : (long long)t * groups + g] = s;
-    }
+    if (v % 16 == 0) scale_row[v / 16 * group_stride] = s;
   }
 }
 
@@ -575,7 +602,8 @@ __device__ __forceinline__ void zero_fp8_scale_padding(const Params& p) {
 // Epilogue of one token row: residual_out values (in the dtype, held in registers)
 // -> RMSNorm -> norm_out (+ NVFP4 or FP8). The whole block calls it for the same row.
 // ---------------------------------------------------------------------------------------------
-template <typename D, Profile P>
+// kOverlapQuantRounds: see quantize_row_nvfp4.
+template <typename D, Profile P, bool kOverlapQuantRounds = false>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   uint4 gamma[kMaxVecPerThread];  // loaded before the block reduction, which hides their latency
@@ -608,10 +636,7 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
     normed[r] = Vec<D>::from_float(y);
     reinterpret_cast<uint4*>(norm_out)[v] = normed[r];
   }
-  if (P == Profile::kNvfp4) {
-    quantize_row_nvfp4<D>(p, t, normed);
-    if (threadIdx.x == 0) zero_scale_padding_of_row(p, t);
-  }
+  if (P == Profile::kNvfp4) quantize_row_nvfp4<D, kOverlapQuantRounds>(p, t, normed);
   if (P == Profile::kFp8Group128) quantize_row_fp8_group<D>(p, t, normed);
   if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D>(p, t, normed);
 }
@@ -671,7 +696,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
                                                 ((cur + 2) % 3) * p.buffer_elems);
   const long long clear_n = prev_extent / kElemsPerVec, clear_per_column = (clear_n + C - 1) / C;
   const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
-  if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
+  if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
 
   const int columns = blockIdx.x < C ? (C - 1 - blockIdx.x) / G + 1 : 0;  // this block's columns
@@ -748,7 +773,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
           res[r] = r < vpt && v < nvec ? residual_out[v] : make_uint4(0, 0, 0, 0);
         }
       }
-      norm_row<D, P>(p, t, res);
+      norm_row<D, P, /*overlap_quant_rounds=*/true>(p, t, res);
     }
   }
 }
@@ -840,14 +865,14 @@ __device__ __forceinline__ void run(const Params& p) {
   if (p.fault_stop_after) return;  // the injected fault: this rank never takes part again in this call
   if (R == Regime::kTwoShotPipelined) return;  // not reached (it ran above); keeps what follows out of its code
 
-  // ---- clear the buffer of the previous call (and the NVFP4 scale padding rows) ------------
+  // ---- clear the buffer of the previous call (and the quantized outputs' scale padding) -------
   {
     uint4* prev_buffer = reinterpret_cast<uint4*>(static_cast<D*>(buffer_of<W>(p, p.rank)) + prev * p.buffer_elems);
     const long long n = prev_extent / kElemsPerVec;
     const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
       prev_buffer[i] = sentinel;
-    if (P == Profile::kNvfp4) zero_scale_padding_rows(p);
+    if (P == Profile::kNvfp4) zero_scale_padding(p);
     if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   }
 
