@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 952715c3165a6e6fba435fac497b99dc6abfdaee6be6f54667b2cf566dcd776a
+// inputs sha256: 8790c01dab9434dc937aac4b4fa1ebd344dbebaa17d1187609463a34108d9d8f
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_bf16_ws8_fp8_group128: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype bf16, world size 8, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))

@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: 952715c3165a6e6fba435fac497b99dc6abfdaee6be6f54667b2cf566dcd776a
+// inputs sha256: 8790c01dab9434dc937aac4b4fa1ebd344dbebaa17d1187609463a34108d9d8f
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens, twoshot_max_tokens}; source:
-// cells measured in bench_results/h200x2-2026-11-30-e2dc2bb-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-c64e1e8-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; else twoshot_pipelined; then the shared-expert
 // variant where the rank has a shared operand; a hole falls back to its
@@ -14,9 +14,9 @@ constexpr int kAllTokens = 2147483647;  // twoshot_max_tokens of a cell that nev
 static const int kRegimeBoundaries[2][3][4][3] = {
     {  // fp16
         {  // fp16 ws2
-            {1024, 1024, 1024},  // fp16 ws2 o110: measured (bf16 data): 0 of 60 points over 1.05x the best program, at most 1.048x, mean 1.001x
-            {512, 512, 512},  // fp16 ws2 o111: measured (bf16 data): 1 of 60 points over 1.05x the best program, at most 1.065x, mean 1.002x
-            {512, 512, 512},  // fp16 ws2 fp8_group128: measured (bf16 data): 2 of 60 points over 1.05x the best program, at most 1.252x, mean 1.007x
+            {1024, 1024, 1024},  // fp16 ws2 o110: measured (bf16 data): 0 of 60 points over 1.05x the best program, at most 1.044x, mean 1.001x
+            {512, 512, 512},  // fp16 ws2 o111: measured (bf16 data): 0 of 60 points over 1.05x the best program, at most 1.042x, mean 1.001x
+            {1024, 1024, 1024},  // fp16 ws2 fp8_group128: measured (bf16 data): 2 of 60 points over 1.05x the best program, at most 1.218x, mean 1.005x
             {1024, 1024, 1024},  // fp16 ws2 fp8_tensor: measured (bf16 data): 0 of 60 points over 1.05x the best program, at most 1.003x, mean 1.000x
         },
         {  // fp16 ws4
@@ -34,9 +34,9 @@ static const int kRegimeBoundaries[2][3][4][3] = {
     },
     {  // bf16
         {  // bf16 ws2
-            {1024, 1024, 1024},  // bf16 ws2 o110: measured: 0 of 60 points over 1.05x the best program, at most 1.048x, mean 1.001x
-            {512, 512, 512},  // bf16 ws2 o111: measured: 1 of 60 points over 1.05x the best program, at most 1.065x, mean 1.002x
-            {512, 512, 512},  // bf16 ws2 fp8_group128: measured: 2 of 60 points over 1.05x the best program, at most 1.252x, mean 1.007x
+            {1024, 1024, 1024},  // bf16 ws2 o110: measured: 0 of 60 points over 1.05x the best program, at most 1.044x, mean 1.001x
+            {512, 512, 512},  // bf16 ws2 o111: measured: 0 of 60 points over 1.05x the best program, at most 1.042x, mean 1.001x
+            {1024, 1024, 1024},  // bf16 ws2 fp8_group128: measured: 2 of 60 points over 1.05x the best program, at most 1.218x, mean 1.005x
             {1024, 1024, 1024},  // bf16 ws2 fp8_tensor: measured: 0 of 60 points over 1.05x the best program, at most 1.003x, mean 1.000x
         },
         {  // bf16 ws4

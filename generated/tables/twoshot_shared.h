@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 952715c3165a6e6fba435fac497b99dc6abfdaee6be6f54667b2cf566dcd776a
+// inputs sha256: 8790c01dab9434dc937aac4b4fa1ebd344dbebaa17d1187609463a34108d9d8f
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
