@@ -201,6 +201,18 @@ WORLDS = [pytest.param(2, None, id="ws2-1gpu"), pytest.param(4, None, id="ws4-1g
 REGIME_T = {"oneshot": 8, "twoshot": 300, "pipelined": PIPELINED_T}
 
 
+def _timed_out_ranks(world) -> dict:
+    """{rank: message} for every rank whose check() raised the timeout error; any other error fails."""
+    out = {}
+    for r, w in enumerate(world.workspaces):
+        try:
+            w.check()
+        except RuntimeError as e:
+            assert "timed out in phase" in str(e), str(e)
+            out[r] = str(e)
+    return out
+
+
 def _regime_case(world, regime, rank):
     """T for the regime (skips where this world has no such regime) and the program it runs."""
     if regime == "pipelined" and (world.world_size != 2 or PIPELINED_T is None):
@@ -245,16 +257,10 @@ def test_late_rank(ws, devices, regime, timeout_s, seed_for, record_result):
             info["faults_injected"] += 1
             info["delay_ms"] = round(e0.elapsed_time(e1), 1)
             assert info["delay_ms"] >= 80.0, f"the late rank was only {info['delay_ms']} ms late"
-            raised, correct = [], []
-            for r in range(ws):
-                try:
-                    world.workspaces[r].check()
-                except RuntimeError as e:
-                    assert "timed out in phase" in str(e), str(e)
-                    raised.append(r)
-                    continue
+            raised = sorted(_timed_out_ranks(world))
+            correct = [r for r in range(ws) if r not in raised]
+            for r in correct:
                 _check_call(call, outs, [r], label=f"late rank: rank {r} did not raise, so it must be correct")
-                correct.append(r)
             info.update(raised_ranks=raised, correct_ranks=correct)
             if timeout_s >= 1.0:
                 assert correct == list(range(ws)), f"a 10 s deadline must absorb a 100 ms delay: raised {raised}"
@@ -307,14 +313,8 @@ def test_rank_stops_mid_exchange(ws, regime, how, seed_for, record_result):
             info.update(wall_s=round(wall, 3))
             info["calls"] += 1
             info["faults_injected"] += 1
-            raised, messages = [], []
-            for r in range(ws):
-                try:
-                    world.workspaces[r].check()
-                except RuntimeError as e:
-                    assert "timed out in phase" in str(e), str(e)
-                    raised.append(r)
-                    messages.append(str(e)[:160])
+            timed_out = _timed_out_ranks(world)
+            raised, messages = sorted(timed_out), [timed_out[r][:160] for r in sorted(timed_out)]
             info.update(raised_ranks=raised, messages=messages)
             assert faulty not in raised, f"the faulty rank {faulty} itself raised: {messages}"
             assert raised == [r for r in range(ws) if r != faulty], \
