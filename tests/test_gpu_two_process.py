@@ -44,48 +44,35 @@ def _two_gpus():
 
 # ---- parent side ------------------------------------------------------------------------------
 
-def _spawn(fn_name, nprocs, args, timeout_s):
-    multiproc.spawn("test_gpu_two_process", fn_name, nprocs, args, timeout_s)
-
-
-_read_summaries = multiproc.read_rank_rows
-
-
-def test_all_world_size_2_programs_two_processes(tmp_path, base_seed, record_result):
+def _run_ranks(worker, nprocs, tmp_path, base_seed, record_result, timeout_s):
+    """Run `worker` in nprocs processes; every rank's result rows are recorded (also when the run
+    fails) and returned."""
     out = tmp_path / "out"
     out.mkdir()
     try:
-        _spawn("_worker_sweep", 2, (str(tmp_path / "init"), str(out), base_seed), timeout_s=570)
+        multiproc.spawn("test_gpu_two_process", worker, nprocs, (str(tmp_path / "init"), str(out), base_seed),
+                        timeout_s)
     finally:
-        rows = _read_summaries(out)
+        rows = multiproc.read_rank_rows(out)
         for r in rows:
             record_result(**r)
+    return rows
+
+
+def test_all_world_size_2_programs_two_processes(tmp_path, base_seed, record_result):
+    rows = _run_ranks("_worker_sweep", 2, tmp_path, base_seed, record_result, timeout_s=570)
     ran = {r["program"] for r in rows if r["rank"] == 0}
     assert ran == set(WS2_PROGRAMS), sorted(set(WS2_PROGRAMS) - ran)
     assert all(r["passed"] and r["cases"] == CASES_PER_PROGRAM for r in rows), rows
 
 
 def test_workspace_uses_the_given_group(tmp_path, base_seed, record_result):
-    out = tmp_path / "out"
-    out.mkdir()
-    try:
-        _spawn("_worker_subgroup", 3, (str(tmp_path / "init"), str(out), base_seed), timeout_s=300)
-    finally:
-        rows = _read_summaries(out)
-        for r in rows:
-            record_result(**r)
+    rows = _run_ranks("_worker_subgroup", 3, tmp_path, base_seed, record_result, timeout_s=300)
     assert len(rows) == 2 and all(r["passed"] and r["cases"] > 0 for r in rows), rows
 
 
 def test_lost_peer_times_out_and_reset_recovers(tmp_path, base_seed, record_result):
-    out = tmp_path / "out"
-    out.mkdir()
-    try:
-        _spawn("_worker_lost_peer", 2, (str(tmp_path / "init"), str(out), base_seed), timeout_s=300)
-    finally:
-        rows = _read_summaries(out)
-        for r in rows:
-            record_result(**r)
+    rows = _run_ranks("_worker_lost_peer", 2, tmp_path, base_seed, record_result, timeout_s=300)
     assert len(rows) == 2 and all(r["passed"] for r in rows), rows
 
 
