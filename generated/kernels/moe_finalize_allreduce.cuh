@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 8790c01dab9434dc937aac4b4fa1ebd344dbebaa17d1187609463a34108d9d8f
+// inputs sha256: 7627e70269f2d244a6281bc7b88f34c644e0519a3b29b3f44c43bf694f88035b
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -448,8 +448,9 @@ __device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, in
 //     register cap anyway, is 18-29% faster with it than with the other;
 //   otherwise one round after another: the uncapped one-shot takes 64 registers instead of 105, twice
 //     the blocks a multiprocessor holds, and is 12-17% faster from 512 tokens (both on 2x H200).
-// Each is written out as measured: ptxas's spills at a cap move with small changes of the source (the
-// global scale held across the rounds instead of read in each cost the one-round form 20%).
+// Each form is kept as it was measured: at a register cap ptxas places its spills differently after
+// small changes of the source (the one-round form in the pipelined two-shot was slower though it
+// spilled no more; bench_results/quant_rounds/).
 template <typename D, bool kOverlapRounds>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 8790c01dab9434dc937aac4b4fa1ebd344dbebaa17d1187609463a34108d9d8f
+// inputs sha256: 7627e70269f2d244a6281bc7b88f34c644e0519a3b29b3f44c43bf694f88035b
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_bf16_ws8_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype bf16, world size 8, output profile 110 (norm_out + residual_out (input dtype))
