@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 7627e70269f2d244a6281bc7b88f34c644e0519a3b29b3f44c43bf694f88035b
+// inputs sha256: 67d9ea6e46246063084620b3ff78f66c254e2e3521fe66d6086c5dc5ba7662d1
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -383,11 +383,22 @@ __device__ __forceinline__ float block_sum(float x) {
 // NVFP4: software E2M1 rounding (sm_90 has no cvt to e2m1), exact to the rule in the spec
 // ---------------------------------------------------------------------------------------------
 // Round |a| to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} (codes 0..7), ties to the even code,
-// saturating at 6: the code is the number of midpoints a lies above. A midpoint whose upper
-// neighbour has the even code counts when a equals it (>=); otherwise only when a exceeds it (>).
+// saturating at 6. The rule (tests/reference.py) counts the midpoints a lies above; this gives the
+// same code for every float with a few integer operations instead of seven compares and adds (the
+// NVFP4 epilogue sits on the one-shot's critical path: 1-3.5% faster, bench_results/quant_rounds/).
+// tests/test_gpu_correctness.py checks it against the rule for all 2^32 inputs.
+//  * a >= 1: the code is 2 * exponent + the first mantissa bit, after rounding the mantissa to that
+//    one bit, to nearest even, by an integer add on the float's bits; 1.0 -> 2, 6.0 and above -> 7.
+//  * a < 1: the code is 2a rounded to an integer (0, 1 or 2), to nearest even: the one rounding of
+//    2a + 2^23 leaves that integer in the low mantissa bits.
+//  * NaN: 0, as the rule (every compare is false).
 // Branch-free on purpose: lanes of a warp take different codes.
 __device__ __forceinline__ unsigned e2m1_magnitude_code(float a) {
-  return (unsigned)(a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  const unsigned bits = __float_as_uint(a);
+  const unsigned exponent_and_bit = (bits + 0x1FFFFFu + ((bits >> 22) & 1u)) >> 22;  // 1.0 -> 254
+  const unsigned from_one = min(exponent_and_bit - 252u, 7u);
+  const unsigned below_one = __float_as_uint(__fmaf_rn(a, 2.f, 8388608.f)) - 0x4B000000u;
+  return a >= 1.f ? from_one : (a < 1.f ? below_one : 0u);
 }
 __device__ __forceinline__ unsigned e2m1_code(float q) {
   return (signbit(q) ? 8u : 0u) | e2m1_magnitude_code(fabsf(q));
