@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 67d9ea6e46246063084620b3ff78f66c254e2e3521fe66d6086c5dc5ba7662d1
+// inputs sha256: 535ee56d96a0a302f076f4dd3458c03ba3f8f76385c5de78255cd587b4d2d935
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws2_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 2, output profile 110 (norm_out + residual_out (input dtype))
