@@ -238,21 +238,31 @@ def test_nvfp4_ref_on_gpu_equals_cpu(seed_for):
         assert torch.equal(rc[k], rg[k].cpu()), (seed, k)
 
 
-# ---- the body's E2M1 encoding, for every float ---------------------------------------------------
+# ---- the body's NVFP4 encoders, for every float --------------------------------------------------
 
-E2M1_PROBE = r"""
-extern "C" __global__ void e2m1_probe(unsigned char* codes, unsigned long long first, unsigned long long n) {
+NVFP4_PROBE = r"""
+// codes[i]: the nibble of x = bits(first + i) from e2m1_nibble_at at position 0, or 0xEE where another
+// position's nibble differs from it; bytes[i]: nvfp4_scale_byte(x) xor the byte from __fdiv_rn(x, 6).
+extern "C" __global__ void nvfp4_probe(unsigned char* codes, unsigned char* bytes, unsigned long long first,
+                                       unsigned long long n) {
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
-       i += (unsigned long long)gridDim.x * blockDim.x)
-    codes[i] = (unsigned char)moe_ar::e2m1_code(__uint_as_float((unsigned)(first + i)));
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const float x = __uint_as_float((unsigned)(first + i));
+    const unsigned nibble = moe_ar::e2m1_nibble_at(x, 0);
+    bool same = nibble < 16;
+    for (int k = 1; k < 8; ++k) same = same && moe_ar::e2m1_nibble_at(x, k) == nibble << (4 * k);
+    codes[i] = same ? (unsigned char)nibble : 0xEE;
+    bytes[i] = moe_ar::nvfp4_scale_byte(x) ^ __nv_cvt_float_to_fp8(__fdiv_rn(x, 6.0f), __NV_SATFINITE, __NV_E4M3);
+  }
 }
 """
 
 
-def test_e2m1_code_equals_the_rule_for_every_float():
-    """The kernels' E2M1 encoder (integer operations on the float's bits) gives the reference's
-    nibble (tests/reference.py: count the midpoints, ties to even) for all 2^32 float32 bit patterns:
-    both signs, zeros, subnormals, ties, saturation, infinities, NaNs."""
+def test_nvfp4_encoders_equal_the_rule_for_every_float():
+    """For all 2^32 float32 bit patterns (both signs, zeros, subnormals, ties, saturation, infinities,
+    NaNs): the kernels' E2M1 encoder (integer operations on the float's bits) gives the reference's
+    nibble (tests/reference.py: count the midpoints, ties to even) at every nibble position, and the
+    scale byte from multiply-adds equals the one from a correctly rounded division by 6."""
     import cupy
     from cupy.cuda import function
     from dispatch import registry
@@ -260,22 +270,26 @@ def test_e2m1_code_equals_the_rule_for_every_float():
     body = (ps.dir / ps.manifest["body"]["file"]).read_text()
     cc = cupy.cuda.Device().compute_capability
     target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
-    cubin, _ = registry.compile_cubin(body + E2M1_PROBE, "e2m1_probe", target)
+    cubin, _ = registry.compile_cubin(body + NVFP4_PROBE, "nvfp4_probe", target)
     module = function.Module()
     module.load(cubin)
-    probe = module.get_function("e2m1_probe")
+    probe = module.get_function("nvfp4_probe")
     chunk = 1 << 28
-    codes = cupy.full(chunk, 0xFF, dtype=cupy.uint8)  # poison: no code is 0xFF
+    codes = cupy.empty(chunk, dtype=cupy.uint8)
+    diffs = cupy.empty(chunk, dtype=cupy.uint8)
     for first in range(0, 1 << 32, chunk):
-        codes.fill(0xFF)
-        probe((1024,), (256,), (codes, cupy.uint64(first), cupy.uint64(chunk)))
-        got = torch.from_dlpack(codes)
+        codes.fill(0xFF)  # poison: no code is 0xFF
+        diffs.fill(0xFF)
+        probe((1024,), (256,), (codes, diffs, cupy.uint64(first), cupy.uint64(chunk)))
+        got, diff = torch.from_dlpack(codes), torch.from_dlpack(diffs)
         bits = torch.arange(first, first + chunk, dtype=torch.int64, device=DEVICE)
         x = torch.where(bits >= 1 << 31, bits - (1 << 32), bits).to(torch.int32).view(torch.float32)
         want = ref.e2m1_nibbles(x)
         bad = (got != want).nonzero()
         assert bad.numel() == 0, [(hex(first + int(i)), float(x[i]), int(got[i]), int(want[i])) for i in bad[:8, 0]]
-        del bits, x, want, got
+        bad = diff.nonzero()
+        assert bad.numel() == 0, [(hex(first + int(i)), float(x[i]), int(diff[i])) for i in bad[:8, 0]]
+        del bits, x, want, got, diff
 
 
 # ---- every program, forced ---------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 535ee56d96a0a302f076f4dd3458c03ba3f8f76385c5de78255cd587b4d2d935
+// inputs sha256: 81a1001ea1909e89cd7da9d63df6b12e6a1e2566417104003d4c4bd32f9cd226
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -400,8 +400,10 @@ __device__ __forceinline__ unsigned e2m1_magnitude_code(float a) {
   const unsigned below_one = __float_as_uint(__fmaf_rn(a, 2.f, 8388608.f)) - 0x4B000000u;
   return a >= 1.f ? from_one : (a < 1.f ? below_one : 0u);
 }
-__device__ __forceinline__ unsigned e2m1_code(float q) {
-  return (signbit(q) ? 8u : 0u) | e2m1_magnitude_code(fabsf(q));
+// The E2M1 nibble of q placed at nibble i of a word: the magnitude code, and q's sign bit (bit 31)
+// moved to bit 4i + 3 by one shift and mask (cheaper than a sign test per element).
+__device__ __forceinline__ unsigned e2m1_nibble_at(float q, int i) {
+  return e2m1_magnitude_code(fabsf(q)) << (4 * i) | (__float_as_uint(q) >> (28 - 4 * i) & (8u << (4 * i)));
 }
 // Byte offset of scale (row m, scale column k) in the 128x4 swizzled layout.
 __device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num_k_tiles) {
@@ -416,7 +418,7 @@ __device__ __forceinline__ float* nvfp4_reciprocals() {
   __shared__ float table[kE4m3Codes];
   return table;
 }
-// Before the exchange; the block_sum barriers of the first row publish it before any lookup.
+// Filled before the first row's epilogue; the block_sum barriers of that row publish it before any lookup.
 __device__ __forceinline__ void fill_nvfp4_reciprocals(const Params& p) {
   float* table = nvfp4_reciprocals();
   const float gs = *p.quant_scale;
@@ -427,27 +429,40 @@ __device__ __forceinline__ void fill_nvfp4_reciprocals(const Params& p) {
 }
 
 // max |x_i| of one vector, in float (exact: the dtype converts to float exactly).
-template <typename D>
-__device__ __forceinline__ float amax_of(uint4 v) {
-  float x[8], m = 0.f;
-  Vec<D>::to_float(v, x);
+__device__ __forceinline__ float amax_of(const float (&x)[8]) {
+  float m = 0.f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(x[i]));
   return m;
 }
-
-// NVFP4 of norm_out vector v of row t, given its 16-element block's amax and the global scale gs.
 template <typename D>
-__device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, uint4 normed, float amax, float gs,
-                                                      int num_k_tiles) {
-  const float sf = __fdiv_rn(__fmul_rn(gs, amax), 6.0f);
-  const __nv_fp8_storage_t sf8 = __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
-  const float scale = nvfp4_reciprocals()[sf8];  // = sf8 != 0 ? 1 / (float(sf8) / gs) : 0
+__device__ __forceinline__ float amax_of(uint4 v) {
   float x[8];
-  Vec<D>::to_float(normed, x);
+  Vec<D>::to_float(v, x);
+  return amax_of(x);
+}
+
+// The E4M3 scale byte of a 16-element block, e4m3(gs * amax / 6) saturating, from x = gs * amax. The
+// division as multiply-adds: x * RN(1/6), corrected by its exact remainder, is the correctly rounded
+// x / 6 wherever that is normal, infinite or NaN; a quotient below the normal range differs at most in
+// its last bits, and every such quotient converts to byte 0 (E4M3 stops at 2^-9). tests/
+// test_gpu_correctness.py checks the byte against the one from __fdiv_rn for all 2^32 inputs.
+__device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
+  constexpr float kSixth = 1.0f / 6.0f;
+  const float q = __fmul_rn(x, kSixth);
+  const float sf = isinf(q) ? q : __fmaf_rn(__fmaf_rn(-q, 6.0f, x), kSixth, q);  // inf: the remainder is NaN
+  return __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
+}
+
+// NVFP4 of norm_out vector v of row t (x: its values in float), given its 16-element block's amax and
+// the global scale gs.
+__device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, const float (&x)[8], float amax,
+                                                      float gs, int num_k_tiles) {
+  const __nv_fp8_storage_t sf8 = nvfp4_scale_byte(__fmul_rn(gs, amax));
+  const float scale = nvfp4_reciprocals()[sf8];  // = sf8 != 0 ? 1 / (float(sf8) / gs) : 0
   unsigned packed = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) packed |= e2m1_code(__fmul_rn(x[i], scale)) << (4 * i);
+  for (int i = 0; i < 8; ++i) packed |= e2m1_nibble_at(__fmul_rn(x[i], scale), i);
   reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (p.hidden / 2))[v] = packed;
   if ((v & 1) == 0) static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
 }
@@ -477,34 +492,41 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       const int v = r * blockDim.x + threadIdx.x;
       if (r >= vpt || v >= nvec) continue;
-      quantize_vector_nvfp4<D>(p, t, v, normed[r], amax[r], gs, num_k_tiles);
+      float x[8];
+      Vec<D>::to_float(normed[r], x);  // again: keeping every round's floats would take 8 registers a round
+      quantize_vector_nvfp4(p, t, v, x, amax[r], gs, num_k_tiles);
     }
   } else {
 #pragma unroll
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       if (r >= vpt) break;  // the same for the whole block: every lane below shuffles
-      const float own_amax = amax_of<D>(normed[r]);  // 0 for vectors past the row
+      float x[8];
+      Vec<D>::to_float(normed[r], x);
+      const float own_amax = amax_of(x);  // 0 for vectors past the row
       const float amax = fmaxf(own_amax, __shfl_xor_sync(0xffffffffu, own_amax, 1));
       const int v = r * blockDim.x + threadIdx.x;
       if (v >= nvec) continue;
-      quantize_vector_nvfp4<D>(p, t, v, normed[r], amax, __ldg(p.quant_scale), num_k_tiles);
+      quantize_vector_nvfp4(p, t, v, x, amax, __ldg(p.quant_scale), num_k_tiles);
     }
   }
 }
 
 // The padding rows T..roundup(T, 128)-1 all lie in the last 128-row tile, which is one 512-byte
-// block per group of 4 scale columns: word w of a block holds row (w % 4) * 32 + w / 4 of the tile.
-// The whole grid zeroes the padding rows' words, consecutive threads on consecutive words (at small
-// T the grid is a few blocks, and a row per block was the critical path).
+// block per group of 4 scale columns: 16-byte chunk j of a block holds rows j, 32 + j, 64 + j and
+// 96 + j of the tile, a 4-byte word each. The whole grid zeroes the padding rows' words, a chunk a
+// thread, consecutive threads on consecutive chunks (at small T the grid is a few blocks: a row per
+// block was the critical path, and a word per thread was 15% of the one-shot's instructions at T = 1).
 __device__ __forceinline__ void zero_scale_padding_rows(const Params& p) {
   const int T = p.tokens, first_padding = T % 128;  // rows of the last tile from here on are padding
   if (first_padding == 0) return;
   const int groups = (p.hidden / 16 + 3) / 4, num_k_tiles = (p.hidden + 63) / 64;
   unsigned* tile_words = reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.scale_out) +
                                                      (long long)(T / 128) * (num_k_tiles * 512));
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < groups * 128; i += gridDim.x * blockDim.x) {
-    const int w = i % 128;
-    if ((w % 4) * 32 + w / 4 >= first_padding) tile_words[i] = 0;  // word i: group i / 128, word w
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < groups * 32; c += gridDim.x * blockDim.x) {
+    const int j = c % 32;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)  // scale_out is only 4-byte aligned: four word stores, not one of 16 bytes
+      if (k * 32 + j >= first_padding) tile_words[4 * c + k] = 0;
   }
 }
 // The scale padding: the padding rows, and the columns past H / 16 of rows 0..T-1 (only where H is not
@@ -806,7 +828,9 @@ __device__ __forceinline__ void run(const Params& p) {
   Deadline deadline{p.timeout_ns ? global_timer_ns() + p.timeout_ns : 0ull, false};
   unsigned bad_rows = 0;
 
-  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);
+  // The pipelined two-shot quantizes its first rows while it still sends; the others fill the table
+  // after sending their partials (1-4% faster from 16 tokens in the one-shot on 2x H200).
+  if (P == Profile::kNvfp4 && R == Regime::kTwoShotPipelined) fill_nvfp4_reciprocals(p);
 
   const unsigned call = load_state(p.state + kCallCounter);
   const int cur = call % 3, prev = (call + 2) % 3;
@@ -876,6 +900,7 @@ __device__ __forceinline__ void run(const Params& p) {
   allow_next_kernel();
   if (p.fault_stop_after) return;  // the injected fault: this rank never takes part again in this call
   if (R == Regime::kTwoShotPipelined) return;  // not reached (it ran above); keeps what follows out of its code
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's block_sum barriers
 
   // ---- clear the buffer of the previous call (and the quantized outputs' scale padding) -------
   {
