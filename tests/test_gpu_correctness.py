@@ -242,14 +242,15 @@ def test_nvfp4_ref_on_gpu_equals_cpu(seed_for):
 
 NVFP4_PROBE = r"""
 // codes[i]: the nibble of x = bits(first + i) from e2m1_nibble_at at position 0, or 0xEE where another
-// position's nibble differs from it; bytes[i]: nvfp4_scale_byte(x) xor the byte from __fdiv_rn(x, 6).
+// position's nibble or e2m1_code's differs from it; bytes[i]: nvfp4_scale_byte(x) xor the byte from
+// __fdiv_rn(x, 6) (the two codings of quantize_vector_nvfp4).
 extern "C" __global__ void nvfp4_probe(unsigned char* codes, unsigned char* bytes, unsigned long long first,
                                        unsigned long long n) {
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x) {
     const float x = __uint_as_float((unsigned)(first + i));
     const unsigned nibble = moe_ar::e2m1_nibble_at(x, 0);
-    bool same = nibble < 16;
+    bool same = nibble < 16 && moe_ar::e2m1_code(x) == nibble;
     for (int k = 1; k < 8; ++k) same = same && moe_ar::e2m1_nibble_at(x, k) == nibble << (4 * k);
     codes[i] = same ? (unsigned char)nibble : 0xEE;
     bytes[i] = moe_ar::nvfp4_scale_byte(x) ^ __nv_cvt_float_to_fp8(__fdiv_rn(x, 6.0f), __NV_SATFINITE, __NV_E4M3);
@@ -260,9 +261,10 @@ extern "C" __global__ void nvfp4_probe(unsigned char* codes, unsigned char* byte
 
 def test_nvfp4_encoders_equal_the_rule_for_every_float():
     """For all 2^32 float32 bit patterns (both signs, zeros, subnormals, ties, saturation, infinities,
-    NaNs): the kernels' E2M1 encoder (integer operations on the float's bits) gives the reference's
-    nibble (tests/reference.py: count the midpoints, ties to even) at every nibble position, and the
-    scale byte from multiply-adds equals the one from a correctly rounded division by 6."""
+    NaNs): the kernels' E2M1 encoders (integer operations on the float's bits; the sign by shift and
+    mask at every nibble position, or by a test) give the reference's nibble (tests/reference.py: count
+    the midpoints, ties to even), and the scale byte from multiply-adds equals the one from a correctly
+    rounded division by 6."""
     import cupy
     from cupy.cuda import function
     from dispatch import registry

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 81a1001ea1909e89cd7da9d63df6b12e6a1e2566417104003d4c4bd32f9cd226
+// inputs sha256: 0b94c6efd6763efa6dc5354e432a068c8d62adca420a48dad6ea92d19844ef87
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -400,10 +400,14 @@ __device__ __forceinline__ unsigned e2m1_magnitude_code(float a) {
   const unsigned below_one = __float_as_uint(__fmaf_rn(a, 2.f, 8388608.f)) - 0x4B000000u;
   return a >= 1.f ? from_one : (a < 1.f ? below_one : 0u);
 }
-// The E2M1 nibble of q placed at nibble i of a word: the magnitude code, and q's sign bit (bit 31)
-// moved to bit 4i + 3 by one shift and mask (cheaper than a sign test per element).
+// The E2M1 nibble of q placed at nibble i of a word, two ways (quantize_vector_nvfp4 says which runs
+// where): the magnitude code and q's sign bit (bit 31) moved to bit 4i + 3 by a shift and a mask, or
+// the nibble with a sign test, then shifted.
 __device__ __forceinline__ unsigned e2m1_nibble_at(float q, int i) {
   return e2m1_magnitude_code(fabsf(q)) << (4 * i) | (__float_as_uint(q) >> (28 - 4 * i) & (8u << (4 * i)));
+}
+__device__ __forceinline__ unsigned e2m1_code(float q) {
+  return (signbit(q) ? 8u : 0u) | e2m1_magnitude_code(fabsf(q));
 }
 // Byte offset of scale (row m, scale column k) in the 128x4 swizzled layout.
 __device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num_k_tiles) {
@@ -429,40 +433,47 @@ __device__ __forceinline__ void fill_nvfp4_reciprocals(const Params& p) {
 }
 
 // max |x_i| of one vector, in float (exact: the dtype converts to float exactly).
-__device__ __forceinline__ float amax_of(const float (&x)[8]) {
-  float m = 0.f;
+template <typename D>
+__device__ __forceinline__ float amax_of(uint4 v) {
+  float x[8], m = 0.f;
+  Vec<D>::to_float(v, x);
 #pragma unroll
   for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(x[i]));
   return m;
 }
-template <typename D>
-__device__ __forceinline__ float amax_of(uint4 v) {
-  float x[8];
-  Vec<D>::to_float(v, x);
-  return amax_of(x);
-}
 
 // The E4M3 scale byte of a 16-element block, e4m3(gs * amax / 6) saturating, from x = gs * amax. The
 // division as multiply-adds: x * RN(1/6), corrected by its exact remainder, is the correctly rounded
-// x / 6 wherever that is normal, infinite or NaN; a quotient below the normal range differs at most in
-// its last bits, and every such quotient converts to byte 0 (E4M3 stops at 2^-9). tests/
+// x / 6 wherever that is zero (sign included: the remainder is taken as q * 6 - x so that -0 stays
+// -0), normal, infinite or NaN; a quotient below the normal range may differ in its last bits but not
+// in sign, and converts to the same byte, a signed zero (E4M3 stops at 2^-9). tests/
 // test_gpu_correctness.py checks the byte against the one from __fdiv_rn for all 2^32 inputs.
 __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
   constexpr float kSixth = 1.0f / 6.0f;
   const float q = __fmul_rn(x, kSixth);
-  const float sf = isinf(q) ? q : __fmaf_rn(__fmaf_rn(-q, 6.0f, x), kSixth, q);  // inf: the remainder is NaN
+  const float sf = isinf(q) ? q : __fmaf_rn(-__fmaf_rn(q, 6.0f, -x), kSixth, q);  // inf: the remainder is NaN
   return __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
 }
 
-// NVFP4 of norm_out vector v of row t (x: its values in float), given its 16-element block's amax and
-// the global scale gs.
-__device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, const float (&x)[8], float amax,
-                                                      float gs, int num_k_tiles) {
-  const __nv_fp8_storage_t sf8 = nvfp4_scale_byte(__fmul_rn(gs, amax));
+// NVFP4 of norm_out vector v of row t, given its 16-element block's amax and the global scale gs. Two codings of the same bytes: kFewestInstructions (the scale byte by
+// multiply-adds, sign bits by shift and mask: 2-7% faster in the one-shot, 1-9% in the two-shot), and
+// the division with a sign test per element, kept for the pipelined two-shot, which with the other
+// spilled more at its register cap and ran 3-6% slower from 128 tokens (all on 2x H200).
+template <typename D, bool kFewestInstructions>
+__device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, uint4 normed, float amax, float gs,
+                                                      int num_k_tiles) {
+  const __nv_fp8_storage_t sf8 =
+      kFewestInstructions ? nvfp4_scale_byte(__fmul_rn(gs, amax))
+                          : __nv_cvt_float_to_fp8(__fdiv_rn(__fmul_rn(gs, amax), 6.0f), __NV_SATFINITE, __NV_E4M3);
   const float scale = nvfp4_reciprocals()[sf8];  // = sf8 != 0 ? 1 / (float(sf8) / gs) : 0
+  float x[8];
+  Vec<D>::to_float(normed, x);
   unsigned packed = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) packed |= e2m1_nibble_at(__fmul_rn(x[i], scale), i);
+  for (int i = 0; i < 8; ++i) {
+    const float q = __fmul_rn(x[i], scale);
+    packed |= kFewestInstructions ? e2m1_nibble_at(q, i) : e2m1_code(q) << (4 * i);
+  }
   reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (p.hidden / 2))[v] = packed;
   if ((v & 1) == 0) static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
 }
@@ -492,21 +503,18 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       const int v = r * blockDim.x + threadIdx.x;
       if (r >= vpt || v >= nvec) continue;
-      float x[8];
-      Vec<D>::to_float(normed[r], x);  // again: keeping every round's floats would take 8 registers a round
-      quantize_vector_nvfp4(p, t, v, x, amax[r], gs, num_k_tiles);
+      quantize_vector_nvfp4<D, /*kFewestInstructions=*/false>(p, t, v, normed[r], amax[r], gs, num_k_tiles);
     }
   } else {
 #pragma unroll
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       if (r >= vpt) break;  // the same for the whole block: every lane below shuffles
-      float x[8];
-      Vec<D>::to_float(normed[r], x);
-      const float own_amax = amax_of(x);  // 0 for vectors past the row
+      const float own_amax = amax_of<D>(normed[r]);  // 0 for vectors past the row
       const float amax = fmaxf(own_amax, __shfl_xor_sync(0xffffffffu, own_amax, 1));
       const int v = r * blockDim.x + threadIdx.x;
       if (v >= nvec) continue;
-      quantize_vector_nvfp4(p, t, v, x, amax, __ldg(p.quant_scale), num_k_tiles);
+      quantize_vector_nvfp4<D, /*kFewestInstructions=*/true>(p, t, v, normed[r], amax, __ldg(p.quant_scale),
+                                                             num_k_tiles);
     }
   }
 }

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 81a1001ea1909e89cd7da9d63df6b12e6a1e2566417104003d4c4bd32f9cd226
+// inputs sha256: 0b94c6efd6763efa6dc5354e432a068c8d62adca420a48dad6ea92d19844ef87
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws4_o111: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 4, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))
