@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 0b94c6efd6763efa6dc5354e432a068c8d62adca420a48dad6ea92d19844ef87
+// inputs sha256: 7f967725e01152fb2941e8b3360dcb3208d8b33b66d9c7af658aa8baf9f69e56
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tsp_bf16_ws2_fp8_tensor: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype bf16, world size 2, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)

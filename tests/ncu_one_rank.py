@@ -1,0 +1,76 @@
+"""One rank's kernel with its peer's partials already in place, for Nsight Compute.
+
+ncu runs kernels one at a time, so two ranks that wait for each other cannot both run under it. Here
+world size 2 runs over two GPUs (each rank's grid as in a real run, one rank a GPU) and the calls
+are made one rank at a time with a short deadline:
+
+    A1  rank 1 alone: sends its partials to rank 0, waits for rank 0, gives up at the deadline
+    A0  rank 0: finds A1's partials, never waits
+    B1  as A1, next call
+    B0  as A0, and it clears A0's buffer as every call clears the one before: the kernel to profile
+
+All four calls are prepared first (a rank that timed out refuses new calls until reset). Only for
+programs whose ranks exchange once per call (one-shot): the two-shots' ranks wait for each other a
+second time, so their profiled rank times out. Kernel times under ncu are not the bench's (ncu's
+own overhead adds ~170 us to each); read instruction counts, SM active cycles and stall reasons.
+
+    ncu --clock-control none --kernel-name regex:moe_ar_ --launch-skip 3 --launch-count 1 --set full \\
+        -o os111_512 python3 tests/ncu_one_rank.py --program moe_ar_os_bf16_ws2_o111 --quant nvfp4 --tokens 512
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+import dispatch  # noqa: E402
+import reference as ref  # noqa: E402
+from dispatch.op import prepare_call  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--program", required=True, help="a one-shot program of world size 2")
+    ap.add_argument("--quant", default="none", choices=["none", "nvfp4", "fp8_group128"])
+    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=7168)
+    ap.add_argument("--top-k", type=int, default=8)
+    a = ap.parse_args()
+    if torch.cuda.device_count() < 2:
+        print("needs 2 GPUs", file=sys.stderr)
+        return 2
+    quant = None if a.quant == "none" else a.quant
+    devs = ["cuda:0", "cuda:1"]
+    world = dispatch.EmulatedWorld(2, max(a.tokens, 16), a.hidden, torch.bfloat16, devices=devs, timeout_s=0.05)
+
+    def kwargs(seed):
+        case = ref.make_case(2, a.tokens, a.hidden, a.top_k, torch.bfloat16, seed=seed, device=devs, shared=True)
+        out = []
+        for r, kw in enumerate(case):
+            d = dict(kw, quant=quant, program=a.program)
+            if quant == "nvfp4":
+                d["global_scale"] = torch.tensor([ref.typical_global_scale(kw["residual_in"])], dtype=torch.float32,
+                                                 device=devs[r])
+            out.append(d)
+        return out
+
+    first = [prepare_call(w, dict(k)) for w, k in zip(world.workspaces, kwargs(1))]
+    second = [prepare_call(w, dict(k)) for w, k in zip(world.workspaces, kwargs(2))]
+    for call, rank in ((first[1], 1), (first[0], 0), (second[1], 1), (second[0], 0)):
+        with torch.cuda.stream(world.streams[rank]):
+            call.launch()
+        torch.cuda.synchronize(rank)
+    try:
+        world.workspaces[0].check()
+    except RuntimeError as e:
+        print(f"rank 0 timed out, the profile is of a waiting kernel: {e}", file=sys.stderr)
+        return 1
+    print("rank 0 completed without waiting")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
