@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 7f967725e01152fb2941e8b3360dcb3208d8b33b66d9c7af658aa8baf9f69e56
+// inputs sha256: b03417b2c6e240b86dcf772c2394618f308521b1677f28611fbf02f3f9874216
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -385,7 +385,7 @@ __device__ __forceinline__ float block_sum(float x) {
 // Round |a| to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} (codes 0..7), ties to the even code,
 // saturating at 6. The rule (tests/reference.py) counts the midpoints a lies above; this gives the
 // same code for every float with a few integer operations instead of seven compares and adds (the
-// NVFP4 epilogue sits on the one-shot's critical path: 1-3.5% faster, bench_results/quant_rounds/).
+// NVFP4 epilogue sits on the one-shot's critical path: up to 3.5% faster, bench_results/nvfp4_epilogue/).
 // tests/test_gpu_correctness.py checks it against the rule for all 2^32 inputs.
 //  * a >= 1: the code is 2 * exponent + the first mantissa bit, after rounding the mantissa to that
 //    one bit, to nearest even, by an integer add on the float's bits; 1.0 -> 2, 6.0 and above -> 7.
@@ -455,10 +455,11 @@ __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
   return __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
 }
 
-// NVFP4 of norm_out vector v of row t, given its 16-element block's amax and the global scale gs. Two codings of the same bytes: kFewestInstructions (the scale byte by
-// multiply-adds, sign bits by shift and mask: 2-7% faster in the one-shot, 1-9% in the two-shot), and
-// the division with a sign test per element, kept for the pipelined two-shot, which with the other
-// spilled more at its register cap and ran 3-6% slower from 128 tokens (all on 2x H200).
+// NVFP4 of norm_out vector v of row t, given its 16-element block's amax and the global scale gs.
+// Two codings of the same bytes: kFewestInstructions, the scale byte by multiply-adds and the sign
+// bits by shift and mask (1-7% faster in the one-shot, up to 9% in the two-shot); otherwise the
+// division and a sign test per element, kept for the pipelined two-shot, which with the other spilled
+// more at its register cap and ran 1-6% slower from 128 tokens (2x H200; bench_results/nvfp4_epilogue/).
 template <typename D, bool kFewestInstructions>
 __device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, uint4 normed, float amax, float gs,
                                                       int num_k_tiles) {
@@ -837,7 +838,7 @@ __device__ __forceinline__ void run(const Params& p) {
   unsigned bad_rows = 0;
 
   // The pipelined two-shot quantizes its first rows while it still sends; the others fill the table
-  // after sending their partials (1-4% faster from 16 tokens in the one-shot on 2x H200).
+  // after sending their partials (the one-shot 1-4% faster from 128 tokens on 2x H200).
   if (P == Profile::kNvfp4 && R == Regime::kTwoShotPipelined) fill_nvfp4_reciprocals(p);
 
   const unsigned call = load_state(p.state + kCallCounter);

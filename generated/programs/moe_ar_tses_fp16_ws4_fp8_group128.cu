@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 7f967725e01152fb2941e8b3360dcb3208d8b33b66d9c7af658aa8baf9f69e56
+// inputs sha256: b03417b2c6e240b86dcf772c2394618f308521b1677f28611fbf02f3f9874216
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tses_fp16_ws4_fp8_group128: twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype fp16, world size 4, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))

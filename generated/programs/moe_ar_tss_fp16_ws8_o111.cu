@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 7f967725e01152fb2941e8b3360dcb3208d8b33b66d9c7af658aa8baf9f69e56
+// inputs sha256: b03417b2c6e240b86dcf772c2394618f308521b1677f28611fbf02f3f9874216
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_fp16_ws8_o111: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype fp16, world size 8, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))
