@@ -294,6 +294,150 @@ def test_nvfp4_encoders_equal_the_rule_for_every_float():
         del bits, x, want, got, diff
 
 
+FP8_PROBE = r"""
+// bad[0]: bytes of fp8x8 (the kernels' FP8 path) that differ from e4m3(__fdiv_rn(x, s)) (the rule: the
+// conversion saturates, as the rule's clamp does); bad[1]: corrected quotients that differ from
+// __fdiv_rn where 2^-11 <= |x / s| < 2^100 (below, the remainder may fall under the normal range and the
+// quotient differ in its last bits: the byte is a zero either way); bad[2]: group scales that differ
+// from the division. first[]: the first difference found, as (kind, s bits, x bits, got, want).
+__device__ void fp8_record(unsigned long long* bad, unsigned* first, int kind, float s, unsigned x, unsigned got,
+                           unsigned want) {
+  atomicAdd(bad + kind, 1ull);
+  if (atomicCAS(first, 0u, 1u) == 0u) {
+    first[1] = kind; first[2] = __float_as_uint(s); first[3] = x; first[4] = got; first[5] = want;
+  }
+}
+template <typename D>
+__device__ float fp8_value(unsigned bits) {  // dtype bit pattern -> float
+  uint4 v = make_uint4(bits, 0, 0, 0);
+  float x[8];
+  moe_ar::Vec<D>::to_float(v, x);
+  return x[0];
+}
+// Eight consecutive dtype bit patterns from `bits`, as one vector, against the scale s.
+template <typename D>
+__device__ void fp8_check8(unsigned bits, float s, float amax, bool pow2, unsigned long long* bad, unsigned* first) {
+  const uint4 v = make_uint4(bits | (bits + 1) << 16, (bits + 2) | (bits + 3) << 16,
+                             (bits + 4) | (bits + 5) << 16, (bits + 6) | (bits + 7) << 16);
+  const uint2 got = moe_ar::fp8x8<D>(v, s, amax, pow2);
+  const float y = __frcp_rn(s);
+  for (int j = 0; j < 8; ++j) {
+    const float x = fp8_value<D>(bits + j), want = __fdiv_rn(x, s);
+    const unsigned g = ((j < 4 ? got.x : got.y) >> (8 * (j % 4))) & 0xffu;
+    const unsigned w = __nv_cvt_float_to_fp8(want, __NV_SATFINITE, __NV_E4M3);
+    if (g != w) fp8_record(bad, first, 0, s, bits + j, g, w);
+    const float q = moe_ar::corrected_quotient(x, s, y, __fmul_rn(x, y));
+    // where the template's scaling argument needs the quotient itself: |x / s| >= 2^-11, no overflow
+    const bool covered = fabsf(want) >= 0x1p-11f && fabsf(want) < 0x1p100f && s >= 0x1p-64f && s <= 0x1p64f;
+    if (covered && __float_as_uint(q) != __float_as_uint(want))
+      fp8_record(bad, first, 1, s, bits + j, __float_as_uint(q), __float_as_uint(want));
+  }
+}
+// Per-tensor: every dtype value x (8 at a time, amax as the kernel takes it) against n scales:
+// s_bits[i] if given, else the float with bits 0x3f800000 + i (every s in [1, 2)).
+template <typename D>
+__device__ void fp8_tensor_probe(const unsigned* s_bits, unsigned long long n, unsigned long long* bad,
+                                 unsigned* first) {
+  for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+       i += (unsigned long long)gridDim.x * blockDim.x) {
+    const float s = __uint_as_float(s_bits ? s_bits[i] : 0x3f800000u + (unsigned)i);
+    for (unsigned bits = 0; bits < 0x10000u; bits += 8) {
+      const uint4 v = make_uint4(bits | (bits + 1) << 16, (bits + 2) | (bits + 3) << 16,
+                                 (bits + 4) | (bits + 5) << 16, (bits + 6) | (bits + 7) << 16);
+      fp8_check8<D>(bits, s, moe_ar::amax_of<D>(v), false, bad, first);
+    }
+  }
+}
+// FP8-group: every dtype amax that is not NaN (one thread each), its scale (and the power-of-two one)
+// against every dtype x with |x| <= amax or NaN (8 at a time; where a lane of the 8 is past amax, one
+// at a time, the other lanes 0).
+template <typename D>
+__device__ void fp8_group_probe(unsigned long long* bad, unsigned* first) {
+  const unsigned a = blockIdx.x * blockDim.x + threadIdx.x;
+  if (a >= 0x8000u) return;
+  const float amax = fp8_value<D>(a);
+  if (isnan(amax)) return;
+  const float s = moe_ar::fp8_group_scale(amax), want = __fdiv_rn(fmaxf(amax, moe_ar::kFp8GroupEps), moe_ar::kE4m3Max);
+  if (__float_as_uint(s) != __float_as_uint(want)) fp8_record(bad, first, 2, amax, a, __float_as_uint(s), __float_as_uint(want));
+  const float s2 = moe_ar::pow2_ceil(s);
+  for (unsigned bits = 0; bits < 0x10000u; bits += 8) {
+    unsigned b[8];
+    for (int j = 0; j < 8; ++j) {
+      const float x = fp8_value<D>(bits + j);
+      b[j] = fabsf(x) > amax ? 0u : bits + j;  // beyond amax: not in this group
+    }
+    bool all = true;
+    for (int j = 0; j < 8; ++j) all = all && b[j] == bits + j;
+    if (all) {
+      fp8_check8<D>(bits, s, amax, false, bad, first);
+      if (isfinite(s2)) fp8_check8<D>(bits, s2, amax, true, bad, first);
+    } else {
+      for (int j = 0; j < 8; ++j)
+        if (b[j] == bits + j) {  // one at a time, the other lanes 0
+          const uint4 v = make_uint4(b[j], 0, 0, 0);
+          const unsigned g = moe_ar::fp8x8<D>(v, s, amax, false).x & 0xffu;
+          const unsigned w = __nv_cvt_float_to_fp8(__fdiv_rn(fp8_value<D>(b[j]), s), __NV_SATFINITE, __NV_E4M3);
+          if (g != w) fp8_record(bad, first, 0, s, b[j], g, w);
+        }
+    }
+  }
+}
+extern "C" __global__ void fp8_tensor_probe_bf16(const unsigned* s, unsigned long long n, unsigned long long* bad, unsigned* first) {
+  fp8_tensor_probe<__nv_bfloat16>(s, n, bad, first);
+}
+extern "C" __global__ void fp8_tensor_probe_fp16(const unsigned* s, unsigned long long n, unsigned long long* bad, unsigned* first) {
+  fp8_tensor_probe<__half>(s, n, bad, first);
+}
+extern "C" __global__ void fp8_group_probe_bf16(unsigned long long* bad, unsigned* first) {
+  fp8_group_probe<__nv_bfloat16>(bad, first);
+}
+extern "C" __global__ void fp8_group_probe_fp16(unsigned long long* bad, unsigned* first) {
+  fp8_group_probe<__half>(bad, first);
+}
+"""
+
+
+def test_fp8_division_equals_the_rule():
+    """The FP8 profiles divide by multiply-adds (corrected_quotient) instead of __fdiv_rn. Exhaustive
+    where the template's comment says the result rests on it, both dtypes:
+    - FP8-group: every (x, amax) pair of dtype values with |x| <= amax, NaN x included: the scale
+      equals the division, and the bytes (also with the power-of-two scale) equal e4m3(x / s);
+    - per-tensor: every float s in [1, 2) against every dtype value x: the bytes equal e4m3(x / s),
+      and the quotient equals the correctly rounded one wherever 2^-11 <= |x / s| < 2^100 (with the
+      scaling argument in the template's comment, that covers every s in [2^-64, 2^64]);
+    - per-tensor, 2^16 other scales (the range's ends and their neighbours, zeros, subnormals,
+      negatives, infinities, NaNs, random bit patterns) against every x: the bytes."""
+    import cupy
+    import numpy as np
+    from cupy.cuda import function
+    from dispatch import registry
+    ps = registry.program_set()
+    body = (ps.dir / ps.manifest["body"]["file"]).read_text()
+    cc = cupy.cuda.Device().compute_capability
+    target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
+    cubin, _ = registry.compile_cubin(body + FP8_PROBE, "fp8_probe", target)
+    module = function.Module()
+    module.load(cubin)
+    rng = np.random.default_rng(20261130)
+    ends = [2.0 ** -64, 2.0 ** 64]
+    special = np.array([0x00000000, 0x80000000, 0x00000001, 0x007fffff, 0x00800000, 0x7f7fffff, 0x7f800000,
+                        0xff800000, 0x7fc00000, 0xffc00000, 0x3f800000, 0xbf800000], dtype=np.uint32)
+    near = np.concatenate([np.arange(-64, 65, dtype=np.int64) + int(np.float32(e).view(np.uint32)) for e in ends])
+    others = np.concatenate([special, near.astype(np.uint32),
+                             rng.integers(0, 1 << 32, (1 << 16) - special.size - near.size, dtype=np.uint32)])
+    others_dev = cupy.asarray(others)
+    for dname in ("bf16", "fp16"):
+        for kernel, args, blocks in (
+                (f"fp8_group_probe_{dname}", (), 128),
+                (f"fp8_tensor_probe_{dname}", (cupy.uint64(0), cupy.uint64(1 << 23)), 4096),
+                (f"fp8_tensor_probe_{dname}", (others_dev, cupy.uint64(others.size)), 256)):
+            bad = cupy.zeros(3, dtype=cupy.uint64)
+            first = cupy.zeros(6, dtype=cupy.uint32)
+            module.get_function(kernel)((blocks,), (256,), (*args, bad, first) if args else (bad, first))
+            counts, ex = bad.get().tolist(), first.get().tolist()
+            kind = ("byte", "quotient", "group scale")[ex[1]] if ex[0] else None
+            assert counts == [0, 0, 0], (kernel, counts, kind, [hex(v) for v in ex[2:]])
+
 # ---- every program, forced ---------------------------------------------------------------------
 
 PROGRAM_PARAMS = [pytest.param(kind, s.name, id=f"{s.name}-{kind}")

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: b03417b2c6e240b86dcf772c2394618f308521b1677f28611fbf02f3f9874216
+// inputs sha256: 6b3db458ae392ef5bafecc7e0b56ce687053b8f899479eb893482c8e28fde029
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -442,16 +442,23 @@ __device__ __forceinline__ float amax_of(uint4 v) {
   return m;
 }
 
+// A division x / s as multiply-adds, given y = RN(1/s) and q = RN(x * y): q corrected by its exact
+// remainder (taken as q * s - x, not x - q * s, so that -0 stays -0). Where no step underflows or
+// overflows this is the correctly rounded x / s; the callers say where they use it and how that was
+// checked. Three instructions; __fdiv_rn takes about seven and a branch to its slow path.
+__device__ __forceinline__ float corrected_quotient(float x, float s, float y, float q) {
+  return __fmaf_rn(-__fmaf_rn(q, s, -x), y, q);
+}
+
 // The E4M3 scale byte of a 16-element block, e4m3(gs * amax / 6) saturating, from x = gs * amax. The
-// division as multiply-adds: x * RN(1/6), corrected by its exact remainder, is the correctly rounded
-// x / 6 wherever that is zero (sign included: the remainder is taken as q * 6 - x so that -0 stays
-// -0), normal, infinite or NaN; a quotient below the normal range may differ in its last bits but not
-// in sign, and converts to the same byte, a signed zero (E4M3 stops at 2^-9). tests/
+// division as multiply-adds: x * RN(1/6), corrected, is the correctly rounded x / 6 wherever that is
+// zero (sign included), normal, infinite or NaN; a quotient below the normal range may differ in its
+// last bits but not in sign, and converts to the same byte, a signed zero (E4M3 stops at 2^-9). tests/
 // test_gpu_correctness.py checks the byte against the one from __fdiv_rn for all 2^32 inputs.
 __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
   constexpr float kSixth = 1.0f / 6.0f;
   const float q = __fmul_rn(x, kSixth);
-  const float sf = isinf(q) ? q : __fmaf_rn(-__fmaf_rn(q, 6.0f, -x), kSixth, q);  // inf: the remainder is NaN
+  const float sf = isinf(q) ? q : corrected_quotient(x, 6.0f, kSixth, q);  // inf: the remainder is NaN
   return __nv_cvt_float_to_fp8(sf, __NV_SATFINITE, __NV_E4M3);
 }
 
@@ -569,18 +576,54 @@ __device__ __forceinline__ uint2 e4m3x8(const float (&q)[8]) {
     pair[i] = __nv_cvt_float2_to_fp8x2(make_float2(q[2 * i], q[2 * i + 1]), __NV_SATFINITE, __NV_E4M3);
   return make_uint2(pair[0] | pair[1] << 16, pair[2] | pair[3] << 16);
 }
-// x_i / s, correctly rounded as the reference's float32 division (not a multiplication by a rounded
-// 1 / s), in place. For a finite power-of-two s, 1 / s is exact and x * (1 / s) is that quotient.
-__device__ __forceinline__ void divide8(float (&x)[8], float s, bool s_is_pow2) {
+// The E4M3 bytes of x_i / s for a vector's 8 values, by __fdiv_rn. Out of line: fp8x8 takes this
+// path almost never, and inlined in every round it made an FP8 program a tenth longer.
+template <typename D>
+__device__ __noinline__ uint2 e4m3x8_by_division(uint4 v, float s) {
+  float x[8];
+  Vec<D>::to_float(v, x);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] = __fdiv_rn(x[i], s);
+  return e4m3x8(x);
+}
+
+// The E4M3 bytes of x_i / s for the 8 values of vector v, each x_i / s the reference's correctly
+// rounded float32 division (not a multiplication by a rounded 1 / s); amax >= every |x_i| (NaN aside).
+// - s a finite power of two: 1 / s is exact and x * (1 / s) is that quotient.
+// - s in [2^-64, 2^64] and amax < s * 2^100: corrected_quotient, 3 instructions a value. No step
+//   underflows or overflows where the byte depends on it (|x / s| >= 2^-11; below that every byte is
+//   a zero of x's sign), so each case is one with x and s in [1, 2) scaled by powers of two, and
+//   tests/test_gpu_correctness.py checks those for every dtype significand of x and every float s in
+//   [1, 2), and every dtype value x against every such s byte for byte. FP8-group's vectors take this
+//   path unless the group amax is above about 2^73 (s = amax / 448 > 2^64) or infinite; the test
+//   also checks its bytes for every pair (x, amax) of dtype values directly.
+// - otherwise (a per-tensor scale outside that range, zero, negative or NaN; a vector that could
+//   overflow): __fdiv_rn.
+template <typename D>
+__device__ __forceinline__ uint2 fp8x8(uint4 v, float s, float amax, bool s_is_pow2) {
+  float x[8];
+  Vec<D>::to_float(v, x);
   if (s_is_pow2 && isfinite(s)) {
     // 2^e -> 2^-e from the exponent bits; every scale here (2^-42 .. 2^120) and its inverse are normal
     const float inverse = __uint_as_float((254u << 23) - __float_as_uint(s));
 #pragma unroll
     for (int i = 0; i < 8; ++i) x[i] = __fmul_rn(x[i], inverse);
-  } else {
+  } else if (s >= 0x1p-64f && s <= 0x1p64f && amax < s * 0x1p100f) {
+    const float y = __frcp_rn(s);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = __fdiv_rn(x[i], s);
+    for (int i = 0; i < 8; ++i) x[i] = corrected_quotient(x[i], s, y, __fmul_rn(x[i], y));
+  } else {
+    return e4m3x8_by_division<D>(v, s);
   }
+  return e4m3x8(x);
+}
+
+// A group's scale max(amax, 1e-10) / 448, correctly rounded, by corrected_quotient (+inf for an
+// infinite amax): tests/test_gpu_correctness.py checks it against __fdiv_rn for every dtype value.
+__device__ __forceinline__ float fp8_group_scale(float amax) {
+  constexpr float kInverse = 1.0f / kE4m3Max;
+  const float m = fmaxf(amax, kFp8GroupEps), q = __fmul_rn(m, kInverse);
+  return isinf(q) ? q : corrected_quotient(m, kE4m3Max, kInverse, q);  // inf: the remainder is NaN
 }
 
 // Per-token-group FP8 of this thread's norm_out vectors of row t. A group of 128 elements is 16
@@ -606,12 +649,9 @@ __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, c
     for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     const int v = r * blockDim.x + threadIdx.x;
     if (v >= nvec) continue;
-    float s = __fdiv_rn(fmaxf(amax, kFp8GroupEps), kE4m3Max);
+    float s = fp8_group_scale(amax);
     if (pow2) s = pow2_ceil(s);
-    float x[8];
-    Vec<D>::to_float(normed[r], x);
-    divide8(x, s, pow2);
-    quant[v] = e4m3x8(x);
+    quant[v] = fp8x8<D>(normed[r], s, amax, pow2);
     if (v % 16 == 0) scale_row[v / 16 * group_stride] = s;
   }
 }
@@ -626,10 +666,7 @@ __device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, 
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     const int v = r * blockDim.x + threadIdx.x;
     if (r >= vpt || v >= nvec) continue;
-    float x[8];
-    Vec<D>::to_float(normed[r], x);
-    divide8(x, s, false);
-    quant[v] = e4m3x8(x);
+    quant[v] = fp8x8<D>(normed[r], s, amax_of<D>(normed[r]), false);
   }
 }
 

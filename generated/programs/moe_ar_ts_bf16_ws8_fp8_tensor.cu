@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: b03417b2c6e240b86dcf772c2394618f308521b1677f28611fbf02f3f9874216
+// inputs sha256: 6b3db458ae392ef5bafecc7e0b56ce687053b8f899479eb893482c8e28fde029
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_ts_bf16_ws8_fp8_tensor: Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
 // dtype bf16, world size 8, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)
