@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 6b3db458ae392ef5bafecc7e0b56ce687053b8f899479eb893482c8e28fde029
+// inputs sha256: 13f86564314abce08e27833463c19472ab19ace0993204171e0d9766628fda45
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
