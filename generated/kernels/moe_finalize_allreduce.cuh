@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 13f86564314abce08e27833463c19472ab19ace0993204171e0d9766628fda45
+// inputs sha256: 6492626167fdefc1fe58acaa162007f3d7d3ef08c79ab620659be48cc6b6eab7
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -656,11 +656,11 @@ __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, c
   }
 }
 
-// Per-tensor FP8 of this thread's norm_out vectors of row t, with the scale from device memory.
+// Per-tensor FP8 of this thread's norm_out vectors of row t, with the scale s read from device memory.
 template <typename D>
-__device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
+__device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
+                                                        float s) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
-  const float s = *p.quant_scale;
   uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
@@ -686,6 +686,7 @@ __device__ __forceinline__ void zero_fp8_scale_padding(const Params& p) {
 template <typename D, Profile P, bool kOverlapQuantRounds = false>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const float tensor_scale = P == Profile::kFp8Tensor ? __ldg(p.quant_scale) : 0.f;  // as gamma: read early
   uint4 gamma[kMaxVecPerThread];  // loaded before the block reduction, which hides their latency
   float sumsq = 0.f;
 #pragma unroll
@@ -718,7 +719,7 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
   }
   if (P == Profile::kNvfp4) quantize_row_nvfp4<D, kOverlapQuantRounds>(p, t, normed);
   if (P == Profile::kFp8Group128) quantize_row_fp8_group<D>(p, t, normed);
-  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D>(p, t, normed);
+  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D>(p, t, normed, tensor_scale);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 13f86564314abce08e27833463c19472ab19ace0993204171e0d9766628fda45
+// inputs sha256: 6492626167fdefc1fe58acaa162007f3d7d3ef08c79ab620659be48cc6b6eab7
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_fp16_ws4_fp8_group128: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype fp16, world size 4, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))

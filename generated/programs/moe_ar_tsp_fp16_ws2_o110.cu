@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 13f86564314abce08e27833463c19472ab19ace0993204171e0d9766628fda45
+// inputs sha256: 6492626167fdefc1fe58acaa162007f3d7d3ef08c79ab620659be48cc6b6eab7
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tsp_fp16_ws2_o110: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype fp16, world size 2, output profile 110 (norm_out + residual_out (input dtype))
