@@ -240,6 +240,22 @@ def test_nvfp4_ref_on_gpu_equals_cpu(seed_for):
 
 # ---- the body's NVFP4 encoders, for every float --------------------------------------------------
 
+def _probe_module(probe_source: str, name: str):
+    """The kernel body (generated/kernels/) followed by probe kernels that call its device functions,
+    compiled with the programs' options for this GPU and loaded."""
+    import cupy
+    from cupy.cuda import function
+    from dispatch import registry
+    ps = registry.program_set()
+    body = (ps.dir / ps.manifest["body"]["file"]).read_text()
+    cc = cupy.cuda.Device().compute_capability
+    target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
+    cubin, _ = registry.compile_cubin(body + probe_source, name, target)
+    module = function.Module()
+    module.load(cubin)
+    return module
+
+
 NVFP4_PROBE = r"""
 // codes[i]: the nibble of x = bits(first + i) from e2m1_nibble_at at position 0, or 0xEE where another
 // position's nibble or e2m1_code's differs from it; bytes[i]: nvfp4_scale_byte(x) xor the byte from
@@ -266,16 +282,7 @@ def test_nvfp4_encoders_equal_the_rule_for_every_float():
     the midpoints, ties to even), and the scale byte from multiply-adds equals the one from a correctly
     rounded division by 6."""
     import cupy
-    from cupy.cuda import function
-    from dispatch import registry
-    ps = registry.program_set()
-    body = (ps.dir / ps.manifest["body"]["file"]).read_text()
-    cc = cupy.cuda.Device().compute_capability
-    target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
-    cubin, _ = registry.compile_cubin(body + NVFP4_PROBE, "nvfp4_probe", target)
-    module = function.Module()
-    module.load(cubin)
-    probe = module.get_function("nvfp4_probe")
+    probe = _probe_module(NVFP4_PROBE, "nvfp4_probe").get_function("nvfp4_probe")
     chunk = 1 << 28
     codes = cupy.empty(chunk, dtype=cupy.uint8)
     diffs = cupy.empty(chunk, dtype=cupy.uint8)
@@ -409,15 +416,7 @@ def test_fp8_division_equals_the_rule():
       negatives, infinities, NaNs, random bit patterns) against every x: the bytes."""
     import cupy
     import numpy as np
-    from cupy.cuda import function
-    from dispatch import registry
-    ps = registry.program_set()
-    body = (ps.dir / ps.manifest["body"]["file"]).read_text()
-    cc = cupy.cuda.Device().compute_capability
-    target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
-    cubin, _ = registry.compile_cubin(body + FP8_PROBE, "fp8_probe", target)
-    module = function.Module()
-    module.load(cubin)
+    module = _probe_module(FP8_PROBE, "fp8_probe")
     rng = np.random.default_rng(20261130)
     ends = [2.0 ** -64, 2.0 ** 64]
     special = np.array([0x00000000, 0x80000000, 0x00000001, 0x007fffff, 0x00800000, 0x7f7fffff, 0x7f800000,
