@@ -120,8 +120,11 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
 PIPELINED_WIDE_CAP = 80
 
-# The pipelined two-shot's loads in flight per partial vector, per output profile: (routes at a
-# time, shared row's load issued before the routes'). Measured on 2x H200 (bench_results/pipelined/,
+# Loads in flight per partial vector: (routes at a time, shared row's load issued before the
+# routes'), per regime and output profile; a program of any other regime loads four routes at a
+# time, the shared row last, and passes nothing.
+#
+# The pipelined two-shot, per output profile. Measured on 2x H200 (bench_results/pipelined/,
 # full bench e2dc2bb against afdb3f8, from 2,048 tokens): eight routes under a cap of 80 against
 # four under 72, plain -24 to -9% at hidden 4096 and -4 to -10% at 7168 top_k 8, but +3 to +5% at
 # 7168 top_k 4 (four routes fill half the slots; the cap costs a block a multiprocessor);
@@ -129,16 +132,27 @@ PIPELINED_WIDE_CAP = 80
 # per-group scales, whose norm step holds more registers, lost with eight: NVFP4 +4 to +27%,
 # FP8-group +19 to +44% at 7168; the shared row first gains NVFP4 3-4%.
 PIPELINED_LOADS = {"110": (8, False), "111": (4, True), "fp8_group128": (4, True), "fp8_tensor": (8, True)}
+# The one-shot, every profile: four routes, the shared row first. Same registers as the shared row
+# last (61-64), 2-4.5% faster from 16 to 128 tokens (128: 16.3 -> 15.8 us plain), unchanged at
+# 1,024; eight routes (80-85 registers, one block of 448 threads a multiprocessor) were 5-7% faster
+# at 128 tokens but 6-27% slower from 256, and under a cap of 72 slower everywhere (2x H200, H 7168
+# top_k 8 + shared, bench_results/oneshot/loads/).
+ONESHOT_LOADS = (4, True)
 
 
-def pipelined_loads(family: str, profile: str) -> tuple[int, bool] | None:
-    """(routes at a time, shared row first) for a pipelined two-shot program; None for the others,
-    which load four routes at a time, the shared row last."""
-    return PIPELINED_LOADS[profile] if FAMILY_REGIME[family][0] == "twoshot_pipelined" else None
+def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
+    """(routes at a time, shared row first) for a one-shot or pipelined two-shot program; None for
+    the others, which load four routes at a time, the shared row last."""
+    regime = FAMILY_REGIME[family][0]
+    if regime == "twoshot_pipelined":
+        return PIPELINED_LOADS[profile]
+    if regime == "oneshot":
+        return ONESHOT_LOADS
+    return None
 
 
 def register_cap(family: str, world_size: int, profile: str) -> int | None:
-    loads = pipelined_loads(family, profile)
+    loads = loads_in_flight(family, profile)
     if loads is not None and loads[0] > 4:
         return PIPELINED_WIDE_CAP
     return REGISTER_CAP.get((FAMILY_REGIME[family][0], world_size))

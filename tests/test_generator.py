@@ -238,20 +238,24 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
                          if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP)
-    # a pipelined two-shot program loading eight routes at a time has the wider cap, and its
-    # program file passes its loads to the kernel body; no other program passes any
-    pipelined = 0
+    # a pipelined two-shot program loading eight routes at a time has the wider cap; one-shot and
+    # pipelined programs pass their loads to the kernel body, no other program passes any
+    passing = 0
     for p in manifest["programs"]:
-        loads = spec.pipelined_loads(p["family"], p["profile"])
+        loads = spec.loads_in_flight(p["family"], p["profile"])
         text = rendered.outputs[p["file"]].decode()
         if loads is None:
+            assert p["family"] not in ("oneshot", "twoshot_pipelined")
             assert "routes_in_flight" not in text and "shared_row_first" not in text
             continue
-        pipelined += 1
-        assert p["register_cap"] == (spec.PIPELINED_WIDE_CAP if loads[0] == 8 else 72)
+        passing += 1
+        if p["family"] == "twoshot_pipelined":
+            assert p["register_cap"] == (spec.PIPELINED_WIDE_CAP if loads[0] == 8 else 72)
+        else:
+            assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"
                 in text)
-    assert pipelined == sum(p["family"] == "twoshot_pipelined" for p in manifest["programs"]) > 0
+    assert passing == sum(p["family"] in ("oneshot", "twoshot_pipelined") for p in manifest["programs"]) > 0
     too_many = spec.ProgramSpec("twoshot", "bf16", 2, "110")
     original = dict(spec.REGISTER_CAP)
     try:

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 6492626167fdefc1fe58acaa162007f3d7d3ef08c79ab620659be48cc6b6eab7
+// inputs sha256: edafce3566622678452e52d4df9e2df14e619bda6735fb860135d1f3ada65b5e
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -862,8 +862,9 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
 // ---------------------------------------------------------------------------------------------
 // The kernel body
 // ---------------------------------------------------------------------------------------------
-// kRoutes and kSharedFirst reach the pipelined two-shot only; the other regimes load four routes at a
-// time, the shared row last.
+// kRoutes and kSharedFirst (partial_vector) come from the program (spec.loads_in_flight): the
+// one-shot and the pipelined two-shot set them; the two-shot programs keep four routes at a time,
+// the shared row last.
 template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false>
 __device__ __forceinline__ void run(const Params& p) {
   static_assert(W >= 2 && W <= kMaxWorldSize, "world size");
@@ -929,7 +930,7 @@ __device__ __forceinline__ void run(const Params& p) {
       for (int r = r_begin; r < r_end; ++r) {
         const int v = r * blockDim.x + threadIdx.x;
         if (v >= nvec) continue;
-        const uint4 partial = partial_vector<D, kSharedPrefetch>(p, t, v, bad_rows);
+        const uint4 partial = partial_vector<D, kSharedPrefetch, kRoutes, kSharedFirst>(p, t, v, bad_rows);
         if (R == Regime::kOneShot) {
           const long long offset = cur * p.buffer_elems + ((long long)p.rank * T + t) * H + v * kElemsPerVec;
 #pragma unroll
