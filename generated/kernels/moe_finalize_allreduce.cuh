@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: edafce3566622678452e52d4df9e2df14e619bda6735fb860135d1f3ada65b5e
+// inputs sha256: d2f363a02b6d65c8fc2f598665ccfa2c89044165a4b1c557f2836129a9be946a
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -725,19 +725,22 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
 // ---------------------------------------------------------------------------------------------
 // Bookkeeping at the end of a call: the last block to finish advances this rank's state.
 // ---------------------------------------------------------------------------------------------
+// No fence: the last block reads nothing the other blocks wrote (every block read the state words
+// at its start, before it counted itself here), and the next call reads the state only after this
+// grid has completed (stream order, or griddepcontrol.wait under PDL), which makes all of this
+// grid's writes visible to it. The two __threadfence() this had cost 0.6-0.8 us a call (one-shot,
+// 1 to 256 tokens, 2x H200; bench_results/oneshot/fences/).
 __device__ __forceinline__ void finish_call(const Params& p, unsigned call, int cur, int prev, long long extent,
                                             unsigned bad_rows) {
   if (bad_rows) atomicAdd(p.state + kBadRows, bad_rows);
-  __syncthreads();
+  __syncthreads();  // every thread of the block is past its reads of the state words
   if (threadIdx.x == 0) {
-    __threadfence();
     const unsigned done = atomicAdd(p.state + kDoneBlocks, 1u);
     if (done == gridDim.x - 1) {
       p.state[kExtent0 + cur] = (unsigned)extent;
       p.state[kExtent0 + prev] = 0;
       p.state[kCallCounter] = call + 1;
       p.state[kDoneBlocks] = 0;
-      __threadfence();
     }
   }
 }

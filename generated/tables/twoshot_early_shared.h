@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: edafce3566622678452e52d4df9e2df14e619bda6735fb860135d1f3ada65b5e
+// inputs sha256: d2f363a02b6d65c8fc2f598665ccfa2c89044165a4b1c557f2836129a9be946a
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
