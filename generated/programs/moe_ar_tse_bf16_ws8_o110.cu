@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: d2f363a02b6d65c8fc2f598665ccfa2c89044165a4b1c557f2836129a9be946a
+// inputs sha256: e4e61b41e26c22d036dab0bb06debdb1b49be54969aca5c50fcad77f0763d964
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_bf16_ws8_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype bf16, world size 8, output profile 110 (norm_out + residual_out (input dtype))

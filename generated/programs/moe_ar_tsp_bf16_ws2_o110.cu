@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: d2f363a02b6d65c8fc2f598665ccfa2c89044165a4b1c557f2836129a9be946a
+// inputs sha256: e4e61b41e26c22d036dab0bb06debdb1b49be54969aca5c50fcad77f0763d964
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tsp_bf16_ws2_o110: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype bf16, world size 2, output profile 110 (norm_out + residual_out (input dtype))
