@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 4add9b85dac874b8f7039de9b6de0e17557416db0da5deb35ecf9de0d607c79c
+// inputs sha256: a28902918294a8db3cd9fae7bbeb3b797fd20a211ce2c454f1a4306799a44088
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -726,12 +726,14 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
 // Bookkeeping: every block counts itself in (kDoneBlocks) once all of its threads have used the
 // state words they read at its start; the block that counts in last advances the state at its end.
 // ---------------------------------------------------------------------------------------------
-// The one-shot and the two-shot count in right after the clear (its extent is the last state word
-// they use), so the count's round trip overlaps the wait for the peers instead of ending the call
-// (one-shot 1-4 tokens 4-6% faster, FP8 and NVFP4 at 1,024 1% slower: the barrier; the pipelined
-// two-shot counts in at its end). No fence anywhere (two cost 0.5-0.8 us a call): the last block
-// reads nothing the other blocks wrote, and the next call reads the state only after this grid has
-// completed (stream order, or griddepcontrol.wait under PDL), which makes all of its writes visible.
+// The one-shot counts in right after the clear (its extent is the last state word it uses), so the
+// count's round trip overlaps the wait for the peers instead of ending the call (1-4 tokens 4-6%
+// faster, FP8 and NVFP4 at 1,024 1% slower: the barrier). The two-shots count in at their end: the
+// pipelined one uses the extent until its last column, and the others, holding the count through
+// their phases, spilled past the compile budget at world size 8 (NVFP4). No fence anywhere (two
+// cost 0.5-0.8 us a call): the last block reads nothing the other blocks wrote, and the next call
+// reads the state only after this grid has completed (stream order, or griddepcontrol.wait under
+// PDL), which makes all of its writes visible.
 // bench_results/oneshot/ (fences/, count_in/).
 __device__ __forceinline__ unsigned count_in(const Params& p) {
   __syncthreads();  // every thread of the block is past its use of the state words
@@ -967,7 +969,7 @@ __device__ __forceinline__ void run(const Params& p) {
     if (P == Profile::kNvfp4) zero_scale_padding(p);
     if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   }
-  const unsigned counted_before = count_in(p);
+  const unsigned counted_before = R == Regime::kOneShot ? count_in(p) : 0u;  // the two-shots: at their end
 
   // ---- two-shot phase 2: the owner reduces its tokens and sends residual_out to every rank --
   if (R != Regime::kOneShot) {
@@ -1011,7 +1013,7 @@ __device__ __forceinline__ void run(const Params& p) {
     norm_row<D, P>(p, t, res);
   }
 
-  finish_call(p, counted_before, call, cur, prev, lay.extent, bad_rows);
+  finish_call(p, R == Regime::kOneShot ? counted_before : count_in(p), call, cur, prev, lay.extent, bad_rows);
 }
 
 }  // namespace moe_ar

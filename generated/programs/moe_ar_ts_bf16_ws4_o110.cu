@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 4add9b85dac874b8f7039de9b6de0e17557416db0da5deb35ecf9de0d607c79c
+// inputs sha256: a28902918294a8db3cd9fae7bbeb3b797fd20a211ce2c454f1a4306799a44088
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_ts_bf16_ws4_o110: Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
 // dtype bf16, world size 4, output profile 110 (norm_out + residual_out (input dtype))

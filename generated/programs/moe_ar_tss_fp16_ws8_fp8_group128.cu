@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 4add9b85dac874b8f7039de9b6de0e17557416db0da5deb35ecf9de0d607c79c
+// inputs sha256: a28902918294a8db3cd9fae7bbeb3b797fd20a211ce2c454f1a4306799a44088
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_fp16_ws8_fp8_group128: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype fp16, world size 8, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))
