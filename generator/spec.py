@@ -152,8 +152,7 @@ def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
 
 
 def register_cap(family: str, world_size: int, profile: str) -> int | None:
-    loads = loads_in_flight(family, profile)
-    if loads is not None and loads[0] > 4:
+    if FAMILY_REGIME[family][0] == "twoshot_pipelined" and PIPELINED_LOADS[profile][0] > 4:
         return PIPELINED_WIDE_CAP
     return REGISTER_CAP.get((FAMILY_REGIME[family][0], world_size))
 
