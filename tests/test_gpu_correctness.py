@@ -257,17 +257,27 @@ def _probe_module(probe_source: str, name: str):
 
 
 NVFP4_PROBE = r"""
-// codes[i]: the nibble of x = bits(first + i) from e2m1_nibble_at at position 0, or 0xEE where another
-// position's nibble or e2m1_code's differs from it; bytes[i]: nvfp4_scale_byte(x) xor the byte from
-// __fdiv_rn(x, 6) (the two codings of quantize_vector_nvfp4).
+// codes[i]: the nibble of x = bits(first + i) from e2m1_code, or 0xEE where e2m1x8 differs from it: x at
+// each of the eight places of a vector whose other places hold fixed values (both signs, ties, a zero,
+// saturation), every nibble of the word against e2m1_code's; bytes[i]: nvfp4_scale_byte(x) xor the
+// byte from __fdiv_rn(x, 6) (the two codings of quantize_vector_nvfp4).
 extern "C" __global__ void nvfp4_probe(unsigned char* codes, unsigned char* bytes, unsigned long long first,
                                        unsigned long long n) {
+  const float others[8] = {-0.0f, 1.25f, -5.0f, 0.75f, 7.0f, -0.25f, 2.5f, -3.5f};
   for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
        i += (unsigned long long)gridDim.x * blockDim.x) {
     const float x = __uint_as_float((unsigned)(first + i));
-    const unsigned nibble = moe_ar::e2m1_nibble_at(x, 0);
-    bool same = nibble < 16 && moe_ar::e2m1_code(x) == nibble;
-    for (int k = 1; k < 8; ++k) same = same && moe_ar::e2m1_nibble_at(x, k) == nibble << (4 * k);
+    const unsigned nibble = moe_ar::e2m1_code(x);
+    bool same = nibble < 16;
+    for (int k = 0; k < 8; ++k) {
+      float q[8];
+      unsigned want = 0;
+      for (int j = 0; j < 8; ++j) {
+        q[j] = j == k ? x : others[j];
+        want |= moe_ar::e2m1_code(q[j]) << (4 * j);
+      }
+      same = same && moe_ar::e2m1x8(q) == want;
+    }
     codes[i] = same ? (unsigned char)nibble : 0xEE;
     bytes[i] = moe_ar::nvfp4_scale_byte(x) ^ __nv_cvt_float_to_fp8(__fdiv_rn(x, 6.0f), __NV_SATFINITE, __NV_E4M3);
   }
@@ -277,8 +287,8 @@ extern "C" __global__ void nvfp4_probe(unsigned char* codes, unsigned char* byte
 
 def test_nvfp4_encoders_equal_the_rule_for_every_float():
     """For all 2^32 float32 bit patterns (both signs, zeros, subnormals, ties, saturation, infinities,
-    NaNs): the kernels' E2M1 encoders (integer operations on the float's bits; the sign by shift and
-    mask at every nibble position, or by a test) give the reference's nibble (tests/reference.py: count
+    NaNs): the kernels' E2M1 encoders (e2m1_code, one value with compares; e2m1x8, eight values by
+    multiply-adds, x at each of the eight places) give the reference's nibble (tests/reference.py: count
     the midpoints, ties to even), and the scale byte from multiply-adds equals the one from a correctly
     rounded division by 6."""
     import cupy

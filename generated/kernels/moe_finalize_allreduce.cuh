@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 48f2d6a557bcd4df63183538088c43fd76c1c4d51f94d18753d4b332bdc92d2b
+// inputs sha256: 7c30d08160e8874f5b305fba44607813ca130fb07ae79cc56f2e012f3ba871ff
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -100,6 +100,7 @@ template <> struct Vec<__half> {
 #pragma unroll
     for (int i = 0; i < 4; ++i) { float2 x = __half22float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
   }
+  static __device__ __forceinline__ void to_float_paired(uint4 v, float (&f)[8]) { to_float(v, f); }
   static __device__ __forceinline__ uint4 from_float(const float (&f)[8]) {
     uint4 v;
     __half2* h = reinterpret_cast<__half2*>(&v);
@@ -112,7 +113,16 @@ template <> struct Vec<__half> {
   }
 };
 template <> struct Vec<__nv_bfloat16> {
+  // A bf16 is the top half of its float: a shift and a mask, two instructions a pair where
+  // __bfloat1622float2 takes three (it moves the high half down, then back up).
   static __device__ __forceinline__ void to_float(uint4 v, float (&f)[8]) {
+    const unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { f[2 * i] = __uint_as_float(w[i] << 16); f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u); }
+  }
+  // The same values by the intrinsic, kept where ptxas places its spills better with it: the pipelined
+  // two-shot's NVFP4 rounds at its register cap (54 / 60 bytes instead of 152 / 232 on sm_90a).
+  static __device__ __forceinline__ void to_float_paired(uint4 v, float (&f)[8]) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
     for (int i = 0; i < 4; ++i) { float2 x = __bfloat1622float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
@@ -382,17 +392,16 @@ __device__ __forceinline__ float block_sum(float x) {
 // ---------------------------------------------------------------------------------------------
 // NVFP4: software E2M1 rounding (sm_90 has no cvt to e2m1), exact to the rule in the spec
 // ---------------------------------------------------------------------------------------------
-// Round |a| to the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} (codes 0..7), ties to the even code,
-// saturating at 6. The rule (tests/reference.py) counts the midpoints a lies above; this gives the
-// same code for every float with a few integer operations instead of seven compares and adds (the
-// NVFP4 epilogue sits on the one-shot's critical path: up to 3.5% faster, bench_results/nvfp4_epilogue/).
-// tests/test_gpu_correctness.py checks it against the rule for all 2^32 inputs.
-//  * a >= 1: the code is 2 * exponent + the first mantissa bit, after rounding the mantissa to that
-//    one bit, to nearest even, by an integer add on the float's bits; 1.0 -> 2, 6.0 and above -> 7.
-//  * a < 1: the code is 2a rounded to an integer (0, 1 or 2), to nearest even: the one rounding of
-//    2a + 2^23 leaves that integer in the low mantissa bits.
-//  * NaN: 0, as the rule (every compare is false).
-// Branch-free on purpose: lanes of a warp take different codes.
+// Two codings of the rule (tests/reference.py: count the midpoints |q| lies above, ties to the even
+// code, saturate at 6, keep the sign bit; a NaN has code 0). tests/test_gpu_correctness.py checks both
+// against the rule for all 2^32 floats; quantize_vector_nvfp4 says which runs where.
+//
+// e2m1_code: one value, with compares and selects (the pipelined two-shot's: bench_results/nvfp4_epilogue/).
+// The magnitude of a >= 1 is 2 * exponent + the first mantissa bit, after rounding the mantissa to that
+// bit, to nearest even, by an integer add on the float's bits (1.0 -> 2, 6.0 and above -> 7); below 1 it
+// is 2a rounded to an integer (0, 1 or 2), to nearest even: the one rounding of 2a + 2^23 leaves that
+// integer in the low mantissa bits. NaN: 0 (both compares are false). Branch-free on purpose: lanes of
+// a warp take different codes.
 __device__ __forceinline__ unsigned e2m1_magnitude_code(float a) {
   const unsigned bits = __float_as_uint(a);
   const unsigned exponent_and_bit = (bits + 0x1FFFFFu + ((bits >> 22) & 1u)) >> 22;  // 1.0 -> 254
@@ -400,14 +409,43 @@ __device__ __forceinline__ unsigned e2m1_magnitude_code(float a) {
   const unsigned below_one = __float_as_uint(__fmaf_rn(a, 2.f, 8388608.f)) - 0x4B000000u;
   return a >= 1.f ? from_one : (a < 1.f ? below_one : 0u);
 }
-// The E2M1 nibble of q placed at nibble i of a word, two ways (quantize_vector_nvfp4 says which runs
-// where): the magnitude code and q's sign bit (bit 31) moved to bit 4i + 3 by a shift and a mask, or
-// the nibble with a sign test, then shifted.
-__device__ __forceinline__ unsigned e2m1_nibble_at(float q, int i) {
-  return e2m1_magnitude_code(fabsf(q)) << (4 * i) | (__float_as_uint(q) >> (28 - 4 * i) & (8u << (4 * i)));
-}
 __device__ __forceinline__ unsigned e2m1_code(float q) {
   return (signbit(q) ? 8u : 0u) | e2m1_magnitude_code(fabsf(q));
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned selector) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+// e2m1x8: eight values, q[i] to nibble i, in about 9 instructions a value where e2m1_code and its
+// placement take about 16 (the one-shot's: its NVFP4 epilogue is issue-bound, bench_results/oneshot/).
+//  * c = min(max(|q|, 0), 6): a NaN becomes 0 (fmaxf returns the other operand), and everything from
+//    6 up becomes 6, whose code 7 it has.
+//  * The grid step is 1/2 below 2, 1 below 4, 2 above: with e the exponent of max(c, 1) (2^k, k = 0,
+//    1, 2), m = 2^(1-k) is its inverse, and the code is 2k + rint(c * m), ties to even; the rint is
+//    the one rounding of c * m + 2^23 (c * m is exact), which leaves rint(c * m) in the low bits.
+//    The float's bits give r + (e >> 22) = 2^23's bits + 254 + the code; the constant is taken off
+//    all eight nibbles at once at the end (the sums wrap, the nibbles do not carry).
+//  * The sign bits: prmt copies the sign of a chosen byte over a whole byte (selector nibble 8 + byte),
+//    so three prmts gather the signs of q0, q2, q4, q6 as bytes 0x00 / 0xFF, three more those of the
+//    odd ones, and two masks put them at bits 8j + 3 and 8j + 7.
+__device__ __forceinline__ unsigned e2m1x8(const float (&q)[8]) {
+  constexpr unsigned kBias = 0x4B000000u + 254u;  // per nibble, in the sum below
+  unsigned codes = 0u - kBias * 0x11111111u;       // takes kBias off each of the eight nibbles
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float c = fminf(fmaxf(fabsf(q[i]), 0.f), 6.f);
+    const unsigned e = __float_as_uint(fmaxf(c, 1.f)) & 0x7F800000u;
+    const unsigned r = __float_as_uint(__fmaf_rn(c, __uint_as_float(0x7F800000u - e), 8388608.f));
+    codes += (r + (e >> 22)) << (4 * i);
+  }
+  const unsigned b[8] = {__float_as_uint(q[0]), __float_as_uint(q[1]), __float_as_uint(q[2]), __float_as_uint(q[3]),
+                         __float_as_uint(q[4]), __float_as_uint(q[5]), __float_as_uint(q[6]), __float_as_uint(q[7])};
+  // selector nibble n: the byte of the result at n; 0xB = sign of byte 3 of a, 0xF = of byte 3 of b
+  const unsigned even = prmt(prmt(b[0], b[2], 0x00FBu), prmt(b[4], b[6], 0xFB00u), 0x7610u);
+  const unsigned odd = prmt(prmt(b[1], b[3], 0x00FBu), prmt(b[5], b[7], 0xFB00u), 0x7610u);
+  return codes | (even & 0x08080808u) | (odd & 0x80808080u);
 }
 // Byte offset of scale (row m, scale column k) in the 128x4 swizzled layout.
 __device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num_k_tiles) {
@@ -432,14 +470,17 @@ __device__ __forceinline__ void fill_nvfp4_reciprocals(const Params& p) {
   }
 }
 
-// max |x_i| of one vector, in float (exact: the dtype converts to float exactly).
-template <typename D>
+// max |x_i| of one vector, in float (exact: the dtype converts to float exactly); NaNs are skipped
+// (fmaxf returns the other operand) and all-NaN gives 0. As a tree: four dependent steps, not eight.
+// kPairedConvert: see Vec::to_float_paired.
+template <typename D, bool kPairedConvert = false>
 __device__ __forceinline__ float amax_of(uint4 v) {
-  float x[8], m = 0.f;
-  Vec<D>::to_float(v, x);
+  float x[8];
+  if constexpr (kPairedConvert) Vec<D>::to_float_paired(v, x);
+  else Vec<D>::to_float(v, x);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(x[i]));
-  return m;
+  for (int i = 0; i < 4; ++i) x[i] = fmaxf(fabsf(x[i]), fabsf(x[i + 4]));
+  return fmaxf(fmaxf(fmaxf(x[0], x[2]), fmaxf(x[1], x[3])), 0.f);
 }
 
 // A division x / s as multiply-adds, given y = RN(1/s) and q = RN(x * y): q corrected by its exact
@@ -463,10 +504,12 @@ __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
 }
 
 // NVFP4 of norm_out vector v of row t, given its 16-element block's amax and the global scale gs.
-// Two codings of the same bytes: kFewestInstructions, the scale byte by multiply-adds and the sign
-// bits by shift and mask (1-7% faster in the one-shot, up to 9% in the two-shot); otherwise the
-// division and a sign test per element, kept for the pipelined two-shot, which with the other spilled
-// more at its register cap and ran 1-6% slower from 128 tokens (2x H200; bench_results/nvfp4_epilogue/).
+// Two codings of the same bytes: kFewestInstructions, the scale byte by multiply-adds and the nibbles
+// by e2m1x8 (the one-shot and the two-shot: their NVFP4 epilogues are issue-bound; bench_results/
+// nvfp4_epilogue/ and oneshot/); otherwise the division, e2m1_code per element and the dtype's paired
+// conversion, kept for the pipelined two-shot, which with the others spilled more at its register
+// cap and ran slower (1-6% from 128 tokens with the first E2M1 multiply-add coding, 20-27% with
+// e2m1x8 and the shift-and-mask bf16 conversion; 2x H200).
 template <typename D, bool kFewestInstructions>
 __device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, uint4 normed, float amax, float gs,
                                                       int num_k_tiles) {
@@ -474,13 +517,17 @@ __device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, in
       kFewestInstructions ? nvfp4_scale_byte(__fmul_rn(gs, amax))
                           : __nv_cvt_float_to_fp8(__fdiv_rn(__fmul_rn(gs, amax), 6.0f), __NV_SATFINITE, __NV_E4M3);
   const float scale = nvfp4_reciprocals()[sf8];  // = sf8 != 0 ? 1 / (float(sf8) / gs) : 0
-  float x[8];
-  Vec<D>::to_float(normed, x);
-  unsigned packed = 0;
+  float q[8];
+  if constexpr (kFewestInstructions) Vec<D>::to_float(normed, q);
+  else Vec<D>::to_float_paired(normed, q);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float q = __fmul_rn(x[i], scale);
-    packed |= kFewestInstructions ? e2m1_nibble_at(q, i) : e2m1_code(q) << (4 * i);
+  for (int i = 0; i < 8; ++i) q[i] = __fmul_rn(q[i], scale);
+  unsigned packed = 0;
+  if constexpr (kFewestInstructions) {
+    packed = e2m1x8(q);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) packed |= e2m1_code(q[i]) << (4 * i);
   }
   reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (p.hidden / 2))[v] = packed;
   if ((v & 1) == 0) static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
@@ -497,13 +544,13 @@ __device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, in
 // small changes of the source (the one-round form in the pipelined two-shot was slower though it
 // spilled no more; bench_results/quant_rounds/).
 template <typename D, bool kOverlapRounds>
-__device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
+__device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
+                                                   float gs) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
   if constexpr (kOverlapRounds) {
-    const float gs = *p.quant_scale;
     float amax[kMaxVecPerThread];
 #pragma unroll
-    for (int r = 0; r < kMaxVecPerThread; ++r) amax[r] = amax_of<D>(normed[r]);  // 0 for vectors past the row
+    for (int r = 0; r < kMaxVecPerThread; ++r) amax[r] = amax_of<D, true>(normed[r]);  // 0 for vectors past the row
 #pragma unroll
     for (int r = 0; r < kMaxVecPerThread; ++r)  // every lane shuffles: vpt is the same for the block
       if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
@@ -521,8 +568,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
       const float amax = fmaxf(own_amax, __shfl_xor_sync(0xffffffffu, own_amax, 1));
       const int v = r * blockDim.x + threadIdx.x;
       if (v >= nvec) continue;
-      quantize_vector_nvfp4<D, /*kFewestInstructions=*/true>(p, t, v, normed[r], amax, __ldg(p.quant_scale),
-                                                             num_k_tiles);
+      quantize_vector_nvfp4<D, /*kFewestInstructions=*/true>(p, t, v, normed[r], amax, gs, num_k_tiles);
     }
   }
 }
@@ -686,7 +732,9 @@ __device__ __forceinline__ void zero_fp8_scale_padding(const Params& p) {
 template <typename D, Profile P, bool kOverlapQuantRounds = false>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
-  const float tensor_scale = P == Profile::kFp8Tensor ? __ldg(p.quant_scale) : 0.f;  // as gamma: read early
+  // The global scale of the quantized output, like gamma read before the block reduction, which hides
+  // its latency (read per NVFP4 vector, it was on each vector's dependent chain).
+  const float quant_scale = P == Profile::kFp8Tensor || P == Profile::kNvfp4 ? __ldg(p.quant_scale) : 0.f;
   uint4 gamma[kMaxVecPerThread];  // loaded before the block reduction, which hides their latency
   float sumsq = 0.f;
 #pragma unroll
@@ -717,9 +765,9 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
     normed[r] = Vec<D>::from_float(y);
     reinterpret_cast<uint4*>(norm_out)[v] = normed[r];
   }
-  if (P == Profile::kNvfp4) quantize_row_nvfp4<D, kOverlapQuantRounds>(p, t, normed);
+  if (P == Profile::kNvfp4) quantize_row_nvfp4<D, kOverlapQuantRounds>(p, t, normed, quant_scale);
   if (P == Profile::kFp8Group128) quantize_row_fp8_group<D>(p, t, normed);
-  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D>(p, t, normed, tensor_scale);
+  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D>(p, t, normed, quant_scale);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 48f2d6a557bcd4df63183538088c43fd76c1c4d51f94d18753d4b332bdc92d2b
+// inputs sha256: 7c30d08160e8874f5b305fba44607813ca130fb07ae79cc56f2e012f3ba871ff
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_fp16_ws4_fp8_group128: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype fp16, world size 4, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 48f2d6a557bcd4df63183538088c43fd76c1c4d51f94d18753d4b332bdc92d2b
+// inputs sha256: 7c30d08160e8874f5b305fba44607813ca130fb07ae79cc56f2e012f3ba871ff
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_ts_bf16_ws8_o110: Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
 // dtype bf16, world size 8, output profile 110 (norm_out + residual_out (input dtype))
