@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 7c30d08160e8874f5b305fba44607813ca130fb07ae79cc56f2e012f3ba871ff
+// inputs sha256: 7b9f1b870d895fe40ddd0cffaa98165121df0d7b2160fc35da7577176c28ea93
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -418,28 +418,31 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned select
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
   return d;
 }
-// e2m1x8: eight values, q[i] to nibble i, in about 9 instructions a value where e2m1_code and its
-// placement take about 16 (the one-shot's: its NVFP4 epilogue is issue-bound, bench_results/oneshot/).
+// e2m1x8: eight values, q[i] to nibble i, in 8 instructions a value where e2m1_code and its placement
+// take about 16 (the one-shot's: its NVFP4 epilogue is issue-bound, bench_results/oneshot/).
 //  * c = min(max(|q|, 0), 6): a NaN becomes 0 (fmaxf returns the other operand), and everything from
 //    6 up becomes 6, whose code 7 it has.
-//  * The grid step is 1/2 below 2, 1 below 4, 2 above: with e the exponent of max(c, 1) (2^k, k = 0,
-//    1, 2), m = 2^(1-k) is its inverse, and the code is 2k + rint(c * m), ties to even; the rint is
-//    the one rounding of c * m + 2^23 (c * m is exact), which leaves rint(c * m) in the low bits.
-//    The float's bits give r + (e >> 22) = 2^23's bits + 254 + the code; the constant is taken off
-//    all eight nibbles at once at the end (the sums wrap, the nibbles do not carry).
+//  * The grid step is 1/2 below 2, 1 below 4, 2 above: with 2^k the exponent of max(c, 1) (k = 0, 1,
+//    2), m = 2^(1-k) is its inverse, and the code is 2k + rint(c * m), ties to even. m's exponent field
+//    is the complement of max(c, 1)'s (255 - e for 8 bits). The rint is the one rounding of c * m + 2^23
+//    (c * m is exact): r, the sum's bits, is 2^23's bits + rint(c * m), and m's bits shifted down by 22
+//    are 2 * (255 - e) = 256 - 2k. Both are summed into the word at nibble i as they are (a shift-add
+//    each); the constants come off all eight nibbles at once at the end (the sums wrap, the nibbles
+//    do not carry).
 //  * The sign bits: prmt copies the sign of a chosen byte over a whole byte (selector nibble 8 + byte),
 //    so three prmts gather the signs of q0, q2, q4, q6 as bytes 0x00 / 0xFF, three more those of the
 //    odd ones, and two masks put them at bits 8j + 3 and 8j + 7.
 __device__ __forceinline__ unsigned e2m1x8(const float (&q)[8]) {
-  constexpr unsigned kBias = 0x4B000000u + 254u;  // per nibble, in the sum below
-  unsigned codes = 0u - kBias * 0x11111111u;       // takes kBias off each of the eight nibbles
+  unsigned rints = 0, steps = 0;  // sums of r << 4i and of (m >> 22) << 4i
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float c = fminf(fmaxf(fabsf(q[i]), 0.f), 6.f);
-    const unsigned e = __float_as_uint(fmaxf(c, 1.f)) & 0x7F800000u;
-    const unsigned r = __float_as_uint(__fmaf_rn(c, __uint_as_float(0x7F800000u - e), 8388608.f));
-    codes += (r + (e >> 22)) << (4 * i);
+    const unsigned m = ~__float_as_uint(fmaxf(c, 1.f)) & 0x7F800000u;
+    rints += __float_as_uint(__fmaf_rn(c, __uint_as_float(m), 8388608.f)) << (4 * i);
+    steps += 4 * i <= 22 ? m >> (22 - 4 * i) : m << (4 * i - 22);  // m's low 23 bits are 0
   }
+  // code = (r - 2^23's bits) + (256 - (m >> 22)) at every nibble
+  const unsigned codes = rints - steps + (256u - 0x4B000000u) * 0x11111111u;
   const unsigned b[8] = {__float_as_uint(q[0]), __float_as_uint(q[1]), __float_as_uint(q[2]), __float_as_uint(q[3]),
                          __float_as_uint(q[4]), __float_as_uint(q[5]), __float_as_uint(q[6]), __float_as_uint(q[7])};
   // selector nibble n: the byte of the result at n; 0xB = sign of byte 3 of a, 0xF = of byte 3 of b
@@ -461,12 +464,18 @@ __device__ __forceinline__ float* nvfp4_reciprocals() {
   return table;
 }
 // Filled before the first row's epilogue; the block_sum barriers of that row publish it before any lookup.
+// A byte with the sign bit (b + 128) holds the negated entry of b: both divisions are exact to the sign,
+// 1 / (-v / gs) = -(1 / (v / gs)), -0 (b = 128) included; so a thread computes a pair, in one round
+// (with 256 entries a block of 224 threads took two, on the one-shot's critical path at 1 row a block).
+// A NaN entry (0x7F, 0xFF) may differ in sign only, which no product shows (x * NaN is the one NaN).
 __device__ __forceinline__ void fill_nvfp4_reciprocals(const Params& p) {
   float* table = nvfp4_reciprocals();
   const float gs = *p.quant_scale;
-  for (int b = threadIdx.x; b < kE4m3Codes; b += blockDim.x) {
+  for (int b = threadIdx.x; b < kE4m3Codes / 2; b += blockDim.x) {
     const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, __NV_E4M3)));
-    table[b] = b != 0 ? __fdiv_rn(1.0f, __fdiv_rn(v, gs)) : 0.0f;  // byte compare, as the kernel always did
+    const float reciprocal = __fdiv_rn(1.0f, __fdiv_rn(v, gs));
+    table[b] = b != 0 ? reciprocal : 0.0f;  // byte compare, as the kernel always did
+    table[b + kE4m3Codes / 2] = -reciprocal;
   }
 }
 
