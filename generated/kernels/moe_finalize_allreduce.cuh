@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 7b9f1b870d895fe40ddd0cffaa98165121df0d7b2160fc35da7577176c28ea93
+// inputs sha256: 825aa3597c9604a7f50935a413539d6e9dc8e2271d2dbb50975505c14b31fd2c
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -517,8 +517,9 @@ __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
 // by e2m1x8 (the one-shot and the two-shot: their NVFP4 epilogues are issue-bound; bench_results/
 // nvfp4_epilogue/ and oneshot/); otherwise the division, e2m1_code per element and the dtype's paired
 // conversion, kept for the pipelined two-shot, which with the others spilled more at its register
-// cap and ran slower (1-6% from 128 tokens with the first E2M1 multiply-add coding, 20-27% with
-// e2m1x8 and the shift-and-mask bf16 conversion; 2x H200).
+// cap and ran slower (2x H200, bench_results/nvfp4_epilogue/: 1-6% from 128 tokens with the first
+// multiply-add coding of the scale byte and signs; 15-28% with the shift-and-mask bf16 conversion in
+// its rounds, 2-5% with a compare-free E2M1 coding alone).
 template <typename D, bool kFewestInstructions>
 __device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, uint4 normed, float amax, float gs,
                                                       int num_k_tiles) {

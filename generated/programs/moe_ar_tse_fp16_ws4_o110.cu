@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 7b9f1b870d895fe40ddd0cffaa98165121df0d7b2160fc35da7577176c28ea93
+// inputs sha256: 825aa3597c9604a7f50935a413539d6e9dc8e2271d2dbb50975505c14b31fd2c
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws4_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 4, output profile 110 (norm_out + residual_out (input dtype))
