@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 825aa3597c9604a7f50935a413539d6e9dc8e2271d2dbb50975505c14b31fd2c
+// inputs sha256: 0106348859b33be3e5a4e92cc19ce6671b404397fbb4e17b2fb08b628960f5f6
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -450,9 +450,15 @@ __device__ __forceinline__ unsigned e2m1x8(const float (&q)[8]) {
   const unsigned odd = prmt(prmt(b[1], b[3], 0x00FBu), prmt(b[5], b[7], 0xFB00u), 0x7610u);
   return codes | (even & 0x08080808u) | (odd & 0x80808080u);
 }
-// Byte offset of scale (row m, scale column k) in the 128x4 swizzled layout.
+// Byte offset of scale (row m, scale column k) in the 128x4 swizzled layout: the row's part plus the
+// column's. The quantization takes the row's part once a row (computed in every round, it was about
+// 25 of a round's 150 instructions).
+__device__ __forceinline__ long long swizzled_scale_row(int m, int num_k_tiles) {
+  return (long long)(m / 128) * (num_k_tiles * 512) + (m % 32) * 16 + ((m % 128) / 32) * 4;
+}
+__device__ __forceinline__ int swizzled_scale_column(int k) { return (k / 4) * 512 + (k % 4); }
 __device__ __forceinline__ long long swizzled_scale_offset(int m, int k, int num_k_tiles) {
-  return (long long)(m / 128) * (num_k_tiles * 512) + (k / 4) * 512 + (m % 32) * 16 + ((m % 128) / 32) * 4 + (k % 4);
+  return swizzled_scale_row(m, num_k_tiles) + swizzled_scale_column(k);
 }
 
 // 1 / (float(sf8) / gs) for every scale byte sf8 (0 for sf8 = 0), computed once per block with the
@@ -521,8 +527,8 @@ __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
 // multiply-add coding of the scale byte and signs; 15-28% with the shift-and-mask bf16 conversion in
 // its rounds, 2-5% with a compare-free E2M1 coding alone).
 template <typename D, bool kFewestInstructions>
-__device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, int v, uint4 normed, float amax, float gs,
-                                                      int num_k_tiles) {
+__device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsigned char* scale_row, int v, uint4 normed,
+                                                      float amax, float gs) {
   const __nv_fp8_storage_t sf8 =
       kFewestInstructions ? nvfp4_scale_byte(__fmul_rn(gs, amax))
                           : __nv_cvt_float_to_fp8(__fdiv_rn(__fmul_rn(gs, amax), 6.0f), __NV_SATFINITE, __NV_E4M3);
@@ -539,8 +545,8 @@ __device__ __forceinline__ void quantize_vector_nvfp4(const Params& p, int t, in
 #pragma unroll
     for (int i = 0; i < 8; ++i) packed |= e2m1_code(q[i]) << (4 * i);
   }
-  reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (p.hidden / 2))[v] = packed;
-  if ((v & 1) == 0) static_cast<unsigned char*>(p.scale_out)[swizzled_scale_offset(t, v / 2, num_k_tiles)] = sf8;
+  quant_row[v] = packed;
+  if ((v & 1) == 0) scale_row[swizzled_scale_column(v / 2)] = sf8;
 }
 
 // Quantize this thread's norm_out vectors of row t (one per round, in the dtype). The thread holding
@@ -557,6 +563,8 @@ template <typename D, bool kOverlapRounds>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
                                                    float gs) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
+  unsigned* quant_row = reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (H / 2));
+  unsigned char* scale_row = static_cast<unsigned char*>(p.scale_out) + swizzled_scale_row(t, num_k_tiles);
   if constexpr (kOverlapRounds) {
     float amax[kMaxVecPerThread];
 #pragma unroll
@@ -568,7 +576,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       const int v = r * blockDim.x + threadIdx.x;
       if (r >= vpt || v >= nvec) continue;
-      quantize_vector_nvfp4<D, /*kFewestInstructions=*/false>(p, t, v, normed[r], amax[r], gs, num_k_tiles);
+      quantize_vector_nvfp4<D, /*kFewestInstructions=*/false>(quant_row, scale_row, v, normed[r], amax[r], gs);
     }
   } else {
 #pragma unroll
@@ -578,7 +586,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
       const float amax = fmaxf(own_amax, __shfl_xor_sync(0xffffffffu, own_amax, 1));
       const int v = r * blockDim.x + threadIdx.x;
       if (v >= nvec) continue;
-      quantize_vector_nvfp4<D, /*kFewestInstructions=*/true>(p, t, v, normed[r], amax, gs, num_k_tiles);
+      quantize_vector_nvfp4<D, /*kFewestInstructions=*/true>(quant_row, scale_row, v, normed[r], amax, gs);
     }
   }
 }
