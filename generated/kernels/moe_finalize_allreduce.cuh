@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 0106348859b33be3e5a4e92cc19ce6671b404397fbb4e17b2fb08b628960f5f6
+// inputs sha256: 31b13b1cc7ab8ff765cbafbecda594b0f2f67f68d4cc87824e0cf2aac73388ff
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -121,7 +121,8 @@ template <> struct Vec<__nv_bfloat16> {
     for (int i = 0; i < 4; ++i) { f[2 * i] = __uint_as_float(w[i] << 16); f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u); }
   }
   // The same values by the intrinsic, kept where ptxas places its spills better with it: the pipelined
-  // two-shot's NVFP4 rounds at its register cap (54 / 60 bytes instead of 152 / 232 on sm_90a).
+  // two-shot's NVFP4 rounds at its register cap (at c15d933 on sm_90a, 60 / 80 bytes of spills
+  // stored / loaded with it, 152 / 232 with to_float).
   static __device__ __forceinline__ void to_float_paired(uint4 v, float (&f)[8]) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
@@ -451,8 +452,8 @@ __device__ __forceinline__ unsigned e2m1x8(const float (&q)[8]) {
   return codes | (even & 0x08080808u) | (odd & 0x80808080u);
 }
 // Byte offset of scale (row m, scale column k) in the 128x4 swizzled layout: the row's part plus the
-// column's. The quantization takes the row's part once a row (computed in every round, it was about
-// 25 of a round's 150 instructions).
+// column's. The quantization takes the row's part once a row (computed in every round, it took
+// uniform-datapath instructions in each: bench_results/oneshot/, Nsight Compute of c15d933).
 __device__ __forceinline__ long long swizzled_scale_row(int m, int num_k_tiles) {
   return (long long)(m / 128) * (num_k_tiles * 512) + (m % 32) * 16 + ((m % 128) / 32) * 4;
 }
