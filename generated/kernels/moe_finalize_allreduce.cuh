@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 28a3b9443cff663b8ea17fc973d6c5f47f2942b440dba76d31a3a314d250977c
+// inputs sha256: e294e1ba85c009654e8941ed6889549518cf7d94f7025dab4d9023332d381e25
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -531,7 +531,7 @@ __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
 // cap and ran slower (2x H200, bench_results/nvfp4_epilogue/: 1-6% from 128 tokens with the first
 // multiply-add coding of the scale byte and signs; 15-28% with the shift-and-mask bf16 conversion in
 // its rounds, 2-5% with a compare-free E2M1 coding alone).
-template <typename D, bool kFewestInstructions>
+template <typename D, bool kFewestInstructions, bool kStreamingStores>
 __device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsigned char* scale_row, int v, uint4 normed,
                                                       float amax, float gs) {
   const __nv_fp8_storage_t sf8 =
@@ -550,7 +550,8 @@ __device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsig
 #pragma unroll
     for (int i = 0; i < 8; ++i) packed |= e2m1_code(q[i]) << (4 * i);
   }
-  quant_row[v] = packed;
+  if constexpr (kStreamingStores) __stcs(quant_row + v, packed);
+  else quant_row[v] = packed;
   if ((v & 1) == 0) scale_row[swizzled_scale_column(v / 2)] = sf8;
 }
 
@@ -564,7 +565,7 @@ __device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsig
 // Each form is kept as it was measured: at a register cap ptxas places its spills differently after
 // small changes of the source (the one-round form in the pipelined two-shot was slower though it
 // spilled no more; bench_results/quant_rounds/).
-template <typename D, bool kOverlapRounds>
+template <typename D, bool kOverlapRounds, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
                                                    float gs) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
@@ -581,7 +582,8 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       const int v = r * blockDim.x + threadIdx.x;
       if (r >= vpt || v >= nvec) continue;
-      quantize_vector_nvfp4<D, /*kFewestInstructions=*/false>(quant_row, scale_row, v, normed[r], amax[r], gs);
+      quantize_vector_nvfp4<D, /*kFewestInstructions=*/false, kStreamingStores>(quant_row, scale_row, v, normed[r],
+                                                                                amax[r], gs);
     }
   } else {
 #pragma unroll
@@ -591,7 +593,8 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
       const float amax = fmaxf(own_amax, __shfl_xor_sync(0xffffffffu, own_amax, 1));
       const int v = r * blockDim.x + threadIdx.x;
       if (v >= nvec) continue;
-      quantize_vector_nvfp4<D, /*kFewestInstructions=*/true>(quant_row, scale_row, v, normed[r], amax, gs);
+      quantize_vector_nvfp4<D, /*kFewestInstructions=*/true, kStreamingStores>(quant_row, scale_row, v, normed[r], amax,
+                                                                               gs);
     }
   }
 }
@@ -701,7 +704,7 @@ __device__ __forceinline__ float fp8_group_scale(float amax) {
 // column-major [H/128, roundup(T, 4)]. The values are unpacked twice (for the amax, then for the
 // quantization) rather than held as floats in between, and the rounds go one at a time (as NVFP4's):
 // fewer registers, more blocks resident.
-template <typename D>
+template <typename D, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, groups = H / kFp8Group;
   const bool column_major = p.quant_flags & kScalesColumnMajor, pow2 = p.quant_flags & kScalesPow2;
@@ -720,13 +723,15 @@ __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, c
     if (v >= nvec) continue;
     float s = fp8_group_scale(amax);
     if (pow2) s = pow2_ceil(s);
-    quant[v] = fp8x8<D>(normed[r], s, amax, pow2);
+    const uint2 bytes = fp8x8<D>(normed[r], s, amax, pow2);
+    if (kStreamingStores) __stcs(quant + v, bytes);
+    else quant[v] = bytes;
     if (v % 16 == 0) scale_row[v / 16 * group_stride] = s;
   }
 }
 
 // Per-tensor FP8 of this thread's norm_out vectors of row t, with the scale s read from device memory.
-template <typename D>
+template <typename D, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
                                                         float s) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
@@ -735,7 +740,9 @@ __device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, 
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     const int v = r * blockDim.x + threadIdx.x;
     if (r >= vpt || v >= nvec) continue;
-    quant[v] = fp8x8<D>(normed[r], s, amax_of<D>(normed[r]), false);
+    const uint2 bytes = fp8x8<D>(normed[r], s, amax_of<D>(normed[r]), false);
+    if (kStreamingStores) __stcs(quant + v, bytes);
+    else quant[v] = bytes;
   }
 }
 
@@ -751,8 +758,8 @@ __device__ __forceinline__ void zero_fp8_scale_padding(const Params& p) {
 // Epilogue of one token row: residual_out values (in the dtype, held in registers)
 // -> RMSNorm -> norm_out (+ NVFP4 or FP8). The whole block calls it for the same row.
 // ---------------------------------------------------------------------------------------------
-// kOverlapQuantRounds: see quantize_row_nvfp4. kStreamingStores: norm_out's stores evict first (see
-// pipelined_two_shot).
+// kOverlapQuantRounds: see quantize_row_nvfp4. kStreamingStores: the stores of norm_out and of the
+// quantized row evict first (see pipelined_two_shot).
 template <typename D, Profile P, bool kOverlapQuantRounds = false, bool kStreamingStores = false>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
@@ -790,9 +797,9 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
     if (kStreamingStores) __stcs(reinterpret_cast<uint4*>(norm_out) + v, normed[r]);
     else reinterpret_cast<uint4*>(norm_out)[v] = normed[r];
   }
-  if (P == Profile::kNvfp4) quantize_row_nvfp4<D, kOverlapQuantRounds>(p, t, normed, quant_scale);
-  if (P == Profile::kFp8Group128) quantize_row_fp8_group<D>(p, t, normed);
-  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D>(p, t, normed, quant_scale);
+  if (P == Profile::kNvfp4) quantize_row_nvfp4<D, kOverlapQuantRounds, kStreamingStores>(p, t, normed, quant_scale);
+  if (P == Profile::kFp8Group128) quantize_row_fp8_group<D, kStreamingStores>(p, t, normed);
+  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D, kStreamingStores>(p, t, normed, quant_scale);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -847,12 +854,13 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_be
 // sizes or mix programs).
 // kRoutes, kSharedFirst: its loads in flight per partial vector (partial_vector), chosen per output
 // profile by the generator (spec.PIPELINED_LOADS, with the register cap they need).
-// Cache policy: what is read or written once in the call streams through L2 evict-first (ld/st
-// .cs): the routed and shared rows, residual_in, norm_out and the peer's residual_out rows. L2
-// then keeps what is used again within the step: the received vectors (cleared right after they are
-// read, so their lines are written back once) and this rank's residual_out rows (normalized in
-// phase 3). 2x H200, H 7168 top_k 8 + shared, against the default policy: plain 5-10% faster from
-// 1,024 tokens, FP8-group 3-13%, NVFP4 -6% to +2% (bench_results/pipelined/cache_policy/).
+// Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs): the routed and
+// shared rows, residual_in, the outputs (norm_out, the quantized row, the peer's residual_out rows)
+// and the sentinels that clear received vectors. L2 then keeps what is used again within a step:
+// vectors the peer sent, until they are read, and this rank's residual_out rows, normalized in phase
+// 3. 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, against the default policy: plain
+// 5-9% faster, FP8 6-14%, NVFP4 2-6% up to 8,192 tokens and +0.5% at 16,384
+// (bench_results/pipelined/cache_policy/).
 template <typename D, int W, Profile P, int kRoutes, bool kSharedFirst>
 __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
                                                    Deadline& deadline, unsigned& bad_rows) {
@@ -904,7 +912,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
           float s[8], x[8];
           Vec<D>::to_float(own, s);
           Vec<D>::to_float(wait_vector(peer_slot + v, deadline, p, kPhaseReduceScatter), x);
-          peer_slot[v] = sentinel;  // read once: clean again for the call that reuses this buffer
+          __stcs(peer_slot + v, sentinel);  // read once: clean again for the call that reuses this buffer
 #pragma unroll
           for (int i = 0; i < 8; ++i) s[i] += x[i];
           add_residual<D, /*kStreaming=*/true>(p, t, v, s);
@@ -932,7 +940,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
         for (int r = 0; r < kMaxVecPerThread; ++r) {
           const int v = r * blockDim.x + threadIdx.x;
           if (r >= vpt || v >= nvec) continue;
-          row[v] = sentinel;  // read once: clean again
+          __stcs(row + v, sentinel);  // read once: clean again
           __stcs(residual_out + v, res[r]);  // not read again here
         }
       } else {

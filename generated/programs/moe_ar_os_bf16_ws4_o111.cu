@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 28a3b9443cff663b8ea17fc973d6c5f47f2942b440dba76d31a3a314d250977c
+// inputs sha256: e294e1ba85c009654e8941ed6889549518cf7d94f7025dab4d9023332d381e25
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_bf16_ws4_o111: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype bf16, world size 4, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 28a3b9443cff663b8ea17fc973d6c5f47f2942b440dba76d31a3a314d250977c
+// inputs sha256: e294e1ba85c009654e8941ed6889549518cf7d94f7025dab4d9023332d381e25
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_bf16_ws4_o110: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype bf16, world size 4, output profile 110 (norm_out + residual_out (input dtype))

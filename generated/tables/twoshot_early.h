@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 28a3b9443cff663b8ea17fc973d6c5f47f2942b440dba76d31a3a314d250977c
+// inputs sha256: e294e1ba85c009654e8941ed6889549518cf7d94f7025dab4d9023332d381e25
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
