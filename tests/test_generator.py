@@ -132,9 +132,10 @@ def test_fit_boundaries_follows_the_measurements():
     points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
                     twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200},
                     twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150})
-    a, b, c, worst, ratio, over = tuning.fit_boundaries(points)
+    a, b, c, worst, ratio, over, over_at_target = tuning.fit_boundaries(points)
     # the pipelined two-shot was not measured: never chosen, not even above the measured range
-    assert (a, b, c) == (64, 256, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0) and worst == 1.0 and over == 0
+    assert (a, b, c) == (64, 256, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0) and worst == 1.0
+    assert over == over_at_target == 0
     # never picks one-shot where one-shot was not measured (a workspace cap)
     points = _times(oneshot={1: 1}, twoshot_early={1: 9, 2: 9}, twoshot={1: 12, 2: 12})
     assert tuning.fit_boundaries(points)[:3] == (1, 2, tuning.ALL_TOKENS)
@@ -157,10 +158,25 @@ def test_fit_boundaries_counts_points_over_the_target_first():
     points = {(4096, 8, False, 1): {"oneshot": 100, "twoshot_early": 115},
               (7168, 8, True, 1): {"oneshot": 106, "twoshot_early": 100},
               (7168, 4, True, 1): {"oneshot": 106, "twoshot_early": 100}}
-    a, b, c, worst, mean, over = tuning.fit_boundaries(points)
+    a, b, c, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
     assert (a, b, c) == (0, 1, tuning.ALL_TOKENS)  # the early two-shot: one point over, not two
-    assert over == 1 and worst == pytest.approx(1.15)
+    assert over == 1 and over_at_target == 0 and worst == pytest.approx(1.15)
     assert mean == pytest.approx(1.15 ** (1 / 3))
+
+
+def test_fit_boundaries_counts_the_target_shape_before_the_others():
+    """A point over the target at the issue's shape (TARGET_SHAPE) outweighs any number elsewhere."""
+    assert tuning.TARGET_SHAPE == (7168, 8, True)
+    points = {(7168, 8, True, 1): {"oneshot": 100, "twoshot_early": 106},
+              (7168, 8, False, 1): {"oneshot": 110, "twoshot_early": 100},
+              (4096, 8, False, 1): {"oneshot": 110, "twoshot_early": 100}}
+    a, b, c, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
+    assert (a, b, c) == (1, 1, tuning.ALL_TOKENS)  # the one-shot: two points over, none at the target shape
+    assert over == 2 and over_at_target == 0 and worst == pytest.approx(1.1)
+    # the same points with the shapes swapped: the early two-shot, one point over, at another shape
+    points = {(4096, 8, False, 1): points[(7168, 8, True, 1)], (7168, 8, True, 1): points[(7168, 8, False, 1)],
+              (7168, 4, True, 1): points[(4096, 8, False, 1)]}
+    assert tuning.fit_boundaries(points)[:3] == (0, 1, tuning.ALL_TOKENS)
 
 
 # ---- rendering ----------------------------------------------------------------------

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: e294e1ba85c009654e8941ed6889549518cf7d94f7025dab4d9023332d381e25
+// inputs sha256: 7d3860a39080714a73462b026dcc64c5737018efed438a08312836dc1aa6af58
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
