@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 7d3860a39080714a73462b026dcc64c5737018efed438a08312836dc1aa6af58
+// inputs sha256: 7ac6f3dabb08c39d81fc7a7dbc5fd1aeca2449f28d97124869a0898923937c03
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -859,8 +859,8 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_be
 // and the sentinels that clear received vectors. L2 then keeps what is used again within a step:
 // vectors the peer sent, until they are read, and this rank's residual_out rows, normalized in phase
 // 3. 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, against the default policy: plain
-// 5-9% faster, FP8 6-14%, NVFP4 2-6% up to 8,192 tokens and +0.5% at 16,384
-// (bench_results/pipelined/cache_policy/).
+// 5-9% faster, FP8 6-14%, NVFP4 2-6% faster up to 8,192 tokens and 0.5% slower at 16,384
+// (bench_results/pipelined/cache_policy/). Pulling the next rows toward L2 ahead of use was slower.
 template <typename D, int W, Profile P, int kRoutes, bool kSharedFirst>
 __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
                                                    Deadline& deadline, unsigned& bad_rows) {

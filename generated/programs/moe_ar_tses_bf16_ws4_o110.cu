@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 7d3860a39080714a73462b026dcc64c5737018efed438a08312836dc1aa6af58
+// inputs sha256: 7ac6f3dabb08c39d81fc7a7dbc5fd1aeca2449f28d97124869a0898923937c03
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tses_bf16_ws4_o110: twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype bf16, world size 4, output profile 110 (norm_out + residual_out (input dtype))

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 7d3860a39080714a73462b026dcc64c5737018efed438a08312836dc1aa6af58
+// inputs sha256: 7ac6f3dabb08c39d81fc7a7dbc5fd1aeca2449f28d97124869a0898923937c03
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
