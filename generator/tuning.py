@@ -138,7 +138,9 @@ def fit_boundaries(points: dict) -> tuple[int, int, int, float, float, int, int]
                     over = sum(x > AUTO_TARGET_SLOWDOWN for x in slowdowns)
                     mean_log = sum(math.log(x) for x in slowdowns) / max(len(slowdowns), 1)
                     cost = (over_at_target, over, mean_log)
-                    if best is None or cost[:2] < best[3][:2] or (cost[:2] == best[3][:2] and mean_log < best[3][2] - 1e-12):
+                    counts = cost[:2]  # (over at the target shape, over anywhere)
+                    if best is None or counts < best[3][:2] or (counts == best[3][:2]
+                                                                and mean_log < best[3][2] - 1e-12):
                         best = (a, b, c, cost, max(slowdowns, default=1.0))
     if best is None:
         raise ValueError("tuning: no boundary triple is feasible for the measured points")

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 7ac6f3dabb08c39d81fc7a7dbc5fd1aeca2449f28d97124869a0898923937c03
+// inputs sha256: 9d68fa94946299f238d9d21af2b9d0b0843d51e1339e9cea826d57ba35240994
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_fp16_ws8_fp8_group128: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype fp16, world size 8, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))
