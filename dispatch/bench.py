@@ -27,10 +27,12 @@ What it measures, per shape (hidden, top_k, shared expert), token count T and ou
 
 Timing protocol: every system's step is captured in one CUDA graph of `calls` back-to-back
 calls (static inputs, rotating among a few input sets so that L2 cannot hold them all at large
-T); the graphs are replayed interleaved (A B C A B C ...), each replay timed with CUDA events on
-every rank; a replay's time is the maximum over ranks (the slowest rank is the step time),
-divided by `calls`. A record's median_us is the median over `reps` replays; ratios are medians
-of per-replay ratios against the baseline replayed next to it, so drift cancels.
+T); the graphs are replayed interleaved, each system once a round, in an order shuffled per
+round (A C B, B A C, ...: no system always follows the same one or comes first). Each replay is
+timed with CUDA events on every rank; a replay's time is the maximum over ranks (the slowest
+rank is the step time), divided by `calls`. A record's median_us is the median over `reps`
+replays; ratios are medians of per-replay ratios against the baseline replayed in the same
+round, so drift cancels.
 
 Correctness: outputs are checked against a float64 reference (each rank's partial rounded to
 the dtype once, summed across ranks in float64, residual rounded once, RMSNorm in float64)
@@ -54,6 +56,7 @@ import math
 import os
 import pathlib
 import platform
+import random
 import re
 import socket
 import statistics
@@ -244,11 +247,28 @@ def percentile(xs, q: float) -> float:
 def pair_ratio(times, baseline_times) -> float:
     """Median over replays i of times[i] / baseline_times[i] (below 1: faster than the baseline).
 
-    The two series come from the same interleaved loop, replay i of one next to replay i of
-    the other, so slow drift of the machine cancels in each ratio."""
+    The two series come from the same interleaved loop, replay i of both in the same round,
+    so slow drift of the machine cancels in each ratio."""
     if len(times) != len(baseline_times) or not times:
         raise ValueError(f"pair_ratio: {len(times)} and {len(baseline_times)} replays")
     return median(a / b for a, b in zip(times, baseline_times))
+
+
+def replay_orders(n: int, rounds: int, seed: int) -> list[list[int]]:
+    """The order of the n systems in each of `rounds` rounds: every round replays each system
+    once (interleaved, measure.md), in an order shuffled per round. A fixed order puts one system
+    always after the same neighbour (the baselines, say) and at the same place in the round,
+    which biased auto against the forced programs by up to 7% at small T. The orders depend
+    only on the arguments, so every rank replays the same sequence (collectives must match)."""
+    if n < 1 or rounds < 1:
+        raise ValueError(f"replay_orders: n={n} systems and rounds={rounds} must be positive")
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(range(n))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
 
 
 def slowest_rank(per_rank_times) -> list[float]:
@@ -1108,15 +1128,17 @@ class Bench:
         return merged
 
     def timed_loop(self, systems: list[System]) -> list[list[float]]:
-        """reps rounds; in each round every system's graph is replayed once, in order (A B C A B C).
-        Per replay: CUDA events on this rank; after the loop, the per-replay times of all ranks are
-        gathered and the maximum taken. Returns [system][replay] microseconds per call."""
+        """reps rounds; in each round every system's graph is replayed once, in an order shuffled
+        per round (replay_orders). Per replay: CUDA events on this rank; after the loop, the
+        per-replay times of all ranks are gathered and the maximum taken. Returns [system][replay]
+        microseconds per call."""
         import torch
         reps, n = self.cfg.reps, len(systems)
         ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
               for _ in range(n)]
-        for i in range(reps):
-            for j, s in enumerate(systems):
+        for i, order in enumerate(replay_orders(n, reps, self.cfg.seed)):
+            for j in order:
+                s = systems[j]
                 ev[j][i][0].record()
                 s.graph.replay()
                 ev[j][i][1].record()

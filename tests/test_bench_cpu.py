@@ -143,6 +143,24 @@ def test_pair_ratio_is_median_of_per_replay_ratios():
         bench.pair_ratio([1.0], [1.0, 2.0])
 
 
+def test_replay_orders_interleave_every_system_once_a_round_in_varying_order():
+    n, rounds = 5, 200
+    orders = bench.replay_orders(n, rounds, seed=1234)
+    assert len(orders) == rounds
+    assert all(sorted(o) == list(range(n)) for o in orders)  # interleaved: each system once a round
+    # no fixed place or neighbour: every system comes first in some round, and the system
+    # before system 0 within a round is not always the same one
+    assert {o[0] for o in orders} == set(range(n))
+    before_0 = {o[o.index(0) - 1] for o in orders if o.index(0) > 0}
+    assert len(before_0) == n - 1
+    # every rank computes the same sequence from the same seed; another seed gives another
+    assert bench.replay_orders(n, rounds, seed=1234) == orders
+    assert bench.replay_orders(n, rounds, seed=99) != orders
+    assert bench.replay_orders(1, 3, seed=0) == [[0], [0], [0]]
+    with pytest.raises(ValueError, match="rounds"):
+        bench.replay_orders(3, 0, seed=0)
+
+
 def test_slowest_rank_takes_max_per_replay():
     assert bench.slowest_rank([[1, 5, 3], [2, 4, 3]]) == [2, 5, 3]
 
