@@ -273,16 +273,27 @@ class _Launcher:
         args.vec_per_thread = vec_per_thread
         config = self.configs[i][bool(pdl)]
         if self.sliced_units:
-            units = T * vec_per_thread  # a unit is one row slice
-        elif self.column_units:
-            units = -(-T // ws.world_size)  # a unit is one column: a token of each rank
+            config.gridDimX = min(T * vec_per_thread, self.max_blocks[i])  # a unit is one row slice
+        elif self.column_units:  # a unit is one column: a token of each rank
+            config.gridDimX = balanced_grid(-(-T // ws.world_size), self.max_blocks[i])
         else:
-            units = T  # a unit is one row
-        config.gridDimX = min(units, self.max_blocks[i])
+            config.gridDimX = min(T, self.max_blocks[i])  # a unit is one row
         config.hStream = self.cu.CUstream(torch.cuda.current_stream(ws.device).cuda_stream)
         err, = self.cu.cuLaunchKernelEx(config, self.function, self.arg_address, 0)
         if int(err) != 0:
             raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: {err}")
+
+
+def balanced_grid(units: int, max_blocks: int) -> int:
+    """Blocks for `units` columns of the pipelined two-shot: as many as fit, less the ones that would
+    leave the other blocks a round of columns to do alone. Every block then takes the same number of
+    columns, give or take one at the end (1,024 columns, 396 blocks fit: 342 blocks of 3 columns,
+    not 232 blocks of 3 and 164 of 2). A last round run by a few blocks leaves HBM idle: at H 7168
+    on 2x H200, 1,600 tokens took 111.6 us against 1,584's 93.0 (2 columns a block, 396 blocks);
+    this grid, 106.5 (bench_results/pipelined/grid/)."""
+    grid = min(units, max_blocks)
+    rounds = -(-units // grid)
+    return -(-units // rounds)
 
 
 def _launcher(ws, name: str) -> _Launcher:

@@ -80,3 +80,19 @@ def test_row_split_follows_tokens(hidden):
     fixed = _WorkspaceBase()
     fixed._init_common(2, 0, 4096, hidden, torch.bfloat16, 0, 1.0, None, ranks_on_device=1, vec_per_thread=4)
     assert len(fixed.row_splits) == 1 and fixed.row_split_index(1) == fixed.row_split_index(4096) == 0
+
+
+def test_balanced_grid_gives_every_block_the_same_columns_give_or_take_one():
+    from dispatch.op import balanced_grid
+    assert balanced_grid(1024, 396) == 342  # 3 columns each (the last block 2), not 232 x 3 + 164 x 2
+    assert balanced_grid(792, 396) == 396   # already even: every block 2 columns
+    assert balanced_grid(10, 396) == 10     # fewer columns than blocks: one each
+    assert balanced_grid(1, 1) == 1
+    for units in range(1, 3000, 7):
+        for max_blocks in (1, 5, 132, 396, 528):
+            grid = balanced_grid(units, max_blocks)
+            assert 1 <= grid <= min(units, max_blocks)
+            rounds = -(-units // min(units, max_blocks))  # the rounds of the largest grid
+            assert -(-units // grid) == rounds            # no round more
+            last_round = units - (rounds - 1) * grid       # blocks that take a column in the last round
+            assert grid - rounds < last_round <= grid      # all but fewer than `rounds` of them

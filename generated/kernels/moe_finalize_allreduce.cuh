@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 9d68fa94946299f238d9d21af2b9d0b0843d51e1339e9cea826d57ba35240994
+// inputs sha256: 642ba76480e556c12e99b04b177426c76736687005fcf2d84482bb75ece8871e
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -835,8 +835,9 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_be
 // Two-shot, pipelined (world size 2): the two-shot's three phases side by side, not one after another.
 // ---------------------------------------------------------------------------------------------
 // Same buffers, layout and Lamport sequence as the two-shot (one protocol class). Column j is token j
-// of each owner (t = o * C + j). Block b takes columns b, b + G, b + 2G, ... (G = gridDim.x); at its
-// step k it
+// of each owner (t = o * C + j). Block b takes columns b, b + G, b + 2G, ... (G = gridDim.x, which the
+// launcher sizes so that every block takes the same number of columns, give or take one: a last
+// round that only some blocks run leaves HBM idle; dispatch/op.py, balanced_grid); at its step k it
 //   sends this rank's partial of the peer's token of column j_k     (HBM reads, NVLink writes)
 //   clears column j_k's share of the previous call's buffer          (HBM writes)
 //   reduces its own token of column j_k-1: its own partial computed  (HBM reads, a wait)

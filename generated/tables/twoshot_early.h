@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 9d68fa94946299f238d9d21af2b9d0b0843d51e1339e9cea826d57ba35240994
+// inputs sha256: 642ba76480e556c12e99b04b177426c76736687005fcf2d84482bb75ece8871e
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
