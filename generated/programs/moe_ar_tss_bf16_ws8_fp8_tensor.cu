@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 642ba76480e556c12e99b04b177426c76736687005fcf2d84482bb75ece8871e
+// inputs sha256: c63cd104da914c11045988c3513a2ba66b82ee9c3778634d5190703194a7cc96
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_bf16_ws8_fp8_tensor: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype bf16, world size 8, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 642ba76480e556c12e99b04b177426c76736687005fcf2d84482bb75ece8871e
+// inputs sha256: c63cd104da914c11045988c3513a2ba66b82ee9c3778634d5190703194a7cc96
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
