@@ -290,7 +290,7 @@ def balanced_grid(units: int, max_blocks: int) -> int:
     columns, give or take one at the end (1,024 columns, 396 blocks fit: 342 blocks of 3 columns,
     not 232 blocks of 3 and 164 of 2). A last round run by a few blocks leaves HBM idle: at H 7168
     on 2x H200, 1,600 tokens took 111.6 us against 1,584's 93.0 (2 columns a block, 396 blocks);
-    this grid, 106.5 (bench_results/pipelined/grid/)."""
+    this grid, 107.0 (bench_results/pipelined/grid/)."""
     grid = min(units, max_blocks)
     rounds = -(-units // grid)
     return -(-units // rounds)
