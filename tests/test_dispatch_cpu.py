@@ -84,7 +84,7 @@ def test_row_split_follows_tokens(hidden):
 
 def test_balanced_grid_gives_every_block_the_same_columns_give_or_take_one():
     from dispatch.op import balanced_grid
-    assert balanced_grid(1024, 396) == 342  # 3 columns each (the last block 2), not 232 x 3 + 164 x 2
+    assert balanced_grid(1024, 396) == 342  # 3 columns each (the last two blocks 2), not 232 x 3 + 164 x 2
     assert balanced_grid(792, 396) == 396   # already even: every block 2 columns
     assert balanced_grid(10, 396) == 10     # fewer columns than blocks: one each
     assert balanced_grid(1, 1) == 1
