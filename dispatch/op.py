@@ -206,9 +206,10 @@ class _Launcher:
         # the occupancy figure left a rank's blocks unplaced and timed out. Each kernel gets a
         # quarter of its rank's share, so four kernels per rank would still fit.
         sharing = ws.ranks_on_device * (4 if ws.ranks_on_device > 1 else 1)
+        self.dynamic_smem = registry.dynamic_smem_bytes(info, ws.hidden, ws.dtype.itemsize)
         self.max_blocks = []  # per row split of the workspace
         for split in ws.row_splits:
-            per_sm = prog.max_blocks_per_sm(split.threads)
+            per_sm = prog.max_blocks_per_sm(split.threads, self.dynamic_smem)
             if per_sm < 1:
                 raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
             self.max_blocks.append(max(1, per_sm * sms // sharing))
@@ -226,15 +227,16 @@ class _Launcher:
         self.arg_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(a))
         self.arg_address = ctypes.addressof(self.arg_pointer)
         # [row split][pdl]
-        self.configs = [[self._config(cu, split.threads, pdl) for pdl in (False, True)] for split in ws.row_splits]
+        self.configs = [[self._config(cu, split.threads, self.dynamic_smem, pdl) for pdl in (False, True)]
+                        for split in ws.row_splits]
         self.cu = cu
 
     @staticmethod
-    def _config(cu, threads, pdl):
+    def _config(cu, threads, dynamic_smem, pdl):
         config = cu.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = 1, 1, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = 0
+        config.sharedMemBytes = dynamic_smem
         if pdl:
             attr = cu.CUlaunchAttribute()
             attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION

@@ -226,13 +226,29 @@ class LoadedProgram:
             self.function = self.module.get_function(self.entry["symbol"])
             self.function_ptr = int(self.function.ptr)
             _load_now(self.function_ptr)
+            if self.entry["row_stages"]:  # the row ring: above the 48 KiB a launch may take unasked
+                self._allow_dynamic_smem(dynamic_smem_bytes(self.entry, program_set().limits["max_hidden"], 2))
         self.device_index = device_index
 
-    def max_blocks_per_sm(self, threads: int) -> int:
+    def _allow_dynamic_smem(self, nbytes: int) -> None:
         from cuda.bindings import driver as cu
-        err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(self.function_ptr), threads, 0)
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        err, = cu.cuFuncSetAttribute(cu.CUfunction(self.function_ptr), attr, nbytes)
+        _check(err, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+
+    def max_blocks_per_sm(self, threads: int, dynamic_smem: int = 0) -> int:
+        from cuda.bindings import driver as cu
+        err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(self.function_ptr), threads,
+                                                                 dynamic_smem)
         _check(err, "cuOccupancyMaxActiveBlocksPerMultiprocessor")
         return int(n)
+
+
+def dynamic_smem_bytes(entry: dict, hidden: int, elem_bytes: int) -> int:
+    """Dynamic shared memory of a launch of the program (manifest launch.dynamic_smem): the row
+    ring's rows of `hidden` elements and 128 bytes for its barriers; 0 without a ring."""
+    stages = entry["row_stages"]
+    return stages * hidden * elem_bytes + 128 if stages else 0
 
 
 def _load_now(function_ptr: int) -> None:

@@ -22,7 +22,7 @@ LAUNCH = {
                        f"fix one value from 1 to {abi.MAX_VEC_PER_THREAD}"),
     "grid": "persistent: min(work units, co-resident blocks on the GPU; when ranks share a GPU, a quarter of each rank's share)",
     "cluster": 1,
-    "dynamic_smem": 0,
+    "dynamic_smem": "row_stages * H * (bytes of the dtype) + 128 where row_stages > 0 (the row ring), else 0",
 }
 
 SELECTION_RULE = ("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; "
@@ -63,6 +63,7 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
             "outputs": ["norm_out", "residual_out", *spec.PROFILE_EXTRA_OUTPUTS[program.profile]],
             "launch": LAUNCH,
             "register_cap": spec.register_cap(program.family, program.world_size, program.profile),
+            "row_stages": spec.row_stages(program.family, program.profile),
             "params": "param_plan",
             "code_sha256": code_sha256[program.name],
         })

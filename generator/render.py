@@ -236,6 +236,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       regime_cpp=regime_cpp,
                       shared_prefetch=shared_prefetch,
                       loads=spec.loads_in_flight(program.family, program.profile),
+                      row_stages=spec.row_stages(program.family, program.profile),
                       body_file=body_name,
                       register_bound=register_bound(program),
                       family_meaning=spec.FAMILY_MEANING[program.family],

@@ -113,25 +113,27 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # early two-shot, already at 64 registers, neither gains nor loses), though they spill 36-204 bytes;
 # the one-shot programs, which serve the small-T latency range, lose 5-20% and stay uncapped.
 # World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
-# spill 116-560 bytes). The pipelined two-shot (world size 2 only) measured fastest at 72 too: at
-# 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127 registers), though it spills
-# 64-124 bytes (bench_results/pipelined/), except where it loads eight routes at a time
-# (PIPELINED_LOADS): those need PIPELINED_WIDE_CAP.
+# spill 116-560 bytes). The pipelined two-shot (world size 2 only) with register loads measured
+# fastest at 72 too: at 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127
+# registers), though it spills 64-124 bytes (bench_results/pipelined/); with the row ring it has
+# its own cap (below).
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
-PIPELINED_WIDE_CAP = 80
 
-# Loads in flight per partial vector: (routes at a time, shared row's load issued before the
-# routes'), per regime and output profile; a program of any other regime loads four routes at a
-# time, the shared row last, and passes nothing.
-#
-# The pipelined two-shot, per output profile. Measured on 2x H200 (bench_results/pipelined/,
-# full bench e2dc2bb against afdb3f8, from 2,048 tokens): eight routes under a cap of 80 against
-# four under 72, plain -24 to -9% at hidden 4096 and -4 to -10% at 7168 top_k 8, but +3 to +5% at
-# 7168 top_k 4 (four routes fill half the slots; the cap costs a block a multiprocessor);
-# FP8-tensor -30 to -9% at 4096, -3 to -8% at 7168 top_k 8, +5 to +7% at top_k 4. The outputs with
-# per-group scales, whose norm step holds more registers, lost with eight: NVFP4 +4 to +27%,
-# FP8-group +19 to +44% at 7168; the shared row first gains NVFP4 3-4%.
-PIPELINED_LOADS = {"110": (8, False), "111": (4, True), "fp8_group128": (4, True), "fp8_tensor": (8, True)}
+# The pipelined two-shot, per output profile: the rows of its partials come through a ring of this
+# many rows in shared memory, filled by bulk copies (the template's RowRing), or with 0 as 16-byte
+# register loads, PIPELINED_LOADS at a time. Its dynamic shared memory is stages x H x the dtype's
+# bytes + 128 (the barriers). With the ring a block holds no loads in flight in registers, so it
+# compiles under PIPELINED_RING_CAP: two 224-thread blocks a multiprocessor (H 7168), no spills.
+# Same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, against the register
+# loads (bench_results/pipelined/row_ring/): plain 2-9% faster, FP8-tensor 3-8%, FP8-group 4.5%
+# slower at 1,024, 0.7% at 2,048 and 1.5-7% faster from 4,096; NVFP4, whose norm step is the
+# heaviest, 9% slower at 1,024 and 2% at 2,048-4,096 (2.5% faster at 16,384), so it keeps its
+# register loads. Three rows and two blocks were the fastest: five rows up to 5% slower from 4,096
+# tokens, three blocks (cap 96) up to 4% slower, four (cap 72, spilling) 4-19% slower.
+PIPELINED_ROW_STAGES = {"110": 3, "111": 0, "fp8_group128": 3, "fp8_tensor": 3}
+PIPELINED_RING_CAP = 128
+PIPELINED_LOADS = {"111": (4, True)}
+
 # The one-shot, every profile: four routes, the shared row first. Same registers as the shared row
 # last (61-64), 2-4.5% faster from 16 to 128 tokens (128: 16.3 -> 15.8 us plain), unchanged at
 # 1,024; eight routes (80-85 registers, one block of 448 threads a multiprocessor) were 5-7% faster
@@ -140,20 +142,26 @@ PIPELINED_LOADS = {"110": (8, False), "111": (4, True), "fp8_group128": (4, True
 ONESHOT_LOADS = (4, True)
 
 
+def row_stages(family: str, profile: str) -> int:
+    """Rows in the shared-memory ring of a program's partials; 0: it loads them into registers."""
+    return PIPELINED_ROW_STAGES[profile] if FAMILY_REGIME[family][0] == "twoshot_pipelined" else 0
+
+
 def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
-    """(routes at a time, shared row first) for a one-shot or pipelined two-shot program; None for
-    the others, which load four routes at a time, the shared row last."""
+    """(routes at a time, shared row first) of partial_vector, for a one-shot program or a pipelined
+    two-shot without the ring; None for the others, which load four routes at a time, the shared row
+    last (also the pipelined two-shot's fault-injection path, the two-shot's)."""
     regime = FAMILY_REGIME[family][0]
-    if regime == "twoshot_pipelined":
-        return PIPELINED_LOADS[profile]
     if regime == "oneshot":
         return ONESHOT_LOADS
+    if regime == "twoshot_pipelined" and not row_stages(family, profile):
+        return PIPELINED_LOADS[profile]
     return None
 
 
 def register_cap(family: str, world_size: int, profile: str) -> int | None:
-    if FAMILY_REGIME[family][0] == "twoshot_pipelined" and PIPELINED_LOADS[profile][0] > 4:
-        return PIPELINED_WIDE_CAP
+    if row_stages(family, profile):
+        return PIPELINED_RING_CAP
     return REGISTER_CAP.get((FAMILY_REGIME[family][0], world_size))
 
 

@@ -99,8 +99,10 @@ def test_every_profile_has_all_its_tables():
     """Adding an output profile is one place: the tuples and tables of spec.py (plus its math in
     the template); every name derived from it parses back."""
     for table in (spec.OUTPUT_PROFILE_MEANING, spec.PROFILE_QUANT, spec.PROFILE_CPP, spec.PROFILE_EXTRA_OUTPUTS,
-                  spec.PIPELINED_LOADS):
+                  spec.PIPELINED_ROW_STAGES):
         assert set(table) == set(spec.OUTPUT_PROFILES)
+    # a pipelined two-shot profile without the row ring has its register loads
+    assert {p for p, stages in spec.PIPELINED_ROW_STAGES.items() if not stages} == set(spec.PIPELINED_LOADS)
     assert len(set(spec.PROFILE_QUANT.values())) == len(spec.OUTPUT_PROFILES)
     for cell in spec.all_cells():
         assert spec.parse(cell.name) == cell
@@ -232,7 +234,7 @@ def test_manifest_contents(rendered, manifest):
         assert (p["family"], p["dtype"], p["world_size"], p["profile"]) == (
             cell.family, cell.dtype, cell.world_size, cell.profile)
         assert p["protocol_class"] == cell.protocol_class and p["params"] == "param_plan"
-        assert p["launch"]["cluster"] == 1 and p["launch"]["dynamic_smem"] == 0
+        assert p["launch"]["cluster"] == 1 and "row_stages" in p["launch"]["dynamic_smem"]
         data = rendered.outputs[p["file"]]
         assert p["bytes"] == len(data) and p["sha256"] == verify.sha256_bytes(data)
     assert set(manifest["files"]) == {rel for rel, _ in rendered.outputs.items()} - {"manifest.json"}
@@ -254,24 +256,35 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
                          if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP)
-    # a pipelined two-shot program loading eight routes at a time has the wider cap; one-shot and
-    # pipelined programs pass their loads to the kernel body, no other program passes any
-    passing = 0
+    # the one-shot and the pipelined two-shot without the row ring pass their loads to the kernel
+    # body; the pipelined two-shot with the ring passes its stages, under the ring's cap; no other
+    # program passes either
+    passing = ringed = 0
     for p in manifest["programs"]:
         loads = spec.loads_in_flight(p["family"], p["profile"])
+        stages = spec.row_stages(p["family"], p["profile"])
         text = rendered.outputs[p["file"]].decode()
+        assert p["row_stages"] == stages
+        if stages:
+            ringed += 1
+            assert p["family"] == "twoshot_pipelined" and loads is None
+            assert p["register_cap"] == spec.PIPELINED_RING_CAP
+            assert (f"/*routes_in_flight=*/4, /*shared_row_first=*/false, /*row_stages=*/{stages}>(p);" in text)
+            continue
+        assert "row_stages" not in text
         if loads is None:
             assert p["family"] not in ("oneshot", "twoshot_pipelined")
             assert "routes_in_flight" not in text and "shared_row_first" not in text
             continue
         passing += 1
         if p["family"] == "twoshot_pipelined":
-            assert p["register_cap"] == (spec.PIPELINED_WIDE_CAP if loads[0] == 8 else 72)
+            assert loads == spec.PIPELINED_LOADS[p["profile"]] and p["register_cap"] == 72
         else:
             assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"
                 in text)
-    assert passing == sum(p["family"] in ("oneshot", "twoshot_pipelined") for p in manifest["programs"]) > 0
+    assert passing + ringed == sum(p["family"] in ("oneshot", "twoshot_pipelined") for p in manifest["programs"])
+    assert passing > 0 and ringed > 0
     too_many = spec.ProgramSpec("twoshot", "bf16", 2, "110")
     original = dict(spec.REGISTER_CAP)
     try:

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: c63cd104da914c11045988c3513a2ba66b82ee9c3778634d5190703194a7cc96
+// inputs sha256: 6df7a8af620afd46dbf9ac833808d9a40452ae5cbce6c61a2cc965c47d0015d0
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -832,6 +832,167 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_be
 }
 
 // ---------------------------------------------------------------------------------------------
+// Row ring (the pipelined two-shot): the rows of a block's partials come into shared memory by bulk
+// copy (cp.async.bulk, sm_90 and sm_100), kStages rows ahead of their use.
+// ---------------------------------------------------------------------------------------------
+// Thread 0 issues the copies. Each stage has an mbarrier that completes when its row has landed;
+// every thread adds its vectors of the row from shared memory, the block meets at a barrier, and
+// thread 0 refills the stage with the row kStages further on. So the rows in flight hold no
+// registers, and stay in flight while the block waits for its peer or normalizes a row. A probe of
+// the partials alone on one H200 (H 7168, top_k 8 + shared, 8,192 tokens) read 3.98 TB/s this way
+// (copy: 4.06) against 2.65 with 16-byte register loads, four routes at a time, at the same
+// occupancy (bench_results/pipelined/row_ring/).
+//
+// The rows come in the order the block uses them: its partial units (partial_unit_token), in each
+// routes 0..K-1, then the shared row. A route whose row is out of range gets no copy: its stage's
+// barrier is arrived on without bytes, and the reader adds zero, as partial_vector does.
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ bool mbarrier_done(unsigned bar, unsigned parity) {
+  unsigned done;
+  asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+               : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  return done;
+}
+
+// The token of a block's partial unit u (0 .. 2 * columns - 1) of the pipelined two-shot, in the
+// order its steps use them: phase 1 of column 0; at each step k >= 1 phase 1 of column k, then
+// phase 2 of column k - 1; last, phase 2 of the last column. A token >= T has no partial.
+__device__ __forceinline__ int partial_unit_token(int u, int columns, int rank, int C) {
+  int column = u / 2 - 1, owner = rank;  // u even: phase 2 of column u / 2 - 1
+  if (u == 2 * columns - 1) column = columns - 1;
+  else if (u == 0) column = 0, owner = 1 - rank;
+  else if (u & 1) column = (u + 1) / 2, owner = 1 - rank;
+  return owner * C + blockIdx.x + column * gridDim.x;
+}
+
+template <typename D, int kStages>
+struct RowRing {
+  static_assert(kStages >= 1 && kStages <= 16, "the barriers take the first 128 bytes");
+  unsigned char* rows;  // kStages rows of H elements, in dynamic shared memory
+  unsigned bars;        // shared address of kStages mbarriers, 8 bytes each
+  unsigned used;        // rows read so far (every thread)
+  // The producer's cursor (thread 0 only): the next row to issue is route `route` of unit `unit`.
+  int unit, route, units, columns, C;
+  unsigned issued;
+  unsigned long long policy;  // L2 evict-first: every row is read once
+
+  __device__ __forceinline__ void start(unsigned char* smem, int block_columns, int tokens_per_owner, const Params& p) {
+    bars = smem_address(smem);
+    rows = smem + 128;  // 16 barriers at most
+    used = issued = 0;
+    unit = route = 0;
+    columns = block_columns;
+    units = 2 * block_columns;
+    C = tokens_per_owner;
+    if (threadIdx.x == 0) {
+      for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s));
+      asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int s = 0; s < kStages; ++s) issue_next(p);
+  }
+
+  // Thread 0: copy the next row of the block's sequence into its stage (nothing once all are issued).
+  __device__ __forceinline__ void issue_next(const Params& p) {
+    const int K = p.top_k, per_unit = K + (p.shared_in != nullptr ? 1 : 0);
+    for (; unit < units; ++unit, route = 0) {
+      const int t = partial_unit_token(unit, columns, p.rank, C);
+      if (t >= p.tokens || route >= per_unit) continue;
+      const D* src = static_cast<const D*>(p.shared_in) + (long long)t * p.hidden;
+      if (route < K) {
+        const int row = p.expanded_idx[(long long)t * K + route];
+        src = row >= 0 && row < p.rows ? static_cast<const D*>(p.allreduce_in) + (long long)row * p.hidden : nullptr;
+      }
+      const int s = issued % kStages;
+      const unsigned bar = bars + 8 * s, bytes = p.hidden * sizeof(D);
+      if (src != nullptr) {
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+            ::"r"(smem_address(rows + (size_t)s * bytes)), "l"(src), "r"(bytes), "r"(bar), "l"(policy) : "memory");
+      } else {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+      }
+      ++issued;
+      ++route;
+      return;
+    }
+  }
+
+  // The next row, once it has landed.
+  __device__ __forceinline__ const uint4* wait_row(const Params& p) {
+    const int s = used % kStages;
+    while (!mbarrier_done(bars + 8 * s, (used / kStages) & 1)) {
+    }
+    return reinterpret_cast<const uint4*>(rows + (size_t)s * p.hidden * sizeof(D));
+  }
+  // Every thread is done with the row: its stage takes the row kStages further on.
+  __device__ __forceinline__ void release_row(const Params& p) {
+    __syncthreads();
+    ++used;
+    if (threadIdx.x == 0) issue_next(p);
+  }
+};
+
+// This rank's partial of token t from the ring, each thread's vectors rounded once to the dtype:
+// partial_vector's additions in its order (so the same bits), one row at a time.
+template <typename D, int kStages>
+__device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>& ring, int t,
+                                            uint4 (&out)[kMaxVecPerThread], unsigned& bad_rows) {
+  const int K = p.top_k, nvec = p.hidden / kElemsPerVec, vpt = p.vec_per_thread;
+  float acc[kMaxVecPerThread][8];
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
+  for (int k = 0; k < K; ++k) {
+    const int row = p.expanded_idx[(long long)t * K + k];
+    const bool in_range = row >= 0 && row < p.rows;
+    if (row >= p.rows && threadIdx.x == 0) bad_rows += nvec;  // one a 16-byte vector, as partial_vector counts
+    float s = 0.f;
+    if (in_range) {
+      if (p.scale_kind == 0) s = 1.f;
+      else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+      else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
+    }
+    const uint4* stage = ring.wait_row(p);
+#pragma unroll
+    for (int r = 0; r < kMaxVecPerThread; ++r) {
+      const int v = r * blockDim.x + threadIdx.x;
+      if (r >= vpt || v >= nvec) continue;
+      float x[8];
+      Vec<D>::to_float(in_range ? stage[v] : make_uint4(0, 0, 0, 0), x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(s, x[i], acc[r][i]);
+    }
+    ring.release_row(p);
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r)
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[r][i] *= p.routed_scaling_factor;
+  if (p.shared_in != nullptr) {
+    const uint4* stage = ring.wait_row(p);
+#pragma unroll
+    for (int r = 0; r < kMaxVecPerThread; ++r) {
+      const int v = r * blockDim.x + threadIdx.x;
+      if (r >= vpt || v >= nvec) continue;
+      float x[8];
+      Vec<D>::to_float(stage[v], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[r][i] += x[i];
+    }
+    ring.release_row(p);
+  }
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) out[r] = without_sentinel(Vec<D>::from_float(acc[r]));
+}
+
+// ---------------------------------------------------------------------------------------------
 // Two-shot, pipelined (world size 2): the two-shot's three phases side by side, not one after another.
 // ---------------------------------------------------------------------------------------------
 // Same buffers, layout and Lamport sequence as the two-shot (one protocol class). Column j is token j
@@ -853,16 +1014,20 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_be
 // Every wait concerns a column whose sends come earlier in both ranks' order than any send still
 // waiting behind it, so the exchange always progresses (also when the ranks run different grid
 // sizes or mix programs).
-// kRoutes, kSharedFirst: its loads in flight per partial vector (partial_vector), chosen per output
-// profile by the generator (spec.PIPELINED_LOADS, with the register cap they need).
-// Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs): the routed and
-// shared rows, residual_in, the outputs (norm_out, the quantized row, the peer's residual_out rows)
+// The rows of the partials (phases 1 and 2) come through the row ring when kRowStages > 0 (RowRing;
+// against the register loads, same run on 2x H200, H 7168 top_k 8 + shared: plain 2-9% faster from
+// 1,024 to 16,384 tokens, FP8-tensor 3-8%, FP8-group 4.5% slower at 1,024 and 1.5-7% faster from
+// 4,096, NVFP4 9% slower at 1,024 and 2% at 2,048-4,096), else as 16-byte register loads,
+// kRoutes at a time per vector (partial_vector). Both per output profile, by the generator
+// (spec.PIPELINED_ROW_STAGES, spec.PIPELINED_LOADS, with the register cap each needs).
+// Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs, and the ring's
+// copies): the routed and shared rows, residual_in, the outputs (norm_out, the quantized row, the peer's residual_out rows)
 // and the sentinels that clear received vectors. L2 then keeps what is used again within a step:
 // vectors the peer sent, until they are read, and this rank's residual_out rows, normalized in phase
 // 3. 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, against the default policy: plain
 // 5-9% faster, FP8 6-14%, NVFP4 2-6% faster up to 8,192 tokens and 0.5% slower at 16,384
 // (bench_results/pipelined/cache_policy/). Pulling the next rows toward L2 ahead of use was slower.
-template <typename D, int W, Profile P, int kRoutes, bool kSharedFirst>
+template <typename D, int W, Profile P, int kRoutes, bool kSharedFirst, int kRowStages>
 __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
                                                    Deadline& deadline, unsigned& bad_rows) {
   static_assert(W == 2, "the pipelined two-shot is generated for world size 2 only (generator/policy.py)");
@@ -878,18 +1043,31 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
 
   const int columns = blockIdx.x < C ? (C - 1 - blockIdx.x) / G + 1 : 0;  // this block's columns
+  extern __shared__ __align__(128) unsigned char dynamic_smem[];
+  RowRing<D, (kRowStages > 0 ? kRowStages : 1)> ring;  // unused without the ring
+  if constexpr (kRowStages > 0) ring.start(dynamic_smem, columns, C, p);
   for (int k = 0; k < columns + 2; ++k) {
     const int j1 = blockIdx.x + k * G, j2 = j1 - G, j3 = j2 - G;  // the columns of the three phases
     if (k < columns) {
       // phase 1: this rank's partial of the peer's token of column j1 -> the peer's slot [rank][j1]
       const int t = peer * C + j1;
       if (t < T) {
-        D* slot = peer_buffer + ((long long)p.rank * C + j1) * H;
-        for (int r = 0; r < vpt; ++r) {
-          const int v = r * blockDim.x + threadIdx.x;
-          if (v >= nvec) continue;
-          const uint4 partial = partial_vector<D, false, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows);
-          if (!deadline.expired) *reinterpret_cast<uint4*>(slot + v * kElemsPerVec) = partial;
+        uint4* slot = reinterpret_cast<uint4*>(peer_buffer + ((long long)p.rank * C + j1) * H);
+        if constexpr (kRowStages > 0) {
+          uint4 partial[kMaxVecPerThread];
+          partial_row(p, ring, t, partial, bad_rows);
+#pragma unroll
+          for (int r = 0; r < kMaxVecPerThread; ++r) {
+            const int v = r * blockDim.x + threadIdx.x;
+            if (r < vpt && v < nvec && !deadline.expired) slot[v] = partial[r];
+          }
+        } else {
+          for (int r = 0; r < vpt; ++r) {
+            const int v = r * blockDim.x + threadIdx.x;
+            if (v >= nvec) continue;
+            const uint4 partial = partial_vector<D, false, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows);
+            if (!deadline.expired) slot[v] = partial;
+          }
         }
       }
       const long long end = min(clear_n, (j1 + 1) * clear_per_column);
@@ -905,11 +1083,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
         uint4* peer_slot = reinterpret_cast<uint4*>(my_buffer + ((long long)peer * C + j2) * H);
         uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H);
         uint4* peer_row = reinterpret_cast<uint4*>(peer_buffer + lay.gather_base + (long long)t * H);
-#pragma unroll 1
-        for (int r = 0; r < vpt; ++r) {
-          const int v = r * blockDim.x + threadIdx.x;
-          if (v >= nvec) continue;
-          const uint4 own = partial_vector<D, false, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows);
+        const auto reduce = [&](int v, uint4 own) {
           float s[8], x[8];
           Vec<D>::to_float(own, s);
           Vec<D>::to_float(wait_vector(peer_slot + v, deadline, p, kPhaseReduceScatter), x);
@@ -921,6 +1095,21 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
           residual_out[v] = res;
           // after an expired wait, send nothing: the peer must time out too, not take this as the sum
           if (!deadline.expired) peer_row[v] = res;
+        };
+        if constexpr (kRowStages > 0) {
+          uint4 own[kMaxVecPerThread];
+          partial_row(p, ring, t, own, bad_rows);
+#pragma unroll
+          for (int r = 0; r < kMaxVecPerThread; ++r) {
+            const int v = r * blockDim.x + threadIdx.x;
+            if (r < vpt && v < nvec) reduce(v, own[r]);
+          }
+        } else {
+#pragma unroll 1
+          for (int r = 0; r < vpt; ++r) {
+            const int v = r * blockDim.x + threadIdx.x;
+            if (v < nvec) reduce(v, partial_vector<D, false, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows));
+          }
         }
       }
     }
@@ -960,9 +1149,10 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
 // The kernel body
 // ---------------------------------------------------------------------------------------------
 // kRoutes and kSharedFirst (partial_vector) come from the program (spec.loads_in_flight): the
-// one-shot and the pipelined two-shot set them; the two-shot programs keep four routes at a time,
-// the shared row last.
-template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false>
+// one-shot and the pipelined two-shot without the row ring set them; the two-shot programs keep four
+// routes at a time, the shared row last. kRowStages: the pipelined two-shot's row ring (0: none).
+template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false,
+          int kRowStages = 0>
 __device__ __forceinline__ void run(const Params& p) {
   static_assert(W >= 2 && W <= kMaxWorldSize, "world size");
   const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
@@ -1010,7 +1200,7 @@ __device__ __forceinline__ void run(const Params& p) {
 
   if constexpr (R == Regime::kTwoShotPipelined) {
     if (!p.fault_stop_after) {  // the injected fault takes the two-shot's path below
-      pipelined_two_shot<D, W, P, kRoutes, kSharedFirst>(p, lay, cur, prev_extent, deadline, bad_rows);
+      pipelined_two_shot<D, W, P, kRoutes, kSharedFirst, kRowStages>(p, lay, cur, prev_extent, deadline, bad_rows);
       finish_call(p, count_in(p), call, cur, prev, 0, bad_rows);  // it leaves its buffer clean: nothing to clear
       return;
     }

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: c63cd104da914c11045988c3513a2ba66b82ee9c3778634d5190703194a7cc96
+// inputs sha256: 6df7a8af620afd46dbf9ac833808d9a40452ae5cbce6c61a2cc965c47d0015d0
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_ts_bf16_ws8_o110: Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
 // dtype bf16, world size 8, output profile 110 (norm_out + residual_out (input dtype))

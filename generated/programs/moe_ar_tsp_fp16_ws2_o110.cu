@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: c63cd104da914c11045988c3513a2ba66b82ee9c3778634d5190703194a7cc96
+// inputs sha256: 6df7a8af620afd46dbf9ac833808d9a40452ae5cbce6c61a2cc965c47d0015d0
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tsp_fp16_ws2_o110: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype fp16, world size 2, output profile 110 (norm_out + residual_out (input dtype))
 #include "moe_finalize_allreduce.cuh"
 
-extern "C" __global__ void __maxnreg__(80) moe_ar_tsp_fp16_ws2_o110(const moe_ar::Params p) {
-  moe_ar::run<__half, 2, moe_ar::Profile::kPlain, moe_ar::Regime::kTwoShotPipelined, /*shared_prefetch=*/false, /*routes_in_flight=*/8, /*shared_row_first=*/false>(p);
+extern "C" __global__ void __maxnreg__(128) moe_ar_tsp_fp16_ws2_o110(const moe_ar::Params p) {
+  moe_ar::run<__half, 2, moe_ar::Profile::kPlain, moe_ar::Regime::kTwoShotPipelined, /*shared_prefetch=*/false, /*routes_in_flight=*/4, /*shared_row_first=*/false, /*row_stages=*/3>(p);
 }

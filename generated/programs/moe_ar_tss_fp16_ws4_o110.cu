@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: c63cd104da914c11045988c3513a2ba66b82ee9c3778634d5190703194a7cc96
+// inputs sha256: 6df7a8af620afd46dbf9ac833808d9a40452ae5cbce6c61a2cc965c47d0015d0
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_fp16_ws4_o110: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // dtype fp16, world size 4, output profile 110 (norm_out + residual_out (input dtype))
