@@ -1,10 +1,10 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: 6df7a8af620afd46dbf9ac833808d9a40452ae5cbce6c61a2cc965c47d0015d0
+// inputs sha256: f4fedd6c03bc9e10a9a361d8c567e4330b0b514f36d4609745d275f586776edc
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens, twoshot_max_tokens}; source:
-// cells measured in bench_results/h200x2-2026-11-30-de550a4-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-c2c5e32-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; else twoshot_pipelined; then the shared-expert
 // variant where the rank has a shared operand; a hole falls back to its
@@ -14,10 +14,10 @@ constexpr int kAllTokens = 2147483647;  // twoshot_max_tokens of a cell that nev
 static const int kRegimeBoundaries[2][3][4][3] = {
     {  // fp16
         {  // fp16 ws2
-            {256, 256, 256},  // fp16 ws2 o110: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.000x
-            {256, 256, 256},  // fp16 ws2 o111: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.144x, mean 1.002x
-            {512, 512, 512},  // fp16 ws2 fp8_group128: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.042x, mean 1.001x
-            {256, 256, 256},  // fp16 ws2 fp8_tensor: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.037x, mean 1.001x
+            {256, 256, 256},  // fp16 ws2 o110: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.015x, mean 1.000x
+            {256, 256, 256},  // fp16 ws2 o111: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.126x, mean 1.002x
+            {256, 256, 256},  // fp16 ws2 fp8_group128: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.025x, mean 1.001x
+            {256, 256, 256},  // fp16 ws2 fp8_tensor: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.012x, mean 1.000x
         },
         {  // fp16 ws4
             {64, 1024, kAllTokens},  // fp16 ws4 o110: written model
@@ -34,10 +34,10 @@ static const int kRegimeBoundaries[2][3][4][3] = {
     },
     {  // bf16
         {  // bf16 ws2
-            {256, 256, 256},  // bf16 ws2 o110: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.000x
-            {256, 256, 256},  // bf16 ws2 o111: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.144x, mean 1.002x
-            {512, 512, 512},  // bf16 ws2 fp8_group128: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.042x, mean 1.001x
-            {256, 256, 256},  // bf16 ws2 fp8_tensor: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.037x, mean 1.001x
+            {256, 256, 256},  // bf16 ws2 o110: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.015x, mean 1.000x
+            {256, 256, 256},  // bf16 ws2 o111: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.126x, mean 1.002x
+            {256, 256, 256},  // bf16 ws2 fp8_group128: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.025x, mean 1.001x
+            {256, 256, 256},  // bf16 ws2 fp8_tensor: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.012x, mean 1.000x
         },
         {  // bf16 ws4
             {64, 1024, kAllTokens},  // bf16 ws4 o110: written model
