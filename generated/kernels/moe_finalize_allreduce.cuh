@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: f4fedd6c03bc9e10a9a361d8c567e4330b0b514f36d4609745d275f586776edc
+// inputs sha256: f6993448f197a401f77ae8af1bcbd7fa4513bb3c88aafc0a2a6696ff269e3c97
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -1021,12 +1021,13 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
 // kRoutes at a time per vector (partial_vector). Both per output profile, by the generator
 // (spec.PIPELINED_ROW_STAGES, spec.PIPELINED_LOADS, with the register cap each needs).
 // Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs, and the ring's
-// copies): the routed and shared rows, residual_in, the outputs (norm_out, the quantized row, the peer's residual_out rows)
-// and the sentinels that clear received vectors. L2 then keeps what is used again within a step:
-// vectors the peer sent, until they are read, and this rank's residual_out rows, normalized in phase
-// 3. 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, against the default policy: plain
-// 5-9% faster, FP8 6-14%, NVFP4 2-6% faster up to 8,192 tokens and 0.5% slower at 16,384
-// (bench_results/pipelined/cache_policy/). Pulling the next rows toward L2 ahead of use was slower.
+// copies): the routed and shared rows, residual_in, the outputs (norm_out, the quantized row, the
+// peer's residual_out rows) and the sentinels that clear received vectors. L2 then keeps what is
+// used again within a step: vectors the peer sent, until they are read, and this rank's
+// residual_out rows, normalized in phase 3. 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384
+// tokens, against the default policy (register loads): plain 5-9% faster, FP8 6-14%, NVFP4 2-6%
+// faster up to 8,192 tokens and 0.5% slower at 16,384 (bench_results/pipelined/cache_policy/).
+// Pulling the next rows toward L2 ahead of use was slower.
 template <typename D, int W, Profile P, int kRoutes, bool kSharedFirst, int kRowStages>
 __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
                                                    Deadline& deadline, unsigned& bad_rows) {

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: f4fedd6c03bc9e10a9a361d8c567e4330b0b514f36d4609745d275f586776edc
+// inputs sha256: f6993448f197a401f77ae8af1bcbd7fa4513bb3c88aafc0a2a6696ff269e3c97
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_fp16_ws4_o110: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype fp16, world size 4, output profile 110 (norm_out + residual_out (input dtype))

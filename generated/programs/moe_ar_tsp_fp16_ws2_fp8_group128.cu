@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: f4fedd6c03bc9e10a9a361d8c567e4330b0b514f36d4609745d275f586776edc
+// inputs sha256: f6993448f197a401f77ae8af1bcbd7fa4513bb3c88aafc0a2a6696ff269e3c97
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tsp_fp16_ws2_fp8_group128: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
 // dtype fp16, world size 2, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))
