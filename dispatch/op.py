@@ -193,7 +193,7 @@ class _Launcher:
         self.regime = info["regime"]
         self.profile = info["profile"]
         self.sliced_units = info["sliced_units"]  # a work unit is a row slice, not a whole row
-        self.column_units = self.regime == "twoshot_pipelined"  # a work unit is a column: a token of each rank
+        self.column_units = info["column_units"]  # a work unit is a column: a token of each rank
         self.quant_scale_arg = {"111": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
         self.writes_quant = "quant_out" in info["outputs"]
         self.writes_scales = "scale_out" in info["outputs"]

@@ -82,7 +82,7 @@ def params_struct() -> type:
 
 # ---- selection --------------------------------------------------------------------------
 
-# A boundary with no upper bound (twoshot_max_tokens of a cell that never pipelines); the manifest
+# A boundary with no upper bound (the last regime a cell runs takes every larger T); the manifest
 # carries generator/tuning.py's ALL_TOKENS, restated here because the runtime never imports the generator.
 ALL_TOKENS = 2**31 - 1
 
@@ -103,6 +103,8 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
         regime = "twoshot_early"
     elif tokens <= bounds["twoshot_max_tokens"]:
         regime = "twoshot"
+    elif tokens <= bounds["loads_max_tokens"]:
+        regime = "twoshot_pipelined_loads"
     else:
         regime = "twoshot_pipelined"
     shared = ps.family_of.get((regime, True))

@@ -140,7 +140,7 @@ def tables(ctx):
         click.echo()
     sel = manifest["selection"]
     click.echo(f"selection ({sel['table']}, source: {sel['source']}): "
-               "oneshot_max_tokens / early_max_tokens / twoshot_max_tokens (all: never pipelined)")
+               "oneshot_max_tokens / early_max_tokens / twoshot_max_tokens / loads_max_tokens (all: no bound)")
     click.echo(f"  {sel['rule']}")
     bounds = {(b["dtype"], b["world_size"], b["profile"]): b for b in sel["boundaries"]}
     rows = []
@@ -150,8 +150,9 @@ def tables(ctx):
             for profile in axes["output_profiles"]:
                 b = bounds[(dtype, ws, profile)]
                 mark = "" if b["source"].startswith("measured") else " (model)"
-                last = "all" if b["twoshot_max_tokens"] == tuning.ALL_TOKENS else b["twoshot_max_tokens"]
-                row.append(f"{b['oneshot_max_tokens']} / {b['early_max_tokens']} / {last}{mark}")
+                shown = ["all" if b[k] == tuning.ALL_TOKENS else str(b[k])
+                         for k in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens")]
+                row.append(" / ".join(shown) + mark)
             rows.append(row)
     _print_rows(rows, tuple(["  "] + [spec.profile_tag(p) for p in axes["output_profiles"]]))
     click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")

@@ -79,7 +79,7 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             continue
         def shown(value):  # a manifest from before a field existed has none
             return "absent" if value is None else "all" if value == tuning.ALL_TOKENS else value
-        for field in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens"):
+        for field in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens"):
             if a.get(field) != b.get(field):
                 lines.append(f"~ {label}: {field} {shown(a.get(field))} -> {shown(b.get(field))}")
     if old.get("selection", {}).get("source") not in (None, new["selection"]["source"]):

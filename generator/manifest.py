@@ -26,7 +26,8 @@ LAUNCH = {
 }
 
 SELECTION_RULE = ("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; "
-                  "T <= twoshot_max_tokens: twoshot; else twoshot_pipelined; "
+                  "T <= twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads; "
+                  "else twoshot_pipelined; "
                   "then the shared-expert variant where the rank has a shared operand; a hole falls back "
                   "to its fallback_family")
 
@@ -60,6 +61,7 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
             "regime": spec.FAMILY_REGIME[program.family][0],
             "shared_prefetch": spec.FAMILY_REGIME[program.family][1],
             "sliced_units": spec.FAMILY_REGIME[program.family][0] in spec.SLICED_REGIMES,
+            "column_units": spec.FAMILY_REGIME[program.family][0] in spec.COLUMN_REGIMES,
             "outputs": ["norm_out", "residual_out", *spec.PROFILE_EXTRA_OUTPUTS[program.profile]],
             "launch": LAUNCH,
             "register_cap": spec.register_cap(program.family, program.world_size, program.profile),
@@ -74,7 +76,7 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
     boundaries = [{
         "dtype": dtype, "world_size": ws, "profile": profile,
         "oneshot_max_tokens": b.oneshot_max_tokens, "early_max_tokens": b.early_max_tokens,
-        "twoshot_max_tokens": b.twoshot_max_tokens, "source": b.source,
+        "twoshot_max_tokens": b.twoshot_max_tokens, "loads_max_tokens": b.loads_max_tokens, "source": b.source,
     } for (dtype, ws, profile), b in selection.boundaries.items()]
     return {
         "_generated": generated_info,

@@ -6,7 +6,7 @@ makes it a hole. Selection falls back from a hole to the family's base family
 """
 from __future__ import annotations
 
-from .spec import ProgramSpec
+from .spec import PIPELINED_LOADS, ProgramSpec
 
 # (family, reason it is not generated) -> predicate over the other axes.
 # Reasons are printed by `gen-programs tables` next to each hole.
@@ -19,6 +19,11 @@ HOLE_RULES = (
      lambda s: s.world_size == 8),
     ("twoshot_pipelined", "written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on",
      lambda s: s.world_size != 2),
+    ("twoshot_pipelined_loads", "written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on",
+     lambda s: s.world_size != 2),
+    ("twoshot_pipelined_loads", "the row ring (twoshot_pipelined) was faster at every measured T "
+                                "(bench_results/pipelined/row_ring/)",
+     lambda s: s.profile not in PIPELINED_LOADS),
 )
 
 

@@ -176,8 +176,9 @@ def _selection_context(selection: tuning.Selection) -> dict:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
                 b = selection.boundaries[(dtype, ws, profile)]
-                last = "kAllTokens" if b.twoshot_max_tokens == tuning.ALL_TOKENS else b.twoshot_max_tokens
-                entries.append({"value": f"{{{b.oneshot_max_tokens}, {b.early_max_tokens}, {last}}}",
+                bounds = [b.oneshot_max_tokens, b.early_max_tokens, b.twoshot_max_tokens, b.loads_max_tokens]
+                shown = ", ".join("kAllTokens" if x == tuning.ALL_TOKENS else str(x) for x in bounds)
+                entries.append({"value": f"{{{shown}}}",
                                 "comment": f"{_cell_label(dtype, ws, profile)}: {b.source}"})
             worlds.append({"label": f"{dtype} ws{ws}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})

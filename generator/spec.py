@@ -32,7 +32,8 @@ OUTPUT_PROFILE_MEANING = {
 # The value of the call's `quant=` argument that asks for each profile.
 PROFILE_QUANT = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 # Families: the token regime plus how the shared-expert row is loaded.
-FAMILIES = ("oneshot", "twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared", "twoshot_pipelined")
+FAMILIES = ("oneshot", "twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared", "twoshot_pipelined",
+            "twoshot_pipelined_loads")
 # Compile targets: every program compiles for each of these.
 ARCH_TARGETS = ("sm_90a", "sm_100a")
 # NVRTC options every program is compiled with (besides --gpu-architecture and
@@ -46,7 +47,8 @@ FAMILY_MEANING = {
     "twoshot_early": "two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)",
     "twoshot_shared": "twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only",
     "twoshot_early_shared": "twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only",
-    "twoshot_pipelined": "two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)",
+    "twoshot_pipelined": "two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read; the partials' rows come through a ring in shared memory (largest T; world size 2)",
+    "twoshot_pipelined_loads": "twoshot_pipelined with the partials' rows loaded into registers instead of the ring: more blocks a multiprocessor, for the profiles whose norm step is heavy, below the T where the ring takes over (world size 2)",
 }
 # The base family each variant falls back to when its cell is a hole.
 BASE_FAMILY = {
@@ -56,6 +58,7 @@ BASE_FAMILY = {
     "twoshot_shared": "twoshot",
     "twoshot_early_shared": "twoshot_early",
     "twoshot_pipelined": "twoshot",
+    "twoshot_pipelined_loads": "twoshot_pipelined",
 }
 # Programs of one protocol class run the same exchange (same buffers, same
 # Lamport sequence); ranks may mix programs of one class in one call.
@@ -66,6 +69,7 @@ PROTOCOL = {
     "twoshot_shared": "lamport2",
     "twoshot_early_shared": "lamport2",
     "twoshot_pipelined": "lamport2",
+    "twoshot_pipelined_loads": "lamport2",
 }
 
 FAMILY_SHORT = {
@@ -75,6 +79,7 @@ FAMILY_SHORT = {
     "twoshot_shared": "tss",
     "twoshot_early_shared": "tses",
     "twoshot_pipelined": "tsp",
+    "twoshot_pipelined_loads": "tspl",
 }
 # C++ spelling of each family: the table generated/tables/<family>.h declares
 # k<FAMILY_CAMEL>Kernels.
@@ -85,6 +90,7 @@ FAMILY_CAMEL = {
     "twoshot_shared": "TwoShotShared",
     "twoshot_early_shared": "TwoShotEarlyShared",
     "twoshot_pipelined": "TwoShotPipelined",
+    "twoshot_pipelined_loads": "TwoShotPipelinedLoads",
 }
 
 # How each axis value reaches the C++ body (templates/moe_finalize_allreduce.cuh.j2).
@@ -103,9 +109,12 @@ FAMILY_REGIME = {
     "twoshot_shared": ("twoshot", True),
     "twoshot_early_shared": ("twoshot_early", True),
     "twoshot_pipelined": ("twoshot_pipelined", False),
+    "twoshot_pipelined_loads": ("twoshot_pipelined_loads", False),
 }
+# The two pipelined regimes are one kernel regime; they differ in how the rows arrive (row_stages).
 REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime::kTwoShot",
-              "twoshot_early": "moe_ar::Regime::kTwoShotEarly", "twoshot_pipelined": "moe_ar::Regime::kTwoShotPipelined"}
+              "twoshot_early": "moe_ar::Regime::kTwoShotEarly", "twoshot_pipelined": "moe_ar::Regime::kTwoShotPipelined",
+              "twoshot_pipelined_loads": "moe_ar::Regime::kTwoShotPipelined"}
 # Register caps, per (regime, world size); absent: None, compiled with __launch_bounds__(MAX_THREADS)
 # and ptxas chooses. A cap compiles with __maxnreg__(cap). 72 keeps four 224-thread blocks (H 7168)
 # on a multiprocessor. Measured on 2x H200 (bench_results/registers/): from 1,024 tokens up the
@@ -117,22 +126,28 @@ REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime:
 # fastest at 72 too: at 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127
 # registers), though it spills 64-124 bytes (bench_results/pipelined/); with the row ring it has
 # its own cap (below).
-REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined", 2): 72}
+REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72}
 
-# The pipelined two-shot, per output profile: the rows of its partials come through a ring of this
-# many rows in shared memory, filled by bulk copies (the template's RowRing), or with 0 as 16-byte
-# register loads, PIPELINED_LOADS at a time. Its dynamic shared memory is stages x H x the dtype's
-# bytes + 128 (the barriers). With the ring a block holds no loads in flight in registers, so it
-# compiles under PIPELINED_RING_CAP: two 224-thread blocks a multiprocessor (H 7168), no spills.
-# Same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, against the register
-# loads (bench_results/pipelined/row_ring/): plain 2-9% faster, FP8-tensor 3-8%, FP8-group 4.5%
-# slower at 1,024, 0.7% at 2,048 and 1.5-7% faster from 4,096; NVFP4, whose norm step is the
-# heaviest, 9% slower at 1,024 and 2% at 2,048-4,096 (2.5% faster at 16,384), so it keeps its
-# register loads. Three rows and two blocks were the fastest: five rows up to 5% slower from 4,096
-# tokens, three blocks (cap 96) up to 4% slower, four (cap 72, spilling) 4-19% slower.
-PIPELINED_ROW_STAGES = {"110": 3, "111": 0, "fp8_group128": 3, "fp8_tensor": 3}
+# The pipelined two-shot's partials, two ways (two families, one kernel regime):
+#   twoshot_pipelined: their rows come through a ring of PIPELINED_ROW_STAGES rows in shared
+#     memory, filled by bulk copies (the template's RowRing). Its dynamic shared memory is stages x
+#     H x the dtype's bytes + 128 (the barriers). A block holds no loads in flight in registers, so it
+#     compiles under PIPELINED_RING_CAP: two 224-thread blocks a multiprocessor (H 7168), no spills.
+#   twoshot_pipelined_loads: 16-byte register loads, PIPELINED_LOADS at a time, under the cap of 72
+#     (four blocks a multiprocessor), for the profiles listed there; a hole for the others
+#     (policy.py), where the ring was faster at every measured T.
+# Same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, ring against the
+# register loads (bench_results/pipelined/row_ring/): plain 2-9% faster, FP8-tensor 3-8%, FP8-group
+# 4.5% slower at 1,024, 0.7% at 2,048 and 1.5-7% faster from 4,096; NVFP4, whose norm step is the
+# heaviest, 3-5.5% slower at 512-1,024 tokens, 0.7% at 2,048-4,096, 0.7% faster at 8,192 and 3.5% at
+# 16,384 (with the fewest-instructions E2M1 coding, which the ring's registers allow). Fewer blocks
+# with more columns each suit the ring at large T; more blocks hide the heavy norm step better at
+# few columns a block. The selection table (tuning.py) says which serves which T, per cell. Three rows
+# and two blocks were the fastest ring: five rows up to 5% slower from 4,096 tokens, three blocks (cap
+# 96) up to 4% slower (NVFP4 2-9%), four (cap 72, spilling) 4-19% slower, one block 30-90% slower.
+PIPELINED_ROW_STAGES = 3
 PIPELINED_RING_CAP = 128
-PIPELINED_LOADS = {"111": (4, True)}
+PIPELINED_LOADS = {"111": (4, True), "fp8_group128": (4, True)}
 
 # The one-shot, every profile: four routes, the shared row first. Same registers as the shared row
 # last (61-64), 2-4.5% faster from 16 to 128 tokens (128: 16.3 -> 15.8 us plain), unchanged at
@@ -144,17 +159,17 @@ ONESHOT_LOADS = (4, True)
 
 def row_stages(family: str, profile: str) -> int:
     """Rows in the shared-memory ring of a program's partials; 0: it loads them into registers."""
-    return PIPELINED_ROW_STAGES[profile] if FAMILY_REGIME[family][0] == "twoshot_pipelined" else 0
+    return PIPELINED_ROW_STAGES if FAMILY_REGIME[family][0] == "twoshot_pipelined" else 0
 
 
 def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
     """(routes at a time, shared row first) of partial_vector, for a one-shot program or a pipelined
-    two-shot without the ring; None for the others, which load four routes at a time, the shared row
-    last (also the pipelined two-shot's fault-injection path, the two-shot's)."""
+    two-shot with register loads; None for the others, which load four routes at a time, the shared
+    row last (also the pipelined two-shots' fault-injection path, the two-shot's)."""
     regime = FAMILY_REGIME[family][0]
     if regime == "oneshot":
         return ONESHOT_LOADS
-    if regime == "twoshot_pipelined" and not row_stages(family, profile):
+    if regime == "twoshot_pipelined_loads":
         return PIPELINED_LOADS[profile]
     return None
 
@@ -167,6 +182,8 @@ def register_cap(family: str, world_size: int, profile: str) -> int | None:
 
 # Regimes whose exchange phases split a row into blockDim-wide slices (one work unit per slice).
 SLICED_REGIMES = ("oneshot", "twoshot_early")
+# Regimes whose work unit is a column: token j of each rank (the pipelined two-shots).
+COLUMN_REGIMES = ("twoshot_pipelined", "twoshot_pipelined_loads")
 
 PREFIX = "moe_ar"
 

@@ -5,7 +5,8 @@ For a call with T tokens in cell (dtype, world size, profile):
     T <= oneshot_max_tokens                       -> oneshot
     oneshot_max_tokens < T <= early_max_tokens    -> twoshot_early
     early_max_tokens < T <= twoshot_max_tokens    -> twoshot
-    T > twoshot_max_tokens                        -> twoshot_pipelined
+    twoshot_max_tokens < T <= loads_max_tokens    -> twoshot_pipelined_loads
+    T > loads_max_tokens                          -> twoshot_pipelined
 
 (each then swapped for its shared-expert variant where the rank has a shared
 operand and the variant's cell is not a hole).
@@ -44,8 +45,11 @@ MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048}
 ALL_TOKENS = 2**31 - 1  # "no upper bound": twoshot_max_tokens of a cell that never pipelines
 MODEL_SOURCE = "written model"
 
-# The regimes in the order they take over as T grows.
-BASE_FAMILIES = ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined")
+# The regimes in the order they take over as T grows. Of the two pipelined two-shots, the one with
+# register loads (more blocks a multiprocessor) comes first: it serves the profiles whose norm step is
+# heavy while each block has few columns (spec.py, PIPELINED_LOADS); where it is a hole or slower,
+# loads_max_tokens == twoshot_max_tokens and no T runs it.
+BASE_FAMILIES = ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined_loads", "twoshot_pipelined")
 # A profile no benchmark measured takes the plain profile's boundaries: the exchange is the same,
 # only the per-row work of the last phase differs.
 BORROW_PROFILE = "110"
@@ -56,6 +60,7 @@ class Boundaries:
     oneshot_max_tokens: int
     early_max_tokens: int
     twoshot_max_tokens: int
+    loads_max_tokens: int
     source: str
 
     def family(self, tokens: int) -> str:
@@ -64,7 +69,9 @@ class Boundaries:
             return "oneshot"
         if tokens <= self.early_max_tokens:
             return "twoshot_early"
-        return "twoshot" if tokens <= self.twoshot_max_tokens else "twoshot_pipelined"
+        if tokens <= self.twoshot_max_tokens:
+            return "twoshot"
+        return "twoshot_pipelined_loads" if tokens <= self.loads_max_tokens else "twoshot_pipelined"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,41 +118,48 @@ AUTO_TARGET_SLOWDOWN = 1.05
 TARGET_SHAPE = (7168, 8, True)
 
 
-def fit_boundaries(points: dict) -> tuple[int, int, int, float, float, int, int]:
-    """The (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens) on the measured token grid
-    (twoshot_max_tokens may also be ALL_TOKENS: never pipelined) with the fewest measured points
+def fit_boundaries(points: dict) -> tuple[int, int, int, int, float, float, int, int]:
+    """The (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens, loads_max_tokens) on the
+    measured token grid (the last two may also be ALL_TOKENS) with the fewest measured points
     slower than AUTO_TARGET_SLOWDOWN x the best base program there, counting those at TARGET_SHAPE
     first, the mean log slowdown breaking ties; also the worst and the mean slowdown, as ratios, and
     the number of points over the target, everywhere and at TARGET_SHAPE. A rule may pick a family
     only where that family was measured at every shape it serves."""
-    tokens = sorted({p[3] for p in points})
-    candidates = [0] + tokens
     best = None
-    for a in candidates:
-        for b in candidates:
-            if b < a:
-                continue
-            for c in [ALL_TOKENS] + [x for x in candidates if x >= b]:  # a tie keeps the two-shot
-                rule = Boundaries(a, b, c, "")
-                slowdowns, over_at_target = [], 0
-                for point, times in points.items():
-                    family = rule.family(point[3])
-                    if family not in times:
-                        break
-                    slowdowns.append(times[family] / min(times.values()))
-                    over_at_target += point[:3] == TARGET_SHAPE and slowdowns[-1] > AUTO_TARGET_SLOWDOWN
-                else:
-                    over = sum(x > AUTO_TARGET_SLOWDOWN for x in slowdowns)
-                    mean_log = sum(math.log(x) for x in slowdowns) / max(len(slowdowns), 1)
-                    cost = (over_at_target, over, mean_log)
-                    counts = cost[:2]  # (over at the target shape, over anywhere)
-                    if best is None or counts < best[3][:2] or (counts == best[3][:2]
-                                                                and mean_log < best[3][2] - 1e-12):
-                        best = (a, b, c, cost, max(slowdowns, default=1.0))
+    for rule in _candidate_rules(points):
+        slowdowns, over_at_target = [], 0
+        for point, times in points.items():
+            family = rule.family(point[3])
+            if family not in times:
+                break
+            slowdowns.append(times[family] / min(times.values()))
+            over_at_target += point[:3] == TARGET_SHAPE and slowdowns[-1] > AUTO_TARGET_SLOWDOWN
+        else:
+            over = sum(x > AUTO_TARGET_SLOWDOWN for x in slowdowns)
+            mean_log = sum(math.log(x) for x in slowdowns) / max(len(slowdowns), 1)
+            counts = (over_at_target, over)
+            if best is None or counts < best[1][:2] or (counts == best[1][:2] and mean_log < best[1][2] - 1e-12):
+                best = (rule, (over_at_target, over, mean_log), max(slowdowns, default=1.0))
     if best is None:
-        raise ValueError("tuning: no boundary triple is feasible for the measured points")
-    a, b, c, (over_at_target, over, mean_log), worst = best
-    return a, b, c, worst, math.exp(mean_log), over, over_at_target
+        raise ValueError("tuning: no set of boundaries is feasible for the measured points")
+    rule, (over_at_target, over, mean_log), worst = best
+    return (rule.oneshot_max_tokens, rule.early_max_tokens, rule.twoshot_max_tokens, rule.loads_max_tokens,
+            worst, math.exp(mean_log), over, over_at_target)
+
+
+def _candidate_rules(points: dict):
+    """Every ordered set of boundaries on the measured token grid, in the order that breaks ties:
+    at equal cost the first one found stays, so a tie keeps the two-shot (ALL_TOKENS first) and
+    runs no T on the pipelined two-shot with register loads (loads_max_tokens == twoshot_max_tokens
+    first). Where that program was not measured, only the latter."""
+    candidates = [0] + sorted({p[3] for p in points})
+    with_loads = any("twoshot_pipelined_loads" in times for times in points.values())
+    for a in candidates:
+        for b in (x for x in candidates if x >= a):
+            for c in [ALL_TOKENS] + [x for x in candidates if x >= b]:
+                loads = [x for x in candidates if x > c] + [ALL_TOKENS] if with_loads and c < ALL_TOKENS else []
+                for d in [c] + loads:
+                    yield Boundaries(a, b, c, d, "")
 
 
 def selection(root: pathlib.Path | None = None) -> Selection:
@@ -164,18 +178,20 @@ def selection(root: pathlib.Path | None = None) -> Selection:
                 donors = [(d, pr) for pr in (profile, BORROW_PROFILE) for d in (dtype, *spec.DTYPES)]
                 donor = next((k for k in ((d, ws, pr) for d, pr in donors) if k in measured), None)
                 if donor is not None:
-                    a, b, c, worst, mean, over, over_at_target = fit_boundaries(measured[donor])
+                    *fitted, worst, mean, over, over_at_target = fit_boundaries(measured[donor])
                     n = len(measured[donor])
                     borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
                     borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
                     borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
-                    b_ = Boundaries(a, b, c, f"measured{borrowed}: {over} of {n} points over "
+                    b_ = Boundaries(*fitted, f"measured{borrowed}: {over} of {n} points over "
                                              f"{AUTO_TARGET_SLOWDOWN}x the best program ({over_at_target} at the "
                                              f"target shape), at most {worst:.3f}x, mean {mean:.3f}x")
                 else:
-                    b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], ALL_TOKENS, MODEL_SOURCE)
-                if not 0 <= b_.oneshot_max_tokens <= b_.early_max_tokens <= b_.twoshot_max_tokens:
+                    b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], ALL_TOKENS, ALL_TOKENS,
+                                    MODEL_SOURCE)
+                if not (0 <= b_.oneshot_max_tokens <= b_.early_max_tokens <= b_.twoshot_max_tokens
+                        <= b_.loads_max_tokens):
                     raise ValueError(f"tuning: {dtype} ws{ws} {spec.profile_tag(profile)}: need 0 <= oneshot_max_tokens "
-                                     f"<= early_max_tokens <= twoshot_max_tokens, got {b_}")
+                                     f"<= early_max_tokens <= twoshot_max_tokens <= loads_max_tokens, got {b_}")
                 boundaries[(dtype, ws, profile)] = b_
     return Selection(f"cells measured in {names}, the rest from the written model", boundaries)

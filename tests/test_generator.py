@@ -98,11 +98,13 @@ def test_every_family_has_all_its_tables():
 def test_every_profile_has_all_its_tables():
     """Adding an output profile is one place: the tuples and tables of spec.py (plus its math in
     the template); every name derived from it parses back."""
-    for table in (spec.OUTPUT_PROFILE_MEANING, spec.PROFILE_QUANT, spec.PROFILE_CPP, spec.PROFILE_EXTRA_OUTPUTS,
-                  spec.PIPELINED_ROW_STAGES):
+    for table in (spec.OUTPUT_PROFILE_MEANING, spec.PROFILE_QUANT, spec.PROFILE_CPP, spec.PROFILE_EXTRA_OUTPUTS):
         assert set(table) == set(spec.OUTPUT_PROFILES)
-    # a pipelined two-shot profile without the row ring has its register loads
-    assert {p for p, stages in spec.PIPELINED_ROW_STAGES.items() if not stages} == set(spec.PIPELINED_LOADS)
+    # the pipelined two-shot with register loads is generated for the profiles with loads, a hole elsewhere
+    assert set(spec.PIPELINED_LOADS) <= set(spec.OUTPUT_PROFILES)
+    for profile in spec.OUTPUT_PROFILES:
+        cell = spec.ProgramSpec("twoshot_pipelined_loads", "bf16", 2, profile)
+        assert policy.is_supported(cell) == (profile in spec.PIPELINED_LOADS), profile
     assert len(set(spec.PROFILE_QUANT.values())) == len(spec.OUTPUT_PROFILES)
     for cell in spec.all_cells():
         assert spec.parse(cell.name) == cell
@@ -114,7 +116,8 @@ def test_selection_covers_every_cell():
     assert set(selection.boundaries) == set(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
     # World size 8 has no machine here: the written model, and the table says so.
     assert selection.boundaries[("bf16", 8, "111")] == tuning.Boundaries(
-        tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS, tuning.MODEL_SOURCE)
+        tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS, tuning.ALL_TOKENS,
+        tuning.MODEL_SOURCE)
     # World size 2 was measured (bench_results/), and fp16 borrows the bf16 measurement.
     assert selection.boundaries[("bf16", 2, "110")].source.startswith("measured")
     assert selection.boundaries[("fp16", 2, "110")].source.startswith("measured (bf16 data")
@@ -134,24 +137,34 @@ def test_fit_boundaries_follows_the_measurements():
     points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
                     twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200},
                     twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150})
-    a, b, c, worst, ratio, over, over_at_target = tuning.fit_boundaries(points)
-    # the pipelined two-shot was not measured: never chosen, not even above the measured range
-    assert (a, b, c) == (64, 256, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0) and worst == 1.0
+    a, b, c, d, worst, ratio, over, over_at_target = tuning.fit_boundaries(points)
+    # the pipelined two-shots were not measured: never chosen, not even above the measured range
+    assert (a, b, c, d) == (64, 256, tuning.ALL_TOKENS, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0)
+    assert worst == 1.0
     assert over == over_at_target == 0
     # never picks one-shot where one-shot was not measured (a workspace cap)
     points = _times(oneshot={1: 1}, twoshot_early={1: 9, 2: 9}, twoshot={1: 12, 2: 12})
-    assert tuning.fit_boundaries(points)[:3] == (1, 2, tuning.ALL_TOKENS)
+    assert tuning.fit_boundaries(points)[:4] == (1, 2, tuning.ALL_TOKENS, tuning.ALL_TOKENS)
     # pipelined fastest from 1024: it takes over there; the two-shot keeps 512
     points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
                     twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200, 2048: 400},
                     twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150, 2048: 300},
                     twoshot_pipelined={1: 30, 64: 30, 128: 40, 256: 60, 512: 85, 1024: 140, 2048: 270})
-    assert tuning.fit_boundaries(points)[:3] == (64, 256, 512)
+    assert tuning.fit_boundaries(points)[:4] == (64, 256, 512, 512)
+    # the pipelined two-shot with register loads fastest at 1024 only: it takes that range, the
+    # ring the rest; a tie with the ring leaves it out (loads_max_tokens == twoshot_max_tokens)
+    for T, us in {256: 70, 512: 86, 1024: 130, 2048: 280}.items():
+        points[(7168, 8, True, T)]["twoshot_pipelined_loads"] = us
+    assert tuning.fit_boundaries(points)[:4] == (64, 256, 512, 1024)
+    points[(7168, 8, True, 1024)]["twoshot_pipelined_loads"] = 140
+    assert tuning.fit_boundaries(points)[:4] == (64, 256, 512, 512)
+    for times in points.values():
+        times.pop("twoshot_pipelined_loads", None)
     # without the two-shot measured, the pipelined one follows the early one directly
     # (twoshot_max_tokens == early_max_tokens: no T runs the two-shot)
     for times in points.values():
         del times["twoshot"]
-    assert tuning.fit_boundaries(points)[:3] == (64, 256, 256)
+    assert tuning.fit_boundaries(points)[:4] == (64, 256, 256, 256)
 
 
 def test_fit_boundaries_counts_points_over_the_target_first():
@@ -160,8 +173,8 @@ def test_fit_boundaries_counts_points_over_the_target_first():
     points = {(4096, 8, False, 1): {"oneshot": 100, "twoshot_early": 115},
               (7168, 8, True, 1): {"oneshot": 106, "twoshot_early": 100},
               (7168, 4, True, 1): {"oneshot": 106, "twoshot_early": 100}}
-    a, b, c, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
-    assert (a, b, c) == (0, 1, tuning.ALL_TOKENS)  # the early two-shot: one point over, not two
+    a, b, c, d, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
+    assert (a, b, c, d) == (0, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS)  # the early two-shot: one point over, not two
     assert over == 1 and over_at_target == 0 and worst == pytest.approx(1.15)
     assert mean == pytest.approx(1.15 ** (1 / 3))
 
@@ -172,13 +185,13 @@ def test_fit_boundaries_counts_the_target_shape_before_the_others():
     points = {(7168, 8, True, 1): {"oneshot": 100, "twoshot_early": 106},
               (7168, 8, False, 1): {"oneshot": 110, "twoshot_early": 100},
               (4096, 8, False, 1): {"oneshot": 110, "twoshot_early": 100}}
-    a, b, c, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
-    assert (a, b, c) == (1, 1, tuning.ALL_TOKENS)  # the one-shot: two points over, none at the target shape
+    a, b, c, d, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
+    assert (a, b, c, d) == (1, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS)  # the one-shot: two over, none at the target shape
     assert over == 2 and over_at_target == 0 and worst == pytest.approx(1.1)
     # the same points with the shapes swapped: the early two-shot, one point over, at another shape
     points = {(4096, 8, False, 1): points[(7168, 8, True, 1)], (7168, 8, True, 1): points[(7168, 8, False, 1)],
               (7168, 4, True, 1): points[(4096, 8, False, 1)]}
-    assert tuning.fit_boundaries(points)[:3] == (0, 1, tuning.ALL_TOKENS)
+    assert tuning.fit_boundaries(points)[:4] == (0, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS)
 
 
 # ---- rendering ----------------------------------------------------------------------
@@ -255,8 +268,8 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         assert ("__maxnreg__" in text) == bool(cap) and ("__launch_bounds__" in text) != bool(cap)
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
-                         if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP)
-    # the one-shot and the pipelined two-shot without the row ring pass their loads to the kernel
+                         if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP or p["row_stages"])
+    # the one-shot and the pipelined two-shot with register loads pass their loads to the kernel
     # body; the pipelined two-shot with the ring passes its stages, under the ring's cap; no other
     # program passes either
     passing = ringed = 0
@@ -273,17 +286,18 @@ def test_register_bound_follows_the_cap(rendered, manifest):
             continue
         assert "row_stages" not in text
         if loads is None:
-            assert p["family"] not in ("oneshot", "twoshot_pipelined")
+            assert p["family"] not in ("oneshot", "twoshot_pipelined", "twoshot_pipelined_loads")
             assert "routes_in_flight" not in text and "shared_row_first" not in text
             continue
         passing += 1
-        if p["family"] == "twoshot_pipelined":
+        if p["family"] == "twoshot_pipelined_loads":
             assert loads == spec.PIPELINED_LOADS[p["profile"]] and p["register_cap"] == 72
         else:
             assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"
                 in text)
-    assert passing + ringed == sum(p["family"] in ("oneshot", "twoshot_pipelined") for p in manifest["programs"])
+    assert passing + ringed == sum(p["family"] in ("oneshot", "twoshot_pipelined", "twoshot_pipelined_loads")
+                                   for p in manifest["programs"])
     assert passing > 0 and ringed > 0
     too_many = spec.ProgramSpec("twoshot", "bf16", 2, "110")
     original = dict(spec.REGISTER_CAP)
@@ -339,7 +353,7 @@ def test_full_regeneration_is_fast(tmp_path):
 
 _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
                        r'(?P<tag>\w+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
-_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+|kAllTokens)\},\s*// (\w+) ws(\d+) (\w+): \S.*$")
+_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+|kAllTokens), (\d+|kAllTokens)\},\s*// (\w+) ws(\d+) (\w+): \S.*$")
 
 
 def _cells():
@@ -370,18 +384,18 @@ def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
 
 def test_selection_table_parses_back_to_the_manifest(rendered, manifest):
     text = rendered.outputs[manifest["selection"]["table"]].decode()
-    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}][3]"
+    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}][4]"
     assert f"static const int kRegimeBoundaries{dims} = {{" in text
     assert f"constexpr int kAllTokens = {tuning.ALL_TOKENS};" in text
     tag_to_profile = {spec.profile_tag(p): p for p in spec.OUTPUT_PROFILES}
-    rows = [(a, b, c, d, w, tag_to_profile[t]) for a, b, c, d, w, t in
+    rows = [(bounds, dtype, ws, tag_to_profile[tag]) for *bounds, dtype, ws, tag in
             (m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m)]
-    assert [(d, int(w), p) for _, _, _, d, w, p in rows] == _cells()
-    expected = {(b["dtype"], b["world_size"], b["profile"]):
-                (b["oneshot_max_tokens"], b["early_max_tokens"], b["twoshot_max_tokens"])
+    assert [(dtype, int(ws), p) for _, dtype, ws, p in rows] == _cells()
+    fields = ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens")
+    expected = {(b["dtype"], b["world_size"], b["profile"]): tuple(b[f] for f in fields)
                 for b in manifest["selection"]["boundaries"]}
-    parsed = {(d, int(w), p): (int(a), int(b), tuning.ALL_TOKENS if c == "kAllTokens" else int(c))
-              for a, b, c, d, w, p in rows}
+    parsed = {(dtype, int(ws), p): tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds)
+              for bounds, dtype, ws, p in rows}
     assert parsed == expected
 
 
@@ -547,6 +561,6 @@ def test_tables_marks_holes_and_fallbacks():
     assert "-- hole[1] -> twoshot_early" in r.stdout
     assert "no shared-expert prefetch at world size 2" in r.stdout
     assert "selection (tables/selection.h, source: cells measured in bench_results/" in r.stdout
-    assert re.search(r"bf16 ws8 +16 / 2048 / all \(model\)", r.stdout), r.stdout
+    assert re.search(r"bf16 ws8 +16 / 2048 / all / all \(model\)", r.stdout), r.stdout
     assert "hole[1]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
-    assert re.search(r"bf16 ws2 +\d+ / \d+ / (\d+|all) +\d", r.stdout), r.stdout  # measured: no model mark
+    assert re.search(r"bf16 ws2 +\d+ / \d+ / (\d+|all) / (\d+|all) +\d", r.stdout), r.stdout  # measured: no model mark

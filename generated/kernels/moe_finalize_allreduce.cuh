@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: f6993448f197a401f77ae8af1bcbd7fa4513bb3c88aafc0a2a6696ff269e3c97
+// inputs sha256: f2b44c21b063512a37886a36c7211f3a0d5bafd51dfaa6f9b0e63b15f2baac73
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -525,12 +525,13 @@ __device__ __forceinline__ __nv_fp8_storage_t nvfp4_scale_byte(float x) {
 
 // NVFP4 of norm_out vector v of row t, given its 16-element block's amax and the global scale gs.
 // Two codings of the same bytes: kFewestInstructions, the scale byte by multiply-adds and the nibbles
-// by e2m1x8 (the one-shot and the two-shot: their NVFP4 epilogues are issue-bound; bench_results/
-// nvfp4_epilogue/ and oneshot/); otherwise the division, e2m1_code per element and the dtype's paired
-// conversion, kept for the pipelined two-shot, which with the others spilled more at its register
-// cap and ran slower (2x H200, bench_results/nvfp4_epilogue/: 1-6% from 128 tokens with the first
-// multiply-add coding of the scale byte and signs; 15-28% with the shift-and-mask bf16 conversion in
-// its rounds, 2-5% with a compare-free E2M1 coding alone).
+// by e2m1x8 (every program but one: NVFP4 epilogues are issue-bound; bench_results/nvfp4_epilogue/
+// and oneshot/); otherwise the division, e2m1_code per element and the dtype's paired conversion,
+// kept for the pipelined two-shot with register loads, which with the others spilled more at its
+// register cap of 72 and ran slower (2x H200, bench_results/nvfp4_epilogue/: 1-6% from 128 tokens
+// with the first multiply-add coding of the scale byte and signs; 15-28% with the shift-and-mask bf16
+// conversion in its rounds, 2-5% with a compare-free E2M1 coding alone). The one with the row ring
+// has the registers (121 of 128, no spills) and takes the fewest instructions.
 template <typename D, bool kFewestInstructions, bool kStreamingStores>
 __device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsigned char* scale_row, int v, uint4 normed,
                                                       float amax, float gs) {
@@ -558,14 +559,15 @@ __device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsig
 // Quantize this thread's norm_out vectors of row t (one per round, in the dtype). The thread holding
 // vector v ^ 1 holds the other half of each 16-element block. Two schedules of the same arithmetic:
 //   kOverlapRounds: every step of all rounds before the next step, so the rounds' dependent chains
-//     (amax, shuffle, a division, a table lookup) overlap; the pipelined two-shot, which runs at a
-//     register cap anyway, is 18-29% faster with it than with the other;
+//     (amax, shuffle, a division, a table lookup) overlap; the pipelined two-shots, which run at a
+//     register cap anyway, are 18-29% faster with it than with the other (kFewestInstructions: see
+//     quantize_vector_nvfp4; the other schedule always takes the fewest);
 //   otherwise one round after another: the uncapped one-shot takes 64 registers instead of 105, twice
 //     the blocks a multiprocessor holds, and is 12-17% faster from 512 tokens (both on 2x H200).
 // Each form is kept as it was measured: at a register cap ptxas places its spills differently after
 // small changes of the source (the one-round form in the pipelined two-shot was slower though it
 // spilled no more; bench_results/quant_rounds/).
-template <typename D, bool kOverlapRounds, bool kStreamingStores>
+template <typename D, bool kOverlapRounds, bool kFewestInstructions, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
                                                    float gs) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
@@ -582,8 +584,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       const int v = r * blockDim.x + threadIdx.x;
       if (r >= vpt || v >= nvec) continue;
-      quantize_vector_nvfp4<D, /*kFewestInstructions=*/false, kStreamingStores>(quant_row, scale_row, v, normed[r],
-                                                                                amax[r], gs);
+      quantize_vector_nvfp4<D, kFewestInstructions, kStreamingStores>(quant_row, scale_row, v, normed[r], amax[r], gs);
     }
   } else {
 #pragma unroll
@@ -758,9 +759,10 @@ __device__ __forceinline__ void zero_fp8_scale_padding(const Params& p) {
 // Epilogue of one token row: residual_out values (in the dtype, held in registers)
 // -> RMSNorm -> norm_out (+ NVFP4 or FP8). The whole block calls it for the same row.
 // ---------------------------------------------------------------------------------------------
-// kOverlapQuantRounds: see quantize_row_nvfp4. kStreamingStores: the stores of norm_out and of the
-// quantized row evict first (see pipelined_two_shot).
-template <typename D, Profile P, bool kOverlapQuantRounds = false, bool kStreamingStores = false>
+// kOverlapQuantRounds, kFewestQuantInstructions: see quantize_row_nvfp4. kStreamingStores: the
+// stores of norm_out and of the quantized row evict first (see pipelined_two_shot).
+template <typename D, Profile P, bool kOverlapQuantRounds = false, bool kFewestQuantInstructions = true,
+          bool kStreamingStores = false>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   // The global scale of the quantized output, like gamma read before the block reduction, which hides
@@ -797,7 +799,8 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
     if (kStreamingStores) __stcs(reinterpret_cast<uint4*>(norm_out) + v, normed[r]);
     else reinterpret_cast<uint4*>(norm_out)[v] = normed[r];
   }
-  if (P == Profile::kNvfp4) quantize_row_nvfp4<D, kOverlapQuantRounds, kStreamingStores>(p, t, normed, quant_scale);
+  if (P == Profile::kNvfp4)
+    quantize_row_nvfp4<D, kOverlapQuantRounds, kFewestQuantInstructions, kStreamingStores>(p, t, normed, quant_scale);
   if (P == Profile::kFp8Group128) quantize_row_fp8_group<D, kStreamingStores>(p, t, normed);
   if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D, kStreamingStores>(p, t, normed, quant_scale);
 }
@@ -1015,11 +1018,12 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
 // waiting behind it, so the exchange always progresses (also when the ranks run different grid
 // sizes or mix programs).
 // The rows of the partials (phases 1 and 2) come through the row ring when kRowStages > 0 (RowRing;
-// against the register loads, same run on 2x H200, H 7168 top_k 8 + shared: plain 2-9% faster from
-// 1,024 to 16,384 tokens, FP8-tensor 3-8%, FP8-group 4.5% slower at 1,024 and 1.5-7% faster from
-// 4,096, NVFP4 9% slower at 1,024 and 2% at 2,048-4,096), else as 16-byte register loads,
-// kRoutes at a time per vector (partial_vector). Both per output profile, by the generator
-// (spec.PIPELINED_ROW_STAGES, spec.PIPELINED_LOADS, with the register cap each needs).
+// the family twoshot_pipelined), else as 16-byte register loads, kRoutes at a time per vector
+// (partial_vector; twoshot_pipelined_loads, more blocks a multiprocessor). Against the register
+// loads, in same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, the ring is faster from 1,024 to 16,384 tokens
+// for plain (2-9%) and FP8-tensor (3-8%); FP8-group 4.5% slower at 1,024 and 1.5-7% faster from
+// 4,096; NVFP4 3-5.5% slower at 512-1,024, 0.7% faster at 8,192 and 3.5% at 16,384. The selection
+// table says which serves which T (spec.py: PIPELINED_ROW_STAGES, PIPELINED_LOADS, the caps).
 // Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs, and the ring's
 // copies): the routed and shared rows, residual_in, the outputs (norm_out, the quantized row, the
 // peer's residual_out rows) and the sentinels that clear received vectors. L2 then keeps what is
@@ -1141,7 +1145,8 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
           res[r] = r < vpt && v < nvec ? residual_out[v] : make_uint4(0, 0, 0, 0);
         }
       }
-      norm_row<D, P, /*overlap_quant_rounds=*/true, /*streaming_stores=*/true>(p, t, res);
+      norm_row<D, P, /*overlap_quant_rounds=*/true, /*fewest_quant_instructions=*/(kRowStages > 0),
+               /*streaming_stores=*/true>(p, t, res);
     }
   }
 }

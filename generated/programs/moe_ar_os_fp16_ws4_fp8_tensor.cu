@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: f6993448f197a401f77ae8af1bcbd7fa4513bb3c88aafc0a2a6696ff269e3c97
+// inputs sha256: f2b44c21b063512a37886a36c7211f3a0d5bafd51dfaa6f9b0e63b15f2baac73
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_fp16_ws4_fp8_tensor: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype fp16, world size 4, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)

@@ -1,7 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: f6993448f197a401f77ae8af1bcbd7fa4513bb3c88aafc0a2a6696ff269e3c97
+// inputs sha256: f2b44c21b063512a37886a36c7211f3a0d5bafd51dfaa6f9b0e63b15f2baac73
 // To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_tsp_fp16_ws2_o110: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read (largest T; world size 2)
+// moe_ar_tsp_fp16_ws2_o110: two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read; the partials' rows come through a ring in shared memory (largest T; world size 2)
 // dtype fp16, world size 2, output profile 110 (norm_out + residual_out (input dtype))
 #include "moe_finalize_allreduce.cuh"
 
