@@ -206,6 +206,14 @@ class _Launcher:
         # the occupancy figure left a rank's blocks unplaced and timed out. Each kernel gets a
         # quarter of its rank's share, so four kernels per rank would still fit.
         sharing = ws.ranks_on_device * (4 if ws.ranks_on_device > 1 else 1)
+        if ws.ranks_on_device > 1:
+            # An SM holds blocks of two kernels at once only in one split of its memory between L1
+            # and shared memory, chosen per kernel. Two-shot blocks spinning on a peer rank, in a
+            # split with little shared memory, on every SM, left no SM for that rank's pipelined
+            # blocks with their row ring: a timeout (seen on one GPU: tse and tsp at 303 tokens).
+            # So here every program asks for the largest shared memory. The attribute stays with
+            # the loaded program for the process (tests that also run one rank a GPU).
+            prog.prefer_largest_shared_memory()
         self.dynamic_smem = registry.dynamic_smem_bytes(info, ws.hidden, ws.dtype.itemsize)
         self.max_blocks = []  # per row split of the workspace
         for split in ws.row_splits:

@@ -238,6 +238,14 @@ class LoadedProgram:
         err, = cu.cuFuncSetAttribute(cu.CUfunction(self.function_ptr), attr, nbytes)
         _check(err, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
 
+    def prefer_largest_shared_memory(self) -> None:
+        """Ask for the largest shared-memory carveout of the SM at every launch (ranks sharing a GPU:
+        see _Launcher in op.py). A hint to the driver; no effect on what the kernel computes."""
+        from cuda.bindings import driver as cu
+        attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
+        err, = cu.cuFuncSetAttribute(cu.CUfunction(self.function_ptr), attr, 100)  # percent of the maximum
+        _check(err, "cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT)")
+
     def max_blocks_per_sm(self, threads: int, dynamic_smem: int = 0) -> int:
         from cuda.bindings import driver as cu
         err, n = cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(cu.CUfunction(self.function_ptr), threads,
