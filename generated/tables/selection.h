@@ -1,11 +1,11 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: f2b44c21b063512a37886a36c7211f3a0d5bafd51dfaa6f9b0e63b15f2baac73
+// inputs sha256: 4c392110b18b7fa9e7d395d052eaed2701e460a2bda6619723efd090069aa942
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens, twoshot_max_tokens,
 // loads_max_tokens}; source:
-// cells measured in bench_results/h200x2-2026-11-30-c2c5e32-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-f6d76c0-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads;
 // else twoshot_pipelined; then the shared-expert variant where the rank has a
@@ -15,10 +15,10 @@ constexpr int kAllTokens = 2147483647;  // no upper bound: the regime runs every
 static const int kRegimeBoundaries[2][3][4][4] = {
     {  // fp16
         {  // fp16 ws2
-            {256, 256, 256, 256},  // fp16 ws2 o110: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.015x, mean 1.000x
-            {256, 256, 256, 256},  // fp16 ws2 o111: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.126x, mean 1.002x
-            {256, 256, 256, 256},  // fp16 ws2 fp8_group128: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.025x, mean 1.001x
-            {256, 256, 256, 256},  // fp16 ws2 fp8_tensor: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.012x, mean 1.000x
+            {256, 256, 256, 256},  // fp16 ws2 o110: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.000x
+            {256, 256, 256, 1024},  // fp16 ws2 o111: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.135x, mean 1.002x
+            {512, 512, 512, 1024},  // fp16 ws2 fp8_group128: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.093x, mean 1.002x
+            {256, 256, 256, 256},  // fp16 ws2 fp8_tensor: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.016x, mean 1.000x
         },
         {  // fp16 ws4
             {64, 1024, kAllTokens, kAllTokens},  // fp16 ws4 o110: written model
@@ -35,10 +35,10 @@ static const int kRegimeBoundaries[2][3][4][4] = {
     },
     {  // bf16
         {  // bf16 ws2
-            {256, 256, 256, 256},  // bf16 ws2 o110: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.015x, mean 1.000x
-            {256, 256, 256, 256},  // bf16 ws2 o111: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.126x, mean 1.002x
-            {256, 256, 256, 256},  // bf16 ws2 fp8_group128: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.025x, mean 1.001x
-            {256, 256, 256, 256},  // bf16 ws2 fp8_tensor: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.012x, mean 1.000x
+            {256, 256, 256, 256},  // bf16 ws2 o110: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.000x
+            {256, 256, 256, 1024},  // bf16 ws2 o111: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.135x, mean 1.002x
+            {512, 512, 512, 1024},  // bf16 ws2 fp8_group128: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.093x, mean 1.002x
+            {256, 256, 256, 256},  // bf16 ws2 fp8_tensor: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.016x, mean 1.000x
         },
         {  // bf16 ws4
             {64, 1024, kAllTokens, kAllTokens},  // bf16 ws4 o110: written model
