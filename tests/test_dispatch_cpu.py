@@ -25,18 +25,26 @@ def _bounds(dtype, ws, profile):
 
 
 @pytest.mark.parametrize("ws", [2, 4, 8])
-@pytest.mark.parametrize("profile", ["110", "111"])
+@pytest.mark.parametrize("profile", ["110", "111", "fp8_group128"])
 def test_select_family_follows_the_committed_boundaries(ws, profile):
     b = _bounds("bf16", ws, profile)
-    a, e, s = b["oneshot_max_tokens"], b["early_max_tokens"], b["twoshot_max_tokens"]
+    fields = ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens")
+    bounds = [b[f] for f in fields]
+    regimes = ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined_loads", "twoshot_pipelined")
+
+    def expected(T):  # the first regime whose upper bound T does not exceed, written out independently
+        return next((r for r, upper in zip(regimes, bounds) if T <= upper), regimes[-1])
+
     big = 10 ** 6
+    a = bounds[0]
     assert registry.select_family("bf16", ws, profile, a, False, big) == "oneshot"
-    assert registry.select_family("bf16", ws, profile, a + 1, False, big) == (
-        "twoshot_early" if e > a else "twoshot" if s > a else "twoshot_pipelined")
-    assert registry.select_family("bf16", ws, profile, e + 1, False, big) == ("twoshot" if s > e else "twoshot_pipelined")
-    if s < registry.ALL_TOKENS:
-        assert registry.select_family("bf16", ws, profile, s + 1, False, big) == "twoshot_pipelined"
-        assert registry.select_family("bf16", ws, profile, s, False, big) != "twoshot_pipelined"
+    for edge in bounds:
+        for T in (edge, edge + 1):
+            if 1 <= T < registry.ALL_TOKENS:
+                assert registry.select_family("bf16", ws, profile, T, False, big) == expected(T), (T, bounds)
+    # the register-load pipelined program, where a hole, falls back to the ring one, then the two-shot
+    assert registry.program_for("twoshot_pipelined_loads", "bf16", 2, "110") == "moe_ar_tsp_bf16_ws2_o110"
+    assert registry.program_for("twoshot_pipelined_loads", "bf16", 4, "111") == "moe_ar_ts_bf16_ws4_o111"
     # where the pipelined two-shot is a hole, the two-shot runs (named explicitly)
     assert registry.program_for("twoshot_pipelined", "bf16", 4, profile) == f"moe_ar_ts_bf16_ws4_{'o' + profile if profile in ('110', '111') else profile}"
     # a workspace whose one-shot buffer is smaller than the boundary caps the one-shot range
