@@ -136,8 +136,8 @@ REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipeline
 #   twoshot_pipelined_loads: 16-byte register loads, PIPELINED_LOADS at a time, under the cap of 72
 #     (four blocks a multiprocessor), for the profiles listed there; a hole for the others
 #     (policy.py), where the ring was faster at every measured T.
-# Same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, 1,024 to 16,384 tokens, ring against the
-# register loads (bench_results/pipelined/row_ring/): plain 2-9% faster, FP8-tensor 3-8%, FP8-group
+# Same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, 1,024 (NVFP4: 512) to 16,384 tokens, ring
+# against the register loads (bench_results/pipelined/row_ring/): plain 2-9% faster, FP8-tensor 3-8%, FP8-group
 # 4.5% slower at 1,024, 0.7% at 2,048 and 1.5-7% faster from 4,096; NVFP4, whose norm step is the
 # heaviest, 3-5.5% slower at 512-1,024 tokens, 0.7% at 2,048-4,096, 0.7% faster at 8,192 and 3.5% at
 # 16,384 (with the fewest-instructions E2M1 coding, which the ring's registers allow). Fewer blocks

@@ -42,7 +42,7 @@ BENCH_DIR = "bench_results"
 # the two-shot serves every T above early_max_tokens.
 MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64, 8: 16}
 MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048}
-ALL_TOKENS = 2**31 - 1  # "no upper bound": twoshot_max_tokens of a cell that never pipelines
+ALL_TOKENS = 2**31 - 1  # "no upper bound": the last regime a cell runs takes every larger T
 MODEL_SOURCE = "written model"
 
 # The regimes in the order they take over as T grows. Of the two pipelined two-shots, the one with

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 4c392110b18b7fa9e7d395d052eaed2701e460a2bda6619723efd090069aa942
+// inputs sha256: 85e3e76e53e8c29f47728372a981ed7049e67fd1f41741a647cf7b94b7423b0e
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -1020,10 +1020,11 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
 // The rows of the partials (phases 1 and 2) come through the row ring when kRowStages > 0 (RowRing;
 // the family twoshot_pipelined), else as 16-byte register loads, kRoutes at a time per vector
 // (partial_vector; twoshot_pipelined_loads, more blocks a multiprocessor). Against the register
-// loads, in same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, the ring is faster from 1,024 to 16,384 tokens
-// for plain (2-9%) and FP8-tensor (3-8%); FP8-group 4.5% slower at 1,024 and 1.5-7% faster from
-// 4,096; NVFP4 3-5.5% slower at 512-1,024, 0.7% faster at 8,192 and 3.5% at 16,384. The selection
-// table says which serves which T (spec.py: PIPELINED_ROW_STAGES, PIPELINED_LOADS, the caps).
+// loads, in same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, the ring is faster from 1,024 to
+// 16,384 tokens for plain (2-9%) and FP8-tensor (3-8%); FP8-group 4.5% slower at 1,024 and 1.5-7%
+// faster from 4,096; NVFP4 3-5.5% slower at 512-1,024, 0.7% faster at 8,192 and 3.5% at 16,384.
+// The selection table says which serves which T (spec.py: PIPELINED_ROW_STAGES, PIPELINED_LOADS,
+// the caps).
 // Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs, and the ring's
 // copies): the routed and shared rows, residual_in, the outputs (norm_out, the quantized row, the
 // peer's residual_out rows) and the sentinels that clear received vectors. L2 then keeps what is

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 4c392110b18b7fa9e7d395d052eaed2701e460a2bda6619723efd090069aa942
+// inputs sha256: 85e3e76e53e8c29f47728372a981ed7049e67fd1f41741a647cf7b94b7423b0e
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
