@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 85e3e76e53e8c29f47728372a981ed7049e67fd1f41741a647cf7b94b7423b0e
+// inputs sha256: 5eaee88bb00a6745e03d864515e355d86874edc54525dce6ba5b044f55709dbf
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -203,13 +203,13 @@ __device__ __noinline__ void record_timeout(unsigned* error, int rank, int phase
   e[kErrCode] = kErrTimeout;
 }
 
-// s += residual_in[t], vector v (fp32; the caller rounds once). kStreaming: see pipelined_two_shot.
-template <typename D, bool kStreaming = false>
+// s += residual_in[t], vector v (fp32; the caller rounds once).
+template <typename D>
 __device__ __forceinline__ void add_residual(const Params& p, int t, int v, float (&s)[8]) {
   float x[8];
   const uint4* in = reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * p.hidden +
                                                    v * kElemsPerVec);
-  Vec<D>::to_float(kStreaming ? load_streaming(in) : *in, x);
+  Vec<D>::to_float(*in, x);
 #pragma unroll
   for (int i = 0; i < 8; ++i) s[i] += x[i];
 }
@@ -847,7 +847,8 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_be
 // occupancy (bench_results/pipelined/row_ring/).
 //
 // The rows come in the order the block uses them: its partial units (partial_unit_token), in each
-// routes 0..K-1, then the shared row. A route whose row is out of range gets no copy: its stage's
+// routes 0..K-1, then the shared row, and in a unit of this rank's own token (phase 2) last its
+// residual_in row, which the reduction adds after the peer's partial has arrived. A route whose row is out of range gets no copy: its stage's
 // barrier is arrived on without bytes, and the reader adds zero, as partial_vector does.
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
@@ -901,11 +902,12 @@ struct RowRing {
 
   // Thread 0: copy the next row of the block's sequence into its stage (nothing once all are issued).
   __device__ __forceinline__ void issue_next(const Params& p) {
-    const int K = p.top_k, per_unit = K + (p.shared_in != nullptr ? 1 : 0);
+    const int K = p.top_k, partials = K + (p.shared_in != nullptr ? 1 : 0);
     for (; unit < units; ++unit, route = 0) {
       const int t = partial_unit_token(unit, columns, p.rank, C);
-      if (t >= p.tokens || route >= per_unit) continue;
-      const D* src = static_cast<const D*>(p.shared_in) + (long long)t * p.hidden;
+      const bool own_token = t / C == p.rank;  // phase 2: its residual_in row comes last
+      if (t >= p.tokens || route >= partials + (own_token ? 1 : 0)) continue;
+      const D* src = static_cast<const D*>(route == partials ? p.residual_in : p.shared_in) + (long long)t * p.hidden;
       if (route < K) {
         const int row = p.expanded_idx[(long long)t * K + route];
         src = row >= 0 && row < p.rows ? static_cast<const D*>(p.allreduce_in) + (long long)row * p.hidden : nullptr;
@@ -1017,14 +1019,16 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
 // Every wait concerns a column whose sends come earlier in both ranks' order than any send still
 // waiting behind it, so the exchange always progresses (also when the ranks run different grid
 // sizes or mix programs).
-// The rows of the partials (phases 1 and 2) come through the row ring when kRowStages > 0 (RowRing;
-// the family twoshot_pipelined), else as 16-byte register loads, kRoutes at a time per vector
+// The rows of the partials (phases 1 and 2) and residual_in come through the row ring when
+// kRowStages > 0 (RowRing; the family twoshot_pipelined), else as 16-byte register loads, kRoutes at a time per vector
 // (partial_vector; twoshot_pipelined_loads, more blocks a multiprocessor). Against the register
 // loads, in same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, the ring is faster from 1,024 to
 // 16,384 tokens for plain (2-9%) and FP8-tensor (3-8%); FP8-group 4.5% slower at 1,024 and 1.5-7%
 // faster from 4,096; NVFP4 3-5.5% slower at 512-1,024, 0.7% faster at 8,192 and 3.5% at 16,384.
 // The selection table says which serves which T (spec.py: PIPELINED_ROW_STAGES, PIPELINED_LOADS,
-// the caps).
+// the caps). residual_in through the ring, and phase 2 waiting for the peer's whole row at once
+// rather than vector by vector (each vector's wait then its residual_in load, in turn): 0-4% faster
+// at every measured T and profile, 2.2-3.5% at 2,048 tokens (bench_results/pipelined/row_ring/).
 // Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs, and the ring's
 // copies): the routed and shared rows, residual_in, the outputs (norm_out, the quantized row, the
 // peer's residual_out rows) and the sentinels that clear received vectors. L2 then keeps what is
@@ -1089,32 +1093,45 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
         uint4* peer_slot = reinterpret_cast<uint4*>(my_buffer + ((long long)peer * C + j2) * H);
         uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H);
         uint4* peer_row = reinterpret_cast<uint4*>(peer_buffer + lay.gather_base + (long long)t * H);
-        const auto reduce = [&](int v, uint4 own) {
+        const uint4* residual_in = reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H);
+        const auto reduce = [&](int v, uint4 own, uint4 from_peer, uint4 residual) {
           float s[8], x[8];
           Vec<D>::to_float(own, s);
-          Vec<D>::to_float(wait_vector(peer_slot + v, deadline, p, kPhaseReduceScatter), x);
+          Vec<D>::to_float(from_peer, x);
           __stcs(peer_slot + v, sentinel);  // read once: clean again for the call that reuses this buffer
 #pragma unroll
           for (int i = 0; i < 8; ++i) s[i] += x[i];
-          add_residual<D, /*kStreaming=*/true>(p, t, v, s);
+          Vec<D>::to_float(residual, x);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) s[i] += x[i];
           const uint4 res = without_sentinel(Vec<D>::from_float(s));  // as the peer receives it
           residual_out[v] = res;
           // after an expired wait, send nothing: the peer must time out too, not take this as the sum
           if (!deadline.expired) peer_row[v] = res;
         };
         if constexpr (kRowStages > 0) {
-          uint4 own[kMaxVecPerThread];
+          // The whole row at once: every load of the peer's vectors in flight together (one memory
+          // latency, not one per vector), and residual_in from the ring (its row comes after the
+          // partials: copied while they were added).
+          uint4 own[kMaxVecPerThread], from_peer[kMaxVecPerThread];
           partial_row(p, ring, t, own, bad_rows);
+          wait_and_reduce<D, 1, false>(reinterpret_cast<const D*>(peer_slot), 0, 0, vpt, t, from_peer, deadline, p,
+                                       kPhaseReduceScatter);
+          const uint4* residual_row = ring.wait_row(p);
 #pragma unroll
           for (int r = 0; r < kMaxVecPerThread; ++r) {
             const int v = r * blockDim.x + threadIdx.x;
-            if (r < vpt && v < nvec) reduce(v, own[r]);
+            if (r < vpt && v < nvec) reduce(v, own[r], from_peer[r], residual_row[v]);
           }
+          ring.release_row(p);
         } else {
 #pragma unroll 1
           for (int r = 0; r < vpt; ++r) {
             const int v = r * blockDim.x + threadIdx.x;
-            if (v < nvec) reduce(v, partial_vector<D, false, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows));
+            if (v >= nvec) continue;
+            const uint4 own = partial_vector<D, false, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows);
+            const uint4 from_peer = wait_vector(peer_slot + v, deadline, p, kPhaseReduceScatter);
+            reduce(v, own, from_peer, load_streaming(residual_in + v));
           }
         }
       }

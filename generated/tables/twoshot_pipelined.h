@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 85e3e76e53e8c29f47728372a981ed7049e67fd1f41741a647cf7b94b7423b0e
+// inputs sha256: 5eaee88bb00a6745e03d864515e355d86874edc54525dce6ba5b044f55709dbf
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
