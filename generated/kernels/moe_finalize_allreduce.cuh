@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 5eaee88bb00a6745e03d864515e355d86874edc54525dce6ba5b044f55709dbf
+// inputs sha256: 8858f7879d47e708aad297e14a2b29a6fa32c486d676293ed4f275b0f61838c5
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -1027,8 +1027,9 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
 // faster from 4,096; NVFP4 3-5.5% slower at 512-1,024, 0.7% faster at 8,192 and 3.5% at 16,384.
 // The selection table says which serves which T (spec.py: PIPELINED_ROW_STAGES, PIPELINED_LOADS,
 // the caps). residual_in through the ring, and phase 2 waiting for the peer's whole row at once
-// rather than vector by vector (each vector's wait then its residual_in load, in turn): 0-4% faster
-// at every measured T and profile, 2.2-3.5% at 2,048 tokens (bench_results/pipelined/row_ring/).
+// rather than vector by vector (each vector's wait then its residual_in load, in turn): from 1,024
+// to 16,384 tokens 0.3-4.7% faster, every profile (2.4-3.5% at 2,048); at 512 1.0-1.7% slower (the
+// tables fitted to 529cb84's bench select another family there; bench_results/pipelined/row_ring/).
 // Cache policy: what the call touches once goes through L2 evict-first (ld/st .cs, and the ring's
 // copies): the routed and shared rows, residual_in, the outputs (norm_out, the quantized row, the
 // peer's residual_out rows) and the sentinels that clear received vectors. L2 then keeps what is

@@ -1,11 +1,11 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/selection.h.j2.
-// inputs sha256: 5eaee88bb00a6745e03d864515e355d86874edc54525dce6ba5b044f55709dbf
+// inputs sha256: 8858f7879d47e708aad297e14a2b29a6fa32c486d676293ed4f275b0f61838c5
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
 // Regime boundaries per cell, {oneshot_max_tokens, early_max_tokens, twoshot_max_tokens,
 // loads_max_tokens}; source:
-// cells measured in bench_results/h200x2-2026-11-30-f6d76c0-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
+// cells measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json, the rest from the written model (generator/tuning.py). Selection for a call with T tokens:
 // T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads;
 // else twoshot_pipelined; then the shared-expert variant where the rank has a
@@ -15,10 +15,10 @@ constexpr int kAllTokens = 2147483647;  // no upper bound: the regime runs every
 static const int kRegimeBoundaries[2][3][4][4] = {
     {  // fp16
         {  // fp16 ws2
-            {256, 256, 256, 256},  // fp16 ws2 o110: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.000x
+            {512, 512, 512, 512},  // fp16 ws2 o110: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.069x, mean 1.001x
             {256, 256, 256, 1024},  // fp16 ws2 o111: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.135x, mean 1.002x
-            {512, 512, 512, 1024},  // fp16 ws2 fp8_group128: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.093x, mean 1.002x
-            {256, 256, 256, 256},  // fp16 ws2 fp8_tensor: measured (bf16 data): 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.016x, mean 1.000x
+            {512, 512, 512, 512},  // fp16 ws2 fp8_group128: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.068x, mean 1.002x
+            {512, 512, 512, 512},  // fp16 ws2 fp8_tensor: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.060x, mean 1.001x
         },
         {  // fp16 ws4
             {64, 1024, kAllTokens, kAllTokens},  // fp16 ws4 o110: written model
@@ -35,10 +35,10 @@ static const int kRegimeBoundaries[2][3][4][4] = {
     },
     {  // bf16
         {  // bf16 ws2
-            {256, 256, 256, 256},  // bf16 ws2 o110: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.000x
+            {512, 512, 512, 512},  // bf16 ws2 o110: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.069x, mean 1.001x
             {256, 256, 256, 1024},  // bf16 ws2 o111: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.135x, mean 1.002x
-            {512, 512, 512, 1024},  // bf16 ws2 fp8_group128: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.093x, mean 1.002x
-            {256, 256, 256, 256},  // bf16 ws2 fp8_tensor: measured: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.016x, mean 1.000x
+            {512, 512, 512, 512},  // bf16 ws2 fp8_group128: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.068x, mean 1.002x
+            {512, 512, 512, 512},  // bf16 ws2 fp8_tensor: measured: 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.060x, mean 1.001x
         },
         {  // bf16 ws4
             {64, 1024, kAllTokens, kAllTokens},  // bf16 ws4 o110: written model

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 5eaee88bb00a6745e03d864515e355d86874edc54525dce6ba5b044f55709dbf
+// inputs sha256: 8858f7879d47e708aad297e14a2b29a6fa32c486d676293ed4f275b0f61838c5
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
