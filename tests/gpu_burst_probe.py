@@ -5,9 +5,8 @@
 Bursts of 8 calls of an emulated world of 2 (fp16, auto selection, every quant), each rank's calls
 launched one by one on its own stream with no join between calls, as separate processes would; four
 variants in turn: PDL mixed, off, on, and mixed without NVFP4 (under a2aeffb's tables: no one-shot
-above 256 tokens). A
-burst that fails (a rank times out, 2 s deadline) is recorded with its calls; the JSON counts bursts
-and failures per variant. Not a test: it reports, it does not assert.
+above 256 tokens). A burst that fails (a rank times out, 2 s deadline) is recorded with its calls;
+the JSON counts bursts and failures per variant. Not a test: it reports, it does not assert.
 
 PROBE_NO_CARVEOUT=1 leaves out the launcher's request for the largest shared-memory carveout when
 ranks share a GPU (f6d76c0), to see whether that request is what ended these timeouts. Without it, a

@@ -682,8 +682,8 @@ def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result)
     # 2026-11-30), never with PDL off, never with the same bursts over two GPUs (~260 bursts), and
     # never through world.run or graph replays: an emulation artifact still being investigated
     # (bench_results/gpu_tests/README.md; none in 2,337 probe bursts at 5f8bdbd, not yet
-    # attributed). Bursts on a shared GPU therefore run without PDL; PDL is
-    # still tested there through world.run calls and graphs, and in bursts across GPUs.
+    # attributed). Bursts on a shared GPU therefore run without PDL; PDL is still tested there
+    # through world.run calls and graphs, and in bursts across GPUs.
     shared_gpu = len(set(world.devices)) < ws
     case_device = [f"cuda:{d}" for d in world.devices] if devices else None
     try:

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 8858f7879d47e708aad297e14a2b29a6fa32c486d676293ed4f275b0f61838c5
+// inputs sha256: c59e5af2e8c661d9320faccd7fdbae0183ad7a9d9e9cf6ebea8d927ea76e9cb1
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -848,8 +848,9 @@ __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_be
 //
 // The rows come in the order the block uses them: its partial units (partial_unit_token), in each
 // routes 0..K-1, then the shared row, and in a unit of this rank's own token (phase 2) last its
-// residual_in row, which the reduction adds after the peer's partial has arrived. A route whose row is out of range gets no copy: its stage's
-// barrier is arrived on without bytes, and the reader adds zero, as partial_vector does.
+// residual_in row, which the reduction adds after the peer's partial has arrived. A route whose row
+// is out of range gets no copy: its stage's barrier is arrived on without bytes, and the reader
+// adds zero, as partial_vector does.
 __device__ __forceinline__ unsigned smem_address(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -1020,9 +1021,9 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
 // waiting behind it, so the exchange always progresses (also when the ranks run different grid
 // sizes or mix programs).
 // The rows of the partials (phases 1 and 2) and residual_in come through the row ring when
-// kRowStages > 0 (RowRing; the family twoshot_pipelined), else as 16-byte register loads, kRoutes at a time per vector
-// (partial_vector; twoshot_pipelined_loads, more blocks a multiprocessor). Against the register
-// loads, in same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, the ring is faster from 1,024 to
+// kRowStages > 0 (RowRing; the family twoshot_pipelined), else as 16-byte register loads, kRoutes
+// at a time per vector (partial_vector; twoshot_pipelined_loads, more blocks a multiprocessor).
+// Against the register loads, in same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, the ring is faster from 1,024 to
 // 16,384 tokens for plain (2-9%) and FP8-tensor (3-8%); FP8-group 4.5% slower at 1,024 and 1.5-7%
 // faster from 4,096; NVFP4 3-5.5% slower at 512-1,024, 0.7% faster at 8,192 and 3.5% at 16,384.
 // The selection table says which serves which T (spec.py: PIPELINED_ROW_STAGES, PIPELINED_LOADS,
@@ -1094,7 +1095,8 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
         uint4* peer_slot = reinterpret_cast<uint4*>(my_buffer + ((long long)peer * C + j2) * H);
         uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H);
         uint4* peer_row = reinterpret_cast<uint4*>(peer_buffer + lay.gather_base + (long long)t * H);
-        const uint4* residual_in = reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H);
+        const uint4* residual_in =
+            reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H);
         const auto reduce = [&](int v, uint4 own, uint4 from_peer, uint4 residual) {
           float s[8], x[8];
           Vec<D>::to_float(own, s);
