@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 # NVLink multicast can take a shared host's GPUs down: keep it off everywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export MOE_AR_CACHE_DIR=${MOE_AR_CACHE_DIR:-/tmp/moe_ar_cache}
+# A fresh private compile cache (a fixed /tmp path could be made first by another user; then refused).
+export MOE_AR_CACHE_DIR=${MOE_AR_CACHE_DIR:-$(mktemp -d -t moe-ar-cache-XXXXXX)}
 # Results gather in $RES and are packed into $OUT/results.tgz after every step (the device tool
 # brings back at most 8 files); the tests' log and JSON lines go to $OUT directly.
 FINAL_OUT=${OUT:-gpu-out}; mkdir -p "$FINAL_OUT"
