@@ -15,8 +15,9 @@ import re
 
 DTYPES = ("fp16", "bf16")
 WORLD_SIZES = (2, 4, 8)
-# Output profiles: what is written besides norm_out and residual_out (input dtype). The two
-# digit codes are op.md's (which of norm_out, residual_out, quant_out); later profiles are named.
+# Output profiles: what is written besides norm_out and residual_out (input dtype). The numeric
+# codes flag which of norm_out, residual_out, quant_out are written (docs/operation.md); later
+# profiles are named.
 #   110:          nothing more
 #   111:          NVFP4 quant_out (packed E2M1) + swizzled 128x4 E4M3 scale_out
 #   fp8_group128: FP8 E4M3 quant_out + float32 scale per 128-element group of a token
@@ -189,7 +190,7 @@ PREFIX = "moe_ar"
 
 
 def profile_tag(profile: str) -> str:
-    """How a profile appears in names: o110, o111 (op.md's codes), fp8_group128, fp8_tensor."""
+    """How a profile appears in names: o110, o111 (docs/operation.md's codes), fp8_group128, fp8_tensor."""
     return f"o{profile}" if profile.isdigit() else profile
 
 
