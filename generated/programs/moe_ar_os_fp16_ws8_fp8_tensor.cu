@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 7bb129839883afaa9ea80a0ba0839d477b555bf02e0c572fb78330b912df1d09
+// inputs sha256: 0065db04327384de1fe3c3d56ab642287def045a2a4d5fc4e60da4a2f399ae94
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_fp16_ws8_fp8_tensor: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype fp16, world size 8, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 7bb129839883afaa9ea80a0ba0839d477b555bf02e0c572fb78330b912df1d09
+// inputs sha256: 0065db04327384de1fe3c3d56ab642287def045a2a4d5fc4e60da4a2f399ae94
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_bf16_ws2_o111: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype bf16, world size 2, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))
