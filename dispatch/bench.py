@@ -1,12 +1,12 @@
 """Benchmark of the fused MoE finalize + all-reduce + residual + RMSNorm (+ NVFP4) op against
-unfused baselines, following /work/shared/spec/measure.md.
+unfused baselines, following docs/measurement.md.
 
     python -m dispatch.bench --out bench_results/run.json          (or the console script moe-ar-bench)
 
 on a machine with at least --world GPUs (default 2). It writes the JSON (--out, default
 bench_results/<machine>-<date>.json; rewritten after every shape, so a killed run keeps what it
 measured), a PNG plot and a .summary.txt table beside it, and prints the table. The default
-sweep (measure.md's four shapes, 1..16384 tokens, profiles 110 and 111) is sized for about 8
+sweep (docs/measurement.md's four shapes, 1..16384 tokens, profiles 110 and 111) is sized for about 8
 minutes on 2x H200; --time-budget-s stops it early (the JSON then says "truncated": true).
 
 What it measures, per shape (hidden, top_k, shared expert), token count T and output profile
@@ -105,7 +105,7 @@ FALLBACK_L2_BYTES = 60 * 2 ** 20
 
 @dataclass(frozen=True)
 class Shape:
-    """One row of measure.md's shape table."""
+    """One row of the shape table (docs/measurement.md)."""
     hidden: int
     top_k: int
     shared: bool
@@ -218,7 +218,7 @@ def regime_of_family(family: str) -> str:
 
 
 def swizzle_offset(m: int, k: int, hidden: int) -> int:
-    """Byte offset of the NVFP4 scale of row m, scale column k in the 128x4 layout (op.md)."""
+    """Byte offset of the NVFP4 scale of row m, scale column k in the 128x4 layout (docs/operation.md)."""
     num_k_tiles = -(-hidden // 64)
     return ((m // 128) * (num_k_tiles * 512) + (k // 4) * 512
             + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4))
@@ -256,7 +256,7 @@ def pair_ratio(times, baseline_times) -> float:
 
 def replay_orders(n: int, rounds: int, seed: int) -> list[list[int]]:
     """The order of the n systems in each of `rounds` rounds: every round replays each system
-    once (interleaved, measure.md), in an order shuffled per round. A fixed order puts one system
+    once (interleaved, docs/measurement.md), in an order shuffled per round. A fixed order puts one system
     always after the same neighbour (the baselines, say) and at the same place in the round:
     auto, replayed first after the baselines, measured up to 7% slower than the very program it
     ran at 16 NVFP4 tokens and 2.5-3.5% faster at 2,048-16,384 tokens. The orders depend only on
@@ -1474,7 +1474,7 @@ def measure_cold_start(program: str) -> dict:
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16")
 @click.option("--systems", default=DEFAULT_SYSTEMS,
               help="of nccl+torch, symm+torch, auto, programs (every generated program), or program names")
-@click.option("--reps", default=50, help="timed replays per system and point (measure.md: at least 50)")
+@click.option("--reps", default=50, help="timed replays per system and point (docs/measurement.md: at least 50)")
 @click.option("--calls", default=10, help="back-to-back calls captured in one CUDA graph")
 @click.option("--warmup", default=3, help="eager calls before capture")
 @click.option("--out", default=None, help="JSON path [default: bench_results/<machine>-<date>.json]; "
@@ -1496,7 +1496,7 @@ def measure_cold_start(program: str) -> dict:
 def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, out, machine, timeout_s, seed,
          bw_gib, time_budget_s, cold_start, cold_start_program, sweep, pdl, vec_per_thread):
     """Benchmark the fused MoE finalize + all-reduce + RMSNorm programs against NCCL and torch
-    symmetric-memory baselines on `--world` GPUs of this machine (measure.md protocol)."""
+    symmetric-memory baselines on `--world` GPUs of this machine (docs/measurement.md)."""
     started = time.time()
     _set_required_env()
     try:
@@ -1508,7 +1508,7 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     if reps < 50:
-        click.echo(f"note: --reps {reps} is below measure.md's 50", err=True)
+        click.echo(f"note: --reps {reps} is below the 50 of docs/measurement.md", err=True)
     import dispatch
     for s in cfg.systems:
         if s not in SYSTEM_CHOICES and s not in dispatch.programs():

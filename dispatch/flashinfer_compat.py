@@ -56,7 +56,7 @@ Differences from FlashInfer (as read from its source; see dispatch/API.md):
   Every rank's outputs are bit-identical.
 * NVFP4 on Hopper. FlashInfer's FP4 conversion is the sm_100 E2M1 convert instruction, compiled
   only for Blackwell (below it the kernel produces no FP4 values); these programs round to E2M1
-  in software, the same code on sm_90a (H100/H200) and sm_100a, bit-exact to shared/spec/op.md
+  in software, the same code on sm_90a (H100/H200) and sm_100a, bit-exact to docs/operation.md
   (round to nearest even, saturating, sign of zero kept). Scale factors use correctly rounded division
   where FlashInfer uses approximate reciprocals, so scale bytes and nibbles can differ from
   FlashInfer's in near-tie blocks.

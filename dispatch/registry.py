@@ -5,17 +5,26 @@ compiled with NVRTC through CuPy's low-level bindings at first use, for the
 GPU's own target (sm_90a on H100/H200, sm_100a on B200), and kept in a disk
 cache keyed by a sha256 of everything compiled: the self-contained source text
 (body inlined), the options, the target and the NVRTC version. A cache entry
-carries its own checksum; a corrupt entry is recompiled, never loaded.
+carries its own checksum (bound to its key); a corrupt entry is recompiled,
+never loaded. Only a directory the user owns and nobody else can write is used
+(created 0700); entries are written 0600 through a fresh temporary file and an
+atomic rename, and opened without following symlinks. Anything else, and any
+OSError, is a miss: the cubin is compiled and kept in memory for the process.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import functools
 import hashlib
 import os
 import pathlib
+import stat
+import tempfile
 import threading
 import time
+import warnings
 
 from . import manifest as _manifest
 
@@ -138,9 +147,92 @@ def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
 # ---- compilation ----------------------------------------------------------------------
 
 def cache_dir() -> pathlib.Path:
+    """$MOE_AR_CACHE_DIR, default $XDG_CACHE_HOME/moe_ar or ~/.cache/moe_ar (used only when trusted)."""
     d = os.environ.get("MOE_AR_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moe_ar")
     return pathlib.Path(d)
+
+
+# Cubins the disk cache could not hold (directory refused, an OSError reading or writing the
+# entry), by cache key: a second load in the same process does not compile again.
+_memory_cubins: dict[str, bytes] = {}
+_warned_dirs: set[str] = set()  # refused directories already warned about in this process
+_cache_lock = threading.Lock()  # not _lock: load() holds that one while it compiles
+
+
+def _distrust(st: os.stat_result, kind: str) -> str | None:
+    """Why a cache directory or entry is not trusted, None when it is: anyone but this user able
+    to write it could plant a cubin (its checksum is recomputable)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symlink"
+    if not (stat.S_ISDIR if kind == "directory" else stat.S_ISREG)(st.st_mode):
+        return f"it is not a {kind}"
+    if st.st_uid != os.geteuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if st.st_mode & 0o022:
+        return f"it is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _trusted_cache_dir() -> pathlib.Path | None:
+    """The cache directory, created 0700 when missing; None when it is not trusted (warned once
+    per directory and process)."""
+    d = cache_dir()
+    try:
+        d.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(d, 0o700)
+        why = _distrust(os.lstat(d), "directory")  # the leaf itself: a symlink is refused
+    except OSError as e:
+        why = f"it cannot be created or read ({e})"
+    if why is None:
+        return d
+    with _cache_lock:
+        first = str(d) not in _warned_dirs
+        _warned_dirs.add(str(d))
+    if first:
+        warnings.warn(f"moe_ar compile cache: not using {d}: {why}; programs are compiled and kept in memory "
+                      f"in this process (use a directory only you can write: chmod 700 it if it is yours, "
+                      f"or set MOE_AR_CACHE_DIR)", RuntimeWarning, stacklevel=3)
+    return None
+
+
+def _entry_digest(key: str, cubin: bytes) -> bytes:
+    """The checksum heading an entry; it covers the key, so an entry copied to another name is refused."""
+    return hashlib.sha256(key.encode() + b"\0" + cubin).hexdigest().encode()
+
+
+def _read_entry(path: pathlib.Path) -> tuple[bytes | None, str | None]:
+    """(the entry's bytes, None), or (None, why it is refused). Never follows a symlink (O_NOFOLLOW);
+    O_NONBLOCK so that a FIFO cannot block the open. Raises OSError (FileNotFoundError: no entry)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return None, "it is a symlink"
+        raise
+    try:
+        why = _distrust(os.fstat(fd), "regular file")  # the file opened, not the name
+        if why is not None:
+            return None, why
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(), None
+    finally:
+        os.close(fd)
+
+
+def _write_entry(d: pathlib.Path, path: pathlib.Path, blob: bytes) -> None:
+    """Atomically: a fresh 0600 temporary file of an unpredictable name in `d`, renamed over `path`
+    (which replaces a symlink there, never writes through it). Raises OSError."""
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _include_dirs() -> list[str]:
@@ -187,27 +279,47 @@ def _cache_key(source: str, target: str) -> str:
 
 
 def cached_cubin(name: str, target: str) -> tuple[bytes, dict]:
-    """The program's cubin, from the disk cache or freshly compiled. Returns (cubin, info)."""
+    """The program's cubin, from the disk cache, from memory or freshly compiled. Returns (cubin, info);
+    info["source"] is "cache", "memory" or "compiled"."""
     ps = program_set()
     source = _manifest.source_for(ps.manifest, ps.dir, name)  # re-verifies both files
     key = _cache_key(source, target)
     path = cache_dir() / f"{name}-{target}-{key[:32]}.cubin"
     info = {"program": name, "target": target, "cache": str(path)}
     t0 = time.perf_counter()
-    try:
-        blob = path.read_bytes()
-        digest, cubin = blob[:64], blob[64:]
-        if hashlib.sha256(cubin).hexdigest().encode() == digest:
-            info.update(source="cache", seconds=time.perf_counter() - t0)
-            return cubin, info
-        info["cache_corrupt"] = True  # fall through: recompile and overwrite
-    except FileNotFoundError:
-        pass
+    cubin = _memory_cubins.get(key)
+    if cubin is not None:
+        info.update(source="memory", seconds=time.perf_counter() - t0)
+        return cubin, info
+    d = _trusted_cache_dir()
+    keep = d is None  # in memory as well when the disk cannot give it back
+    if d is None:
+        info["cache_refused"] = "the directory is not trusted (see the warning)"
+    else:
+        try:
+            blob, why = _read_entry(path)
+        except FileNotFoundError:
+            blob, why = None, None
+        except OSError as e:
+            blob, why, keep = None, None, True
+            info["cache_error"] = f"read: {e}"
+        if why is not None:
+            info["cache_refused"] = why  # compiled and replaced below
+        if blob is not None:
+            digest, cubin = blob[:64], blob[64:]
+            if digest == _entry_digest(key, cubin):
+                info.update(source="cache", seconds=time.perf_counter() - t0)
+                return cubin, info
+            info["cache_corrupt"] = True  # fall through: recompile and overwrite
     cubin, log = compile_cubin(source, name, target)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(hashlib.sha256(cubin).hexdigest().encode() + cubin)
-    os.replace(tmp, path)
+    if d is not None:
+        try:
+            _write_entry(d, path, _entry_digest(key, cubin) + cubin)
+        except OSError as e:
+            keep = True
+            info["cache_error"] = f"write: {e}"
+    if keep:
+        _memory_cubins[key] = cubin
     info.update(source="compiled", seconds=time.perf_counter() - t0, ptxas=log)
     return cubin, info
 

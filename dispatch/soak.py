@@ -21,7 +21,7 @@ the GPU, right behind the kernels:
   summed in float64, and the tolerance is derived from the contract (float32 accumulation in the
   kernel, one rounding of each partial, one of the sum: `residual_expectation`);
 * norm_out of rank 0 against the float64 RMSNorm of its own residual_out (`norm_expectation`);
-* NVFP4: quant_out and the swizzled scale bytes of rank 0 exactly equal to op.md's rule applied to
+* NVFP4: quant_out and the swizzled scale bytes of rank 0 exactly equal to the rule of docs/operation.md applied to
   its own norm_out (`nvfp4_expected`), scale padding zero, the bytes past the required scale
   length untouched;
 * every output of every rank bit-identical to rank 0's (which also proves every element written).
@@ -183,7 +183,7 @@ def _e2m1_tables(device):
 
 
 def nvfp4_expected(norm_out: torch.Tensor, global_scale: torch.Tensor):
-    """(quant [T, H/2] uint8, sf8 [T, H/16] uint8): op.md's NVFP4 of this norm_out, every step a float32
+    """(quant [T, H/2] uint8, sf8 [T, H/16] uint8): the NVFP4 of this norm_out (docs/operation.md), every step a float32
     tensor op as tests/reference.py's nvfp4_ref (tensor / tensor, never / a Python scalar); sf8 is the
     E4M3 block scale of each (token, 16-element block) before swizzling. global_scale: [1] float32
     tensor on norm_out's device."""

@@ -15,7 +15,7 @@ import subprocess
 from . import spec, tuning
 from .code_hash import code_sha256
 
-# Manifests of format 1 called the first two profiles by op.md's codes.
+# Manifests of format 1 called the first two profiles by their numeric codes.
 _FORMAT1_PROFILES = {"110": spec.PLAIN, "111": "nvfp4"}
 
 

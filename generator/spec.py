@@ -40,7 +40,8 @@ PLAIN = "plain"
 class OutputProfile:
     """What a program writes besides norm_out and residual_out (both in the input dtype)."""
     name: str                   # the call's quant= value; PLAIN for quant=None
-    code: str                   # its part of program names (op.md's codes o110 and o111, else the name)
+    code: str                   # its part of program names (o110, o111: which of norm_out, residual_out,
+                                # quant_out are written, docs/operation.md; else the name)
     meaning: str
     cpp: str                    # template argument of the kernel body
     extra_outputs: tuple[str, ...]

@@ -10,11 +10,12 @@ A call with T tokens in cell (dtype, world size, profile) runs the first regime 
 (each then swapped for its shared-expert variant where the rank has a shared
 operand and the variant's cell is not a hole).
 
-Where a committed benchmark (bench_results/*.json, written by `moe-ar-bench`)
+Where the committed benchmark named by BENCH_FILE (written by `moe-ar-bench`)
 measured every base program of a cell on real GPUs, the boundaries are the ones
 that best fit those measurements; every cell says where its numbers came from.
 Cells with no measurement (world sizes 4 and 8: no such machine here) take the
-written model below. A new benchmark result is therefore a visible table diff.
+written model below. Pointing BENCH_FILE at a new benchmark is therefore a
+visible table diff.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import pathlib
 
 from . import spec
 
-BENCH_DIR = "bench_results"
+# The one measurement the tables are fitted to: the full benchmark of every program at every output
+# profile on 2x H200 (NVLink, world size 2, bf16), four shapes, 1 to 16,384 tokens.
+BENCH_FILE = "bench_results/h200x2-2026-11-30-529cb84-bf16.json"
 
 # ---- the written model, for cells no benchmark measured ---------------------------------
 #
@@ -83,8 +86,11 @@ class Selection:
 
 
 def bench_files(root: pathlib.Path) -> list[pathlib.Path]:
-    """The committed benchmark results the selection reads (they are generator inputs)."""
-    return sorted((pathlib.Path(root) / BENCH_DIR).glob("*.json"))
+    """The committed benchmark result the selection reads (a generator input): BENCH_FILE."""
+    path = pathlib.Path(root) / BENCH_FILE
+    if not path.is_file():
+        raise ValueError(f"tuning: the benchmark the tables are fitted to, {BENCH_FILE}, is missing under {root}")
+    return [path]
 
 
 def _program_of(system: str) -> spec.ProgramSpec | None:
@@ -178,7 +184,7 @@ def selection(root: pathlib.Path | None = None) -> Selection:
     root = pathlib.Path(root) if root is not None else pathlib.Path(__file__).resolve().parent.parent
     paths = bench_files(root)
     measured = measured_times(paths)
-    names = ", ".join(f"{BENCH_DIR}/{p.name}" for p in paths) or "none"
+    names = ", ".join(p.relative_to(root).as_posix() for p in paths)
     boundaries = {}
     for dtype in spec.DTYPES:
         for world_size in spec.WORLD_SIZES:

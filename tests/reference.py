@@ -1,7 +1,7 @@
 """Reference for MoE finalize + all-reduce + residual add + RMSNorm (+ NVFP4).
 
 Pure torch; every function works on CPU tensors (and on CUDA tensors, for cheap
-checks inside GPU tests). Follows /work/shared/spec/op.md:
+checks inside GPU tests). Follows docs/operation.md:
 
 * Precision contract: each rank's partial is computed in float64 and rounded
   ONCE to the dtype D (it travels as D); the cross-rank sum plus residual_in is
@@ -10,7 +10,7 @@ checks inside GPU tests). Follows /work/shared/spec/op.md:
 * Rounding float64 -> D is done correctly (single rounding). torch converts
   float64 -> bf16/fp16 through float32, which is a double rounding; we round to
   odd at float32 first (24 >= p + 2 bits), which makes the second rounding exact.
-* NVFP4 follows op.md step by step in float32 arithmetic: every multiply and
+* NVFP4 follows docs/operation.md step by step in float32 arithmetic: every multiply and
   division is a float32 tensor op (tensor / tensor, never tensor / python scalar,
   which CUDA torch turns into a multiply by a rounded reciprocal).
 
@@ -295,7 +295,7 @@ def _gs_float(global_scale) -> float:
 def nvfp4_block_scales(x: torch.Tensor, global_scale):
     """Blocked float32 x [T, H/16, 16] -> (amax, sf, sf8 bytes, scale), each [T, H/16].
 
-    op.md step by step, every operation a float32 tensor op (correctly rounded).
+    docs/operation.md step by step, every operation a float32 tensor op (correctly rounded).
     """
     amax = x.abs().amax(-1)
     gs = torch.full_like(amax, _gs_float(global_scale))
@@ -686,7 +686,7 @@ def _check_fp8(got, norm_out, tag, quant, scale, fp8):
     return fails
 
 
-# ---- FP8 outputs for Hopper consumers (op.md "FP8 outputs") ----------------------------------
+# ---- FP8 outputs for Hopper consumers (docs/operation.md, the two FP8 sections) --------------
 
 FP8_GROUP = 128
 FP8_EPS = 1e-10

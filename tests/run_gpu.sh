@@ -5,7 +5,7 @@
 #             processes, faults, reliability, FP8 consumer, the torch custom op), one JSON line per
 #             test in $OUT/gpu-tests.jsonl, the log in $OUT/gpu-tests.log
 #   bench     the benchmark against NCCL and torch symmetric memory (2 GPUs), every output profile:
-#             JSON + PNG + summary; committed at the top of bench_results/, the tables are fitted to it
+#             JSON + PNG + summary; the tables are fitted to the one generator/tuning.py BENCH_FILE names
 #   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
 #   autobench the automatic choice under the committed tables against every forced program
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
@@ -18,7 +18,8 @@ cd "$(dirname "$0")/.."
 # NVLink multicast can take a shared host's GPUs down: keep it off everywhere.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-export MOE_AR_CACHE_DIR=${MOE_AR_CACHE_DIR:-/tmp/moe_ar_cache}
+# A fresh private compile cache (a fixed /tmp path could be made first by another user; then refused).
+export MOE_AR_CACHE_DIR=${MOE_AR_CACHE_DIR:-$(mktemp -d -t moe-ar-cache-XXXXXX)}
 # Results gather in $RES and are packed into $OUT/results.tgz after every step (the device tool
 # brings back at most 8 files); the tests' log and JSON lines go to $OUT directly.
 FINAL_OUT=${OUT:-gpu-out}; mkdir -p "$FINAL_OUT"
@@ -63,7 +64,7 @@ if step fp8bench && [ "$GPUS" -ge 2 ]; then
 fi
 if step autobench && [ "$GPUS" -ge 2 ]; then
     # the automatic choice under the committed tables against every forced program, target shape
-    # (not a tuning input: bench_results/*.json at the top level are; this goes to bench_results/auto/)
+    # (not a tuning input: only generator/tuning.py BENCH_FILE is; this goes to bench_results/auto/)
     $BENCH --shapes 7168:8:shared --profiles 110,111 --systems auto,programs --bw-gib 1 \
         --out "$OUT/bench-auto.json" 2>&1 | grep -v "it/s]" | tail -35 || status=1
 fi

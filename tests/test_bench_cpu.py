@@ -92,7 +92,7 @@ def test_swizzle_offsets_by_hand():
     assert bench.swizzle_offset(128, 0, H) == 112 * 512
 
 
-def test_swizzle_is_op_md_decoder_inverse():
+def test_swizzle_is_the_documented_decoder_inverse():
     T, H = 256, 128  # 2 row tiles, 8 scale columns
     rows, cols = T, H // 16
     buf = torch.zeros(bench.scale_out_bytes(T, H), dtype=torch.int64)
@@ -249,7 +249,7 @@ def test_short_program():
 
 # ---- parsing and the command line ----------------------------------------------------------------
 
-def test_defaults_are_measure_md_table():
+def test_defaults_are_the_documented_shape_table():
     shapes = bench.parse_shapes(bench.DEFAULT_SHAPES)
     assert shapes == [bench.Shape(7168, 8, True), bench.Shape(7168, 8, False), bench.Shape(7168, 4, True),
                       bench.Shape(4096, 8, False)]

@@ -115,7 +115,7 @@ def test_profile_records_are_consistent():
     assert [p.quant for p in profiles] == [None, "nvfp4", "fp8_group128", "fp8_tensor"]
     assert dict(spec.PROFILE_QUANT) == {p.name: p.quant for p in profiles}
     assert len({p.code for p in profiles}) == len(spec.OUTPUT_PROFILES)
-    # program names keep op.md's codes: o110 (plain), o111 (nvfp4)
+    # program names keep their numeric codes: o110 (plain), o111 (nvfp4)
     assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_tss_bf16_ws4_o111"
     assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_os_bf16_ws2_o110"
     # the pipelined two-shot with register loads is generated for the profiles with loads, a hole elsewhere
