@@ -926,10 +926,12 @@ class Bench:
     # -- setup --
     def programs_for(self, profile: str) -> list[str]:
         import dispatch
+        from dispatch.op import profile_for_quant
+        manifest_profile = profile_for_quant(PROFILES[profile])  # the manifest names profiles by quant=
         out = []
         for name in dispatch.programs():
             info = dispatch.program_info(name)
-            if (info["dtype"], info["world_size"], info["profile"]) == (self.cfg.dtype, self.W, profile):
+            if (info["dtype"], info["world_size"], info["profile"]) == (self.cfg.dtype, self.W, manifest_profile):
                 out.append(name)
         return out
 
@@ -977,6 +979,7 @@ class Bench:
         import torch
         import torch.distributed as dist
         import dispatch
+        from dispatch.op import profile_for_quant
         quant = PROFILES[profile]
         S, H, dev, D = len(sets), shape.hidden, self.device, self.dtype
         systems = []
@@ -1054,7 +1057,8 @@ class Bench:
             forced = self.programs_for(profile)
         for name in forced:
             info = dispatch.program_info(name)
-            if (info["dtype"], info["world_size"], info["profile"]) != (self.cfg.dtype, self.W, profile):
+            if (info["dtype"], info["world_size"], info["profile"]) != (self.cfg.dtype, self.W,
+                                                                        profile_for_quant(quant)):
                 continue
             if info["family"] == "oneshot" and T > ws.oneshot_max_tokens:
                 self.skip(f"one-shot above the workspace's oneshot_max_tokens {ws.oneshot_max_tokens}",
@@ -1512,7 +1516,7 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
     if cold_start:
         from . import registry
         name = cold_start_program or registry.program_for(
-            registry.select_family(dtype, world, "110", 1, False, 1024), dtype, world, "110")
+            registry.select_family(dtype, world, "plain", 1, False, 1024), dtype, world, "plain")
         click.echo(f"cold start: {name} ...")
         cfg.cold_start = measure_cold_start(name)
         click.echo(json.dumps(cfg.cold_start, indent=1))

@@ -194,7 +194,7 @@ class _Launcher:
         self.profile = info["profile"]
         self.sliced_units = info["sliced_units"]  # a work unit is a row slice, not a whole row
         self.column_units = info["column_units"]  # a work unit is a column: a token of each rank
-        self.quant_scale_arg = {"111": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
+        self.quant_scale_arg = {"nvfp4": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
         self.writes_quant = "quant_out" in info["outputs"]
         self.writes_scales = "scale_out" in info["outputs"]
         prog = registry.load(name, ws.device_index)

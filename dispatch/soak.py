@@ -411,7 +411,7 @@ def default_max_tokens(selection_rows, dtype_name: str, world_size: int) -> int:
         if s.get("dtype") == dtype_name and int(s.get("world_size", -1)) == world_size:
             last = max(last, *(int(s[k]) + 1 for k in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens",
                                                         "loads_max_tokens")
-                               if int(s[k]) < registry.ALL_TOKENS))
+                               if int(s[k]) < registry.program_set().all_tokens))
     need = last + 255
     return max(2048, -(-need // 128) * 128)
 

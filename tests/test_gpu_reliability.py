@@ -61,8 +61,8 @@ FAULT_ONESHOT_CAP = 64  # T = 8 runs one-shot, T = 300 a two-shot (the early one
 def _pipelined_tokens():
     """The smallest T the committed tables give the pipelined two-shot (world size 2, bf16, plain);
     None where they never do."""
-    last = dispatch.registry.program_set().selection[("bf16", 2, "110")]["twoshot_max_tokens"]
-    return None if last >= dispatch.registry.ALL_TOKENS else last + 1
+    last = dispatch.registry.program_set().selection[("bf16", 2, "plain")]["twoshot_max_tokens"]
+    return None if last >= dispatch.registry.program_set().all_tokens else last + 1
 
 
 PIPELINED_T = _pipelined_tokens()

@@ -79,7 +79,8 @@ def test_tampered_body_and_mismatched_manifest_are_refused(generated_copy):
         runtime_manifest.load_verified_manifest(generated_copy)
     shutil.copy(ROOT / "generated" / "kernels" / "moe_finalize_allreduce.cuh", body)
     m = generated_copy / "manifest.json"
-    m.write_text(m.read_text().replace('"format":1', '"format":2').replace('"format": 1', '"format": 2'))
+    known = runtime_manifest.FORMAT  # a format this reader does not know: the next one
+    m.write_text(m.read_text().replace(f'"format": {known},', f'"format": {known + 1},'))
     with pytest.raises(runtime_manifest.ManifestError, match="format"):
         runtime_manifest.load_verified_manifest(generated_copy)
 
@@ -138,7 +139,7 @@ MUTATIONS = {
 
 
 def test_valid_call_passes_the_checks():
-    assert op._check_args(_workspace(), _valid()) == (T, K, T * K + 2, "111")
+    assert op._check_args(_workspace(), _valid()) == (T, K, T * K + 2, "nvfp4")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -54,7 +54,7 @@ def test_default_max_tokens_reaches_every_regime_of_the_selection_table():
             for s in rows:
                 if s["dtype"] == dname and s["world_size"] == W:
                     assert m > s["early_max_tokens"] and m > s["oneshot_max_tokens"], (dname, W, s)
-                    assert m > s["twoshot_max_tokens"] or s["twoshot_max_tokens"] == registry.ALL_TOKENS, (dname, W, s)
+                    assert m > s["twoshot_max_tokens"] or s["twoshot_max_tokens"] == registry.program_set().all_tokens, (dname, W, s)
 
 
 # ---- token counts and regimes -----------------------------------------------------------------------

@@ -1,8 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 0065db04327384de1fe3c3d56ab642287def045a2a4d5fc4e60da4a2f399ae94
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_bf16_ws4_fp8_tensor: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
-// dtype bf16, world size 4, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)
+// dtype bf16, world size 4, output profile fp8_tensor (quant="fp8_tensor"): norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device
 #include "moe_finalize_allreduce.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) moe_ar_os_bf16_ws4_fp8_tensor(const moe_ar::Params p) {
