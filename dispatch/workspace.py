@@ -194,16 +194,20 @@ def _gpu_identity(device_index: int) -> str:
     return f"PCI {cupy.cuda.Device(device_index).pci_bus_id}"
 
 
-def exchange_status(group, step: str, error: BaseException | None = None, payload=None) -> list:
-    """Collective on `group`: every rank reports whether its local `step` succeeded (with `payload`)
-    or raised `error`. Returns every rank's payload, in group rank order, when all succeeded; otherwise
-    raises on every rank alike: the ValueError of a rank whose arguments were bad (its message starts
-    with the argument's name), else RuntimeError naming the step, the rank and its error."""
+def _gather_status(group, step: str, error: BaseException | None, payload=None) -> list:
+    """Collective on `group`: every rank's _Ok(payload) or _Failure, in group rank order."""
     import torch.distributed as dist
     mine = _Ok(payload) if error is None else _Failure(step, type(error).__name__, str(error),
                                                        isinstance(error, ValueError))
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
+    return gathered
+
+
+def _raise_failures(gathered: list, error: BaseException | None) -> list:
+    """Every rank's payload if no rank failed; else the same exception on every rank: the ValueError of
+    a rank whose arguments were bad (its message starts with the argument's name), else RuntimeError
+    naming the step, the rank and its error. `error`: this rank's own, chained."""
     failed = [(r, g) for r, g in enumerate(gathered) if not isinstance(g, _Ok)]
     if not failed:
         return [g.payload for g in gathered]
@@ -215,6 +219,13 @@ def exchange_status(group, step: str, error: BaseException | None = None, payloa
         raise ValueError(f"{f.message} (rank {r} of {W}{also})") from error
     raise RuntimeError(f"workspace: {f.step} failed on rank {r} of {W}: {f.error_type}: {f.message}{also}") \
         from error
+
+
+def exchange_status(group, step: str, error: BaseException | None = None, payload=None) -> list:
+    """Collective on `group`: every rank reports whether its local `step` succeeded (with `payload`)
+    or raised `error`. Returns every rank's payload, in group rank order, when all succeeded; otherwise
+    raises on every rank alike (see _raise_failures)."""
+    return _raise_failures(_gather_status(group, step, error, payload), error)
 
 
 def _show(field: str, value) -> str:
@@ -504,12 +515,17 @@ class Workspace(_WorkspaceBase):
                     handle = bytes(runtime.ipcGetMemHandle(self._memory.buffers))
             except Exception as e:
                 error = e
-            handles = exchange_status(group, "allocating the buffers", error, handle)
-            exchange_status(group, "opening the peers' buffers over CUDA IPC",
-                            _attempt(lambda: self._open_peers(handles)))
+            handles = exchange_status(group, "allocating the buffers", error, handle)  # nothing mapped yet
+            error = _attempt(lambda: self._open_peers(handles))
+            opened = _gather_status(group, "opening the peers' buffers over CUDA IPC", error)
         except BaseException:
-            self._release(quiet=True)
+            self._release(quiet=True)  # a failed allocation, or the group itself failing
             raise
+        if any(not isinstance(g, _Ok) for g in opened):
+            # peers may map this rank's buffers: freeing exported memory that another process still
+            # maps is undefined, so every rank closes its mappings before any rank frees
+            self._unmap_then_free("the constructor", quiet=True)
+            _raise_failures(opened, error)
         self._closed = False
         _register(self)
 
@@ -542,25 +558,39 @@ class Workspace(_WorkspaceBase):
                     self._peer_buffers[r] = ptr
 
     def _close_mappings(self, quiet: bool = False) -> None:
+        """Close every mapping of a peer's buffers; the first error is raised at the end unless quiet."""
         import cupy
         from cupy.cuda import runtime
+        errors = []
+        self._peer_buffers = [0] * 8
         with cupy.cuda.Device(self.device_index):
             while self._opened:
-                ptr = self._opened.pop()
                 try:
-                    runtime.ipcCloseMemHandle(ptr)
-                except Exception:
-                    if not quiet:
-                        raise
-        self._peer_buffers = [0] * 8
+                    runtime.ipcCloseMemHandle(self._opened.pop())
+                except Exception as e:
+                    errors.append(e)
+        if errors and not quiet:
+            raise errors[0]
 
     def _release(self, quiet: bool = False) -> None:
-        """Close the peers' mappings and free this rank's memory (a failed constructor)."""
+        """Close the peers' mappings and free this rank's memory, with no exchange (nothing of this
+        rank is mapped by a peer, or the group cannot exchange any more)."""
         try:
             self._close_mappings(quiet)
         finally:
             if self._memory is not None:
                 self._memory.free(quiet)
+
+    def _unmap_then_free(self, during: str, quiet: bool = False) -> None:
+        """Collective: close the mappings of the peers' buffers, and free this rank's memory once every
+        rank has closed its own. If a rank could not, the memory stays allocated (freeing it while a
+        peer maps it is undefined) and every rank raises RuntimeError naming that rank (unless quiet)."""
+        error = _attempt(self._close_mappings)
+        closed = _gather_status(self.group, f"{during}: closing the peers' mappings", error)
+        if all(isinstance(g, _Ok) for g in closed):
+            self._memory.free(quiet)
+        elif not quiet:
+            _raise_failures(closed, error)
 
     def reset(self) -> None:
         """Collective: bring the group back to a clean state after a timeout."""
@@ -582,16 +612,13 @@ class Workspace(_WorkspaceBase):
         if self._closed:
             return
         with torch.cuda.device(self.device_index):
+            # no peer may still write into this rank's buffers: every rank's kernels have finished
             exchange_status(self.group, "close: finishing this rank's kernels",
                             _attempt(lambda: torch.cuda.synchronize(self.device)))
-            error = _attempt(self._close_mappings)
-            try:
-                exchange_status(self.group, "close: closing the peers' mappings", error)
-            finally:  # no kernel of any rank runs any more: this rank's memory goes in any case
-                self._closed = True
-                self._launchers.clear()
-                _live_workspaces.discard(self)
-                self._memory.free()
+            self._closed = True
+            self._launchers.clear()
+            _live_workspaces.discard(self)
+            self._unmap_then_free("close")
 
 
 class _EmulatedRank(_WorkspaceBase):

@@ -165,6 +165,12 @@ def _two_rank_cases(rank, group) -> dict:
         res["fake_close_sync_fails"] = _attempt(lambda: ws.close())
         fake.fail_on = None
         res["fake_close_again"] = _attempt(lambda: (ws.close(), ws._closed, fake.balance())[1:])
+        # a rank that cannot close its mapping of a peer's buffer: no rank frees what a peer still maps
+        res["fake_build_last"] = _attempt(build)
+        fake.fail_on = "ipcCloseMemHandle" if rank == 1 else None
+        res["fake_close_unmap_fails"] = _attempt(lambda: ws.close())
+        res["fake_close_unmap_fails_balance"] = {"ok": repr(fake.balance())}
+        fake.fail_on = None
     return res
 
 
@@ -288,6 +294,7 @@ def fake_cuda(rank):
         return ptr
 
     def ipc_close(ptr):
+        fake._maybe_fail("ipcCloseMemHandle")
         del fake.mapped[ptr]
 
     def synchronize(*a):
@@ -466,6 +473,17 @@ def test_reset_and_close_report_a_failing_rank_on_every_rank(two):
     _every_rank_raises(two["fake_close_sync_fails"], 2, "RuntimeError", contains=("close", "rank 1", "injected"))
     for rank in (0, 1):  # the failed close kept the workspace; a second close released it
         assert two["fake_close_again"][rank].get("ok") == "(True, [])", two["fake_close_again"][rank]
+
+
+def test_no_rank_frees_what_a_peer_still_maps(two):
+    """Rank 1 cannot close its mapping of rank 0's buffers: both raise, and neither frees its memory
+    (freeing exported memory that another process still maps is undefined)."""
+    for rank in (0, 1):
+        assert "ok" in two["fake_build_last"][rank], two["fake_build_last"][rank]
+    _every_rank_raises(two["fake_close_unmap_fails"], 2, "RuntimeError",
+                       contains=("close: closing the peers' mappings", "rank 1", "injected"))
+    assert two["fake_close_unmap_fails_balance"][0]["ok"] == "['device', 'device', 'host']"
+    assert two["fake_close_unmap_fails_balance"][1]["ok"] == "['device', 'device', 'host', 'ipc']"
 
 
 # ---- in-process cases ---------------------------------------------------------------------------------
