@@ -6,7 +6,12 @@
 * the workspace rendezvous uses the group it is given: a 3-process world with a gloo default
   group, where only global ranks 1 and 2 (group ranks 0 and 1) build the workspace;
 * a lost peer: one rank skips a call, the other times out with an error naming its rank and
-  phase, and a collective reset brings correct results back.
+  phase, and a collective reset brings correct results back;
+* the rendezvous: rank 1 passing another dtype, hidden, max_tokens, oneshot_max_tokens, vec_per_thread
+  or timeout_s makes both ranks raise the same ValueError naming the field, before anything is
+  allocated; rank 1's constructor failing (pinned allocation, CUDA IPC open, or a real out-of-memory
+  on its GPU) makes both raise RuntimeError naming the step and rank 1 within 20 s, with every
+  allocation freed; after each, a matching workspace builds and computes correct results.
 
 Failures in a child propagate: a child raises (torch.multiprocessing reports its traceback) and
 the parent kills the children that are left if the deadline passes.
@@ -274,6 +279,177 @@ def _worker_lost_peer(rank, init_file, out_dir, base_seed):
         row["failures"] = failures[:5]
         _write(out_dir, rank, [row])
         ws.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}: " + "\n".join(failures))
+
+
+# ---- the rendezvous: ranks that disagree, a constructor that fails on one rank --------------------------
+
+MIB = 1 << 20
+DISAGREE = {  # field: (rank 0's arguments, rank 1's); every rank must raise ValueError naming the field
+    "dtype": (dict(dtype=torch.bfloat16), dict(dtype=torch.float16)),
+    "hidden": (dict(hidden=2048), dict(hidden=4096)),
+    "max_tokens": (dict(max_tokens=64), dict(max_tokens=128)),
+    "oneshot_max_tokens": (dict(oneshot_max_tokens=32), dict(oneshot_max_tokens=16)),
+    "vec_per_thread": (dict(vec_per_thread=None), dict(vec_per_thread=2)),
+    "timeout_s": (dict(timeout_s=10.0), dict(timeout_s=0.0)),  # a deadline beside none
+}
+INJECTED = ("hostAlloc", "ipcOpenMemHandle", "out_of_memory")  # what fails on rank 1
+
+
+def _ws_kwargs(**over):
+    kw = dict(max_tokens=64, hidden=2048, dtype=torch.bfloat16, timeout_s=10.0, oneshot_max_tokens=None,
+              vec_per_thread=None)
+    kw.update(over)
+    return kw
+
+
+def _build(group, kw):
+    import dispatch
+    kw = dict(kw)
+    return dispatch.Workspace(group, kw.pop("max_tokens"), kw.pop("hidden"), kw.pop("dtype"), **kw)
+
+
+def _free_memory(dev):
+    import gc
+    torch.cuda.synchronize(dev)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info(dev)[0]
+
+
+def test_ranks_that_disagree_are_refused_on_both(tmp_path, base_seed, record_result):
+    rows = _run_ranks("_worker_disagree", 2, tmp_path, base_seed, record_result, timeout_s=300)
+    assert len(rows) == 2 and all(r["passed"] for r in rows), rows
+    by_rank = {r["rank"]: r["messages"] for r in rows}
+    assert set(by_rank[0]) == set(DISAGREE) and by_rank[0] == by_rank[1], by_rank  # the same error on both
+
+
+def test_a_constructor_failing_on_one_rank_raises_on_both(tmp_path, base_seed, record_result):
+    rows = _run_ranks("_worker_ctor_fails", 2, tmp_path, base_seed, record_result, timeout_s=300)
+    assert len(rows) == 2 and all(r["passed"] for r in rows), rows
+    by_rank = {r["rank"]: r["messages"] for r in rows}
+    assert set(by_rank[0]) == set(INJECTED) and by_rank[0] == by_rank[1], by_rank
+
+
+def _rendezvous_row(rank, what):
+    return dict(kind="reliability", what=what, rank=rank, world_size=2, devices="two_gpus", calls=0,
+                faults_injected=0, hostile_calls=0, messages={})
+
+
+def _after_refusals(dist, group, rank, dev, base_seed, label, live0, free0, failures, row):
+    """Nothing left allocated or registered, dispatch.check() works, and the group is still in step: a
+    matching workspace builds and computes correct results."""
+    import dispatch
+    from dispatch import workspace as wsm
+    free1 = _free_memory(dev)
+    if abs(free0 - free1) >= 16 * MIB:
+        failures.append(f"{label}: device memory {(free0 - free1) / MIB:.1f} MiB lower than before")
+    if len(wsm._live_workspaces) != live0:
+        failures.append(f"{label}: {len(wsm._live_workspaces) - live0} failed workspaces registered as live")
+    dispatch.check()
+    ws = _build(group, _ws_kwargs())
+    try:
+        rnd = random.Random(f"{base_seed}:{label}")
+        case = ref.make_case(2, rnd.randint(1, 64), 2048, 4, torch.bfloat16, seed=rnd.getrandbits(62), device=dev,
+                             gen_device="cpu")
+        failures += _one_call(dist, ws, rank, dev, case, None, 1.0, False, None, group, f"{label}: a call after")
+        row["calls"] += 1
+    finally:
+        ws.close()
+
+
+def _worker_disagree(rank, init_file, out_dir, base_seed):
+    dist = _child_setup(rank, 2, init_file, "nccl", rank)
+    from dispatch import workspace as wsm
+    dev = torch.device("cuda", rank)
+    row = _rendezvous_row(rank, "Workspace over two GPUs, rank 1 passing another dtype / hidden / max_tokens / "
+                                "oneshot_max_tokens / vec_per_thread / timeout_s (0: no deadline)")
+    failures = []
+    try:
+        group = dist.new_group([0, 1])
+        _build(group, _ws_kwargs()).close()  # communicators up: what follows times the exchange only
+        live0, free0 = len(wsm._live_workspaces), _free_memory(dev)
+        for field, (kw0, kw1) in DISAGREE.items():
+            kw = _ws_kwargs(**(kw1 if rank == 1 else kw0))
+            msg, fails, seconds = multiproc.expect_raise(lambda: _build(group, kw), ValueError,
+                                                         f"{field}: rank 1 has", ("rank 0",), 20.0)
+            row["messages"][field] = msg
+            row["hostile_calls"] += 1
+            failures += [f"{field}: {f}" for f in fails]
+        _after_refusals(dist, group, rank, dev, base_seed, "disagree", live0, free0, failures, row)
+        row["outcome"] = (f"{len(DISAGREE)} disagreements, each the same ValueError naming the field on both "
+                          f"ranks, nothing allocated; then a matching workspace correct")
+    except BaseException as e:
+        failures.append(f"{type(e).__name__}: {e}"[:2000])
+        raise
+    finally:
+        row["passed"] = not failures
+        row["failures"] = failures[:8]
+        _write(out_dir, rank, [row])
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}: " + "\n".join(failures))
+
+
+def _worker_ctor_fails(rank, init_file, out_dir, base_seed):
+    dist = _child_setup(rank, 2, init_file, "nccl", rank)
+    from cupy.cuda import runtime
+    from dispatch import workspace as wsm
+    dev = torch.device("cuda", rank)
+    row = _rendezvous_row(rank, "Workspace over two GPUs, rank 1's constructor failing: pinned allocation, "
+                                "CUDA IPC open, device out of memory")
+    failures = []
+    try:
+        group = dist.new_group([0, 1])
+        _build(group, _ws_kwargs()).close()  # communicators up
+        live0 = len(wsm._live_workspaces)
+        for case in INJECTED:
+            free0 = _free_memory(dev)
+            filler, saved = None, None
+            # the out-of-memory case: 1.5 GiB of buffers a rank, and rank 1's GPU left with 256 MiB
+            kw = _ws_kwargs(max_tokens=16384, hidden=8192) if case == "out_of_memory" else _ws_kwargs()
+            step = ("opening the peers' buffers over CUDA IPC" if case == "ipcOpenMemHandle"
+                    else "allocating the buffers")
+            row["faults_injected"] += 1  # on rank 1; counted in both rows
+            if rank == 1:
+                if case == "out_of_memory":
+                    filler = torch.empty(max(torch.cuda.mem_get_info(dev)[0] - 256 * MIB, 0), dtype=torch.uint8,
+                                         device=dev)
+                else:
+                    saved = getattr(runtime, case)
+
+                    def injected(*a, _case=case):
+                        raise RuntimeError(f"{_case} failed (injected on rank 1)")
+                    setattr(runtime, case, injected)
+            try:
+                msg, fails, seconds = multiproc.expect_raise(lambda: _build(group, kw), RuntimeError,
+                                                             f"workspace: {step} failed on rank 1",
+                                                             ("memory",) if case == "out_of_memory"
+                                                             else ("injected",), 20.0)
+            finally:
+                if saved is not None:
+                    setattr(runtime, case, saved)
+                del filler
+            row["messages"][case] = msg
+            failures += [f"{case}: {f}" for f in fails]
+            free1 = _free_memory(dev)
+            if abs(free0 - free1) >= 16 * MIB:
+                failures.append(f"{case}: device memory {(free0 - free1) / MIB:.1f} MiB lower than before")
+        _after_refusals(dist, group, rank, dev, base_seed, "constructor failures", live0, _free_memory(dev),
+                        failures, row)
+        row["outcome"] = (f"{len(INJECTED)} failures on rank 1, each a RuntimeError naming the step and rank 1 on "
+                          f"both ranks within 20 s, every allocation freed; then a workspace correct")
+    except BaseException as e:
+        failures.append(f"{type(e).__name__}: {e}"[:2000])
+        raise
+    finally:
+        row["passed"] = not failures
+        row["failures"] = failures[:8]
+        _write(out_dir, rank, [row])
     dist.barrier()
     dist.destroy_process_group()
     if failures:
