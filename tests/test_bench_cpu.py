@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import dispatch
-from dispatch import bench
+from moe_ar_tools import bench
 
 
 # ---- roofline byte counts, by hand --------------------------------------------------------------
@@ -285,7 +285,7 @@ def test_default_out_path():
 
 
 def test_import_works_without_a_gpu_and_plots_lazily():
-    code = "import sys, dispatch.bench; assert 'matplotlib' not in sys.modules"
+    code = "import sys, moe_ar_tools.bench; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

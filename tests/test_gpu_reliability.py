@@ -1,7 +1,7 @@
 """Reliability (issue #5): faults, hostile input and lifetimes, on the GPU.
 
 Faults, each followed by the documented recovery (`reset()`) and fresh calls checked in full against
-the float64 reference (tests/reference.py), in the same process:
+the float64 reference (moe_ar_tools/reference.py), in the same process:
 
 * a late rank: one rank's stream sleeps ~100 ms (torch.cuda._sleep, measured with CUDA events) before
   its kernel; with a 10 s deadline every rank is correct; with a 20 ms deadline every rank either
@@ -25,7 +25,7 @@ then 1,000 Workspace create/close cycles over CUDA IPC with no device-memory, IP
 descriptor leak (MOE_AR_LIFETIME_CYCLES / MOE_AR_IPC_CYCLES scale the cycles down; default 1,000).
 
 Every test appends a JSON line through `record_result` (kind "reliability"): what it did, calls,
-faults injected, outcome, seconds; tests/reliability_summary.py turns them into the summary.
+faults injected, outcome, seconds; moe_ar_tools/reliability_summary.py turns them into the summary.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import multiproc
-import reference as ref
+from moe_ar_tools import reference as ref
 
 pytestmark = pytest.mark.gpu
 

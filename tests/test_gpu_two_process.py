@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import multiproc
-import reference as ref
+from moe_ar_tools import reference as ref
 from generator import policy
 from generator import spec as gspec
 

@@ -1,4 +1,4 @@
-"""CPU tests of tests/reference.py against independent implementations.
+"""CPU tests of moe_ar_tools/reference.py against independent implementations.
 
 Every check here compares the reference with something computed another way
 (exact rationals, nearest-value search over a decoded table, hand-worked bytes,
@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-import reference as ref
+from moe_ar_tools import reference as ref
 
 BF16, FP16 = torch.bfloat16, torch.float16
 # (precision bits incl. the implicit one, minimum normal exponent)

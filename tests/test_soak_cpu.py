@@ -1,5 +1,5 @@
-"""dispatch/soak.py without a GPU: argument parsing, the token sampler, the cheap per-call reference
-against tests/reference.py's float64 reference, and the whole soak loop against a stand-in world whose
+"""moe_ar_tools/soak.py without a GPU: argument parsing, the token sampler, the cheap per-call reference
+against moe_ar_tools/reference.py's float64 reference, and the whole soak loop against a stand-in world whose
 "kernel" is the float64 reference (every call's arguments pass the runtime's own checks first)."""
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import types
 import pytest
 import torch
 
-import reference as ref
-from dispatch import op, soak
+from moe_ar_tools import reference as ref
+from dispatch import op
+from moe_ar_tools import soak
 
 # ---- arguments ------------------------------------------------------------------------------------
 
@@ -115,7 +116,7 @@ def test_draw_config_keeps_rows_within_the_buffers():
     hash(c)  # graph cache key
 
 
-# ---- the cheap reference against tests/reference.py ------------------------------------------------
+# ---- the cheap reference against the float64 reference ----------------------------------------------
 
 
 def _stacked(case):
@@ -329,7 +330,7 @@ def test_soak_loop_with_a_correct_world_passes(W, tmp_path):
     assert r["passed"], json.dumps(r["failures"], indent=1)[:3000]
     assert r["calls"] == 150 == world.calls and r["eager_calls"] == 150 and r["graph_calls"] == 0
     assert r["wrong_elements"] == 0 and r["timeouts"] == 0 and r["hangs"] == 0 and r["error"] is None
-    assert r["full_checks"] == 6 and r["full_check_failures"] == 0 and r["reference_importable"]
+    assert r["full_checks"] == 6 and r["full_check_failures"] == 0
     assert world.checks == 4  # every 50 calls and at the end
     assert set(r["regimes"]) == {"oneshot", "twoshot_early"} or set(r["regimes"]) >= {"oneshot"}
     assert len(r["regimes"]) >= 2, r["regimes"]

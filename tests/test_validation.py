@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference as ref
+from moe_ar_tools import reference as ref
 from generator import policy
 from generator import spec as gspec
 

@@ -5,9 +5,9 @@ ways at several blocks a multiprocessor, against a device copy of the same numbe
   reg_reduce     16-byte register loads, four routes at a time (as the template's partial_vector)
   tma_reduce_N   a ring of N rows in shared memory filled by cp.async.bulk (as the template's RowRing)
 
-    PYTHONPATH=. OUT=. python3 tests/row_ring_probe.py     # writes $OUT/row_ring_probe.json
+    OUT=. python3 -m moe_ar_tools.probes.row_ring_probe     # writes $OUT/row_ring_probe.json
 
-A tool, not a test (pytest does not collect it); it needs a GPU of sm_90 or later. The ring's
+A tool, not a test; it needs a GPU of sm_90 or later. The ring's
 output is compared with the register kernel's, bit for bit (`matches_reg`).
 """
 import json

@@ -1,7 +1,7 @@
 """Benchmark of the fused MoE finalize + all-reduce + residual + RMSNorm (+ NVFP4) op against
 unfused baselines, following /work/shared/spec/measure.md.
 
-    python -m dispatch.bench --out bench_results/run.json          (or the console script moe-ar-bench)
+    moe-ar-bench --out bench_results/run.json          (or python -m moe_ar_tools.bench)
 
 on a machine with at least --world GPUs (default 2). It writes the JSON (--out, default
 bench_results/<machine>-<date>.json; rewritten after every shape, so a killed run keeps what it
@@ -811,7 +811,7 @@ class Fp8QuantKernel:
     def __init__(self, device_index: int):
         import cupy
         from cupy.cuda import function
-        from . import registry
+        from dispatch import registry
         cc = cupy.cuda.Device(device_index).compute_capability
         target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
         cubin, _ = registry.compile_cubin(_FP8_QUANT_SOURCE, "bench_fp8_quant", target)
@@ -1510,7 +1510,7 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
         if s not in SYSTEM_CHOICES and s not in dispatch.programs():
             raise click.BadParameter(f"system {s!r}: not one of {', '.join(SYSTEM_CHOICES)} nor a program name")
     if cold_start:
-        from . import registry
+        from dispatch import registry
         name = cold_start_program or registry.program_for(
             registry.select_family(dtype, world, "110", 1, False, 1024), dtype, world, "110")
         click.echo(f"cold start: {name} ...")
@@ -1543,6 +1543,6 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
 
 if __name__ == "__main__":
     # Run the imported module's main, so that the objects handed to the spawned workers are
-    # dispatch.bench.* (picklable by name), not __main__.*.
-    from dispatch.bench import main as _main
+    # moe_ar_tools.bench.* (picklable by name), not __main__.*.
+    from moe_ar_tools.bench import main as _main
     _main()

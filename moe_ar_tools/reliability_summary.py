@@ -1,11 +1,11 @@
 """Markdown summary of a reliability run (issue #5): soak results and the reliability tests' records.
 
-    python tests/reliability_summary.py --tests gpu-tests.jsonl --soak soak-ws2.json soak-ws4.json soak-ws8.json \
+    python -m moe_ar_tools.reliability_summary --tests gpu-tests.jsonl --soak soak-ws2.json soak-ws4.json soak-ws8.json \
         --out bench_results/reliability/summary.md
 
 --tests: the JSON lines the GPU tests append through `record_result` (MOE_AR_RESULTS); the lines of
 tests/test_gpu_reliability.py (kind "reliability") are summarized one by one, every other test is
-counted. --soak: the JSON files of `python -m dispatch.soak`. Writes calls made, faults injected,
+counted. --soak: the JSON files of `moe-ar-soak`. Writes calls made, faults injected,
 outcomes, machine and commit; prints one line with the overall result. --strict: exit 1 when anything
 failed (default: exit 0 once the summary is written; 2 for unreadable inputs).
 """
@@ -35,7 +35,7 @@ def load_jsonl(path) -> list:
 def load_soak(path) -> dict:
     d = json.loads(pathlib.Path(path).read_text())
     if not isinstance(d, dict) or "calls" not in d or "world_size" not in d:
-        raise ValueError(f"{path}: not a dispatch.soak result")
+        raise ValueError(f"{path}: not a soak result")
     d["_file"] = str(path)
     return d
 
@@ -157,7 +157,7 @@ def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None)
             if s.get("graph_note"):
                 notes.append(s["graph_note"])
             if not s.get("reference_importable", True):
-                notes.append("tests/reference.py not importable: no full checks")
+                notes.append("the reference was not importable: no full checks")
             if s.get("error"):
                 notes.append(f"error: {str(s['error']).splitlines()[0]}")
             for f in (s.get("failures") or [])[:3]:
@@ -202,9 +202,9 @@ def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m moe_ar_tools.reliability_summary", description=__doc__.split("\n\n")[0])
     p.add_argument("--tests", default=None, help="JSON lines of the GPU tests (MOE_AR_RESULTS)")
-    p.add_argument("--soak", nargs="*", default=[], help="dispatch.soak JSON files")
+    p.add_argument("--soak", nargs="*", default=[], help="soak JSON files (moe-ar-soak --out)")
     p.add_argument("--out", default=None, help="markdown path (default: print)")
     p.add_argument("--machine", default=None)
     p.add_argument("--commit", default=None)

@@ -1,7 +1,8 @@
 """Soak: many calls in an emulated world, random token counts across every regime, every output checked.
 
-    python -m dispatch.soak --world-size 4 --calls 100000 --time-budget-s 300 --out soak-ws4.json
-    python -m dispatch.soak --world-size 2 --devices 0,1 --calls 100000 --out soak-ws2-2gpu.json
+    moe-ar-soak --world-size 4 --calls 100000 --time-budget-s 300 --out soak-ws4.json
+    moe-ar-soak --world-size 2 --devices 0,1 --calls 100000 --out soak-ws2-2gpu.json
+    (or python -m moe_ar_tools.soak ...)
 
 Every call draws a token count T (log-uniform over 1..max_tokens, near a regime boundary of the
 selection table, special values, or uniform), top_k, padded and dropped routes, expert scales
@@ -28,10 +29,10 @@ the GPU, right behind the kernels:
 
 The counts are copied to pinned host memory and read one call later (two buffer slots
 alternate), so the CPU never waits for the GPU of the call it just launched. Every
-`--full-check-every` calls, and on any call whose cheap check fails, tests/reference.py's
-check_outputs (float64 reference with per-element brackets) checks the call in full, when that
-module is importable (the JSON records whether it was). `world.check()` runs every
-`--check-every` calls and at the end: a peer-wait timeout is counted and the world reset.
+`--full-check-every` calls, and on any call whose cheap check fails, the float64 reference's
+check_outputs (moe_ar_tools/reference.py, per-element brackets) checks the call in full.
+`world.check()` runs every `--check-every` calls and at the end: a peer-wait timeout is counted and
+the world reset.
 A call that does not finish within max(60 s, 5 deadlines) is a hang: recorded, and the process
 exits with status 3 after writing the JSON.
 
@@ -57,6 +58,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from moe_ar_tools import reference as ref
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 POISON_BYTE = 0xAB
@@ -71,7 +74,7 @@ GS_LOG_RANGES = {  # natural-log ranges of the NVFP4 global scale (norm_out is O
     "large": (math.log(1e4), math.log(1e6)),      # block scales saturating at 448
 }
 
-# ---- precision contract (the same constants as tests/reference.py, which dispatch must not import) --
+# ---- precision contract (the same constants as moe_ar_tools/reference.py, which dispatch must not import) --
 
 U32 = 2.0 ** -24
 UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
@@ -94,7 +97,7 @@ def gamma(n: int, u: float = U32) -> float:
 
 
 def norm_rel_bound(hidden: int) -> float:
-    """Relative error of a float32 RMSNorm evaluation before rounding (tests/reference.py's bound)."""
+    """Relative error of a float32 RMSNorm evaluation before rounding (moe_ar_tools/reference.py's bound)."""
     return 0.5 * 1.01 * gamma(hidden + 2) + 8 * U32
 
 
@@ -184,7 +187,7 @@ def _e2m1_tables(device):
 
 def nvfp4_expected(norm_out: torch.Tensor, global_scale: torch.Tensor):
     """(quant [T, H/2] uint8, sf8 [T, H/16] uint8): op.md's NVFP4 of this norm_out, every step a float32
-    tensor op as tests/reference.py's nvfp4_ref (tensor / tensor, never / a Python scalar); sf8 is the
+    tensor op as moe_ar_tools/reference.py's nvfp4_ref (tensor / tensor, never / a Python scalar); sf8 is the
     E4M3 block scale of each (token, 16-element block) before swizzling. global_scale: [1] float32
     tensor on norm_out's device."""
     T, H = norm_out.shape
@@ -353,7 +356,7 @@ def parse_quants(spec: str) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dispatch.soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="moe-ar-soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, required=True, help="ranks of the emulated world (2, 4 or 8)")
     p.add_argument("--devices", default=None,
                    help="each rank's GPU, comma separated, repeated to the world size (default: all on GPU 0)")
@@ -369,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-fraction", type=float, default=0.5, help="share of calls replayed from CUDA graphs, single-device worlds only (0.5)")
     p.add_argument("--graph-configs-per-bucket", type=int, default=1,
                    help="captured option sets per (regime T bucket, profile, PDL) (1)")
-    p.add_argument("--full-check-every", type=int, default=200, help="full tests/reference.py check every N calls (200)")
+    p.add_argument("--full-check-every", type=int, default=200, help="full moe_ar_tools/reference.py check every N calls (200)")
     p.add_argument("--check-every", type=int, default=1000, help="world.check() (timeouts) every N calls (1000)")
     p.add_argument("--timeout-s", type=float, default=10.0, help="the workspaces' peer-wait deadline (10)")
     p.add_argument("--seed", type=int, default=None, help="default: fresh (recorded in the JSON)")
@@ -443,20 +446,6 @@ def commit() -> str:
     except (OSError, subprocess.SubprocessError):
         pass
     return "unknown"
-
-
-def import_reference():
-    """tests/reference.py when importable (a checkout with tests/), else None; and why."""
-    tests = ROOT / "tests"
-    if not (tests / "reference.py").is_file():
-        return None, f"{tests / 'reference.py'} not found"
-    if str(tests) not in sys.path:
-        sys.path.insert(0, str(tests))
-    try:
-        import reference  # noqa: PLC0415
-        return reference, str(tests / "reference.py")
-    except Exception as e:  # noqa: BLE001
-        return None, f"import failed: {type(e).__name__}: {e}"
 
 
 # ---- the soak --------------------------------------------------------------------------------------------
@@ -559,7 +548,6 @@ class Soak:
         else:
             self.graph_note = f"{args.graph_fraction:.0%} of calls replayed from CUDA graphs"
         self.hang_s = max(60.0, 5.0 * float(args.timeout_s))
-        self.reference, self.reference_path = import_reference()
         self._select_cache = {}
         self.bounds = regime_boundaries(lambda T, q, sh: self._select(T, q, sh)[0], self.max_tokens, self.quants)
         self.sampler = TokenSampler(self.max_tokens, self.bounds, self.W, self.rnd)
@@ -796,9 +784,6 @@ class Soak:
             self._full_check(slot, rec, reason="cheap check failed")
 
     def _full_check(self, slot, rec, reason="sample"):
-        ref = self.reference
-        if ref is None:
-            return
         cfg = rec.cfg
         T, K, H = cfg.tokens, cfg.top_k, self.H
         TK = T * K
@@ -987,7 +972,7 @@ class Soak:
         passed = (s["calls"] > 0 and s["wrong_elements"] == 0 and s["wrong_calls"] == 0
                   and s["full_check_failures"] == 0 and s["timeouts"] == 0 and s["hangs"] == 0)
         return dict(
-            tool="dispatch.soak", machine=machine_info(), commit=commit(),
+            tool="moe_ar_tools.soak", machine=machine_info(), commit=commit(),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             world_size=self.W, devices=[str(d) for d in self.rank_devices], single_device=self.single_device,
             dtype=self.args.dtype, hidden=self.H, max_tokens=self.max_tokens,
@@ -1000,7 +985,6 @@ class Soak:
             boundary_crossings=self.crossings,
             tokens=dict(min=toks[0] if toks else None, max=toks[-1] if toks else None, distinct=len(toks),
                         log2_histogram=dict(sorted(log2_hist.items(), key=lambda kv: int(kv[0].split("-")[0])))),
-            reference_importable=self.reference is not None, reference=self.reference_path,
             failures=self.failures, timeout_messages=self.timeout_messages,
             hang=hang, seconds=round(seconds, 3), warmup_seconds=round(self.warmup_seconds, 3),
             calls_per_second=round(s["calls"] / seconds, 1) if seconds > 0 else None,
@@ -1008,7 +992,7 @@ class Soak:
 
 
 class ref_outputs(NamedTuple):
-    """MoeFinalizeOutputs-like view of one rank's outputs for tests/reference.py's check_outputs."""
+    """MoeFinalizeOutputs-like view of one rank's outputs for moe_ar_tools/reference.py's check_outputs."""
     norm_out: torch.Tensor
     residual_out: torch.Tensor
     quant_out: Optional[torch.Tensor]
@@ -1067,7 +1051,7 @@ def summary_line(r: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("dispatch.soak: needs a CUDA GPU (torch sees none)", file=sys.stderr)
+        print("moe-ar-soak: needs a CUDA GPU (torch sees none)", file=sys.stderr)
         return 2
     soak = Soak(args)
     result = soak.run()

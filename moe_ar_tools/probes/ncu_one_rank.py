@@ -11,25 +11,21 @@ are made one rank at a time with a short deadline:
 
 All four calls are prepared first (a rank that timed out refuses new calls until reset). Only for
 programs whose ranks exchange once per call (one-shot): the two-shots' ranks wait for each other a
-second time, so their profiled rank times out (the pipelined two-shot: tests/pipelined_solo_rank.py,
+second time, so their profiled rank times out (the pipelined two-shot: moe_ar_tools/probes/pipelined_solo_rank.py,
 one rank with its receive buffers pre-filled). Kernel times under ncu are not the bench's (ncu's
 own overhead adds ~170 us to each); read instruction counts, SM active cycles and stall reasons.
 
     ncu --clock-control none --kernel-name regex:moe_ar_ --launch-skip 3 --launch-count 1 --set full \\
-        -o os111_512 python3 tests/ncu_one_rank.py --program moe_ar_os_bf16_ws2_o111 --quant nvfp4 --tokens 512
+        -o os111_512 python3 -m moe_ar_tools.probes.ncu_one_rank --program moe_ar_os_bf16_ws2_o111 --quant nvfp4 --tokens 512
 """
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch
 
-import torch  # noqa: E402
-
-import dispatch  # noqa: E402
-import reference as ref  # noqa: E402
-from dispatch.op import prepare_call  # noqa: E402
+import dispatch
+from dispatch.op import prepare_call
+from moe_ar_tools import reference as ref
 
 
 def main() -> int:

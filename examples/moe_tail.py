@@ -1,8 +1,10 @@
 """Integration example: the tail of a tensor-parallel MoE layer, fused vs unfused, on 2 processes.
 
-    torchrun --nproc-per-node 2 -m dispatch.example_moe_tail
-    torchrun --nproc-per-node 2 -m dispatch.example_moe_tail --tokens 1,64,512,2048 --hidden 4096 --quant nvfp4
-    torchrun --nproc-per-node 2 -m dispatch.example_moe_tail --compile      (the op inside torch.compile)
+    torchrun --nproc-per-node 2 examples/moe_tail.py
+    torchrun --nproc-per-node 2 examples/moe_tail.py --tokens 1,64,512,2048 --hidden 4096 --quant nvfp4
+    torchrun --nproc-per-node 2 examples/moe_tail.py --compile      (the op inside torch.compile)
+
+from the repository root, with the project installed (pip install -e .) or PYTHONPATH=. set.
 
 Each process (one GPU, NCCL process group) holds its tensor-parallel share of a MoE layer's
 output: the FC2 rows of its experts for every routed (token, expert) pair, permuted by expert
@@ -41,7 +43,7 @@ EPS = 1e-6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dispatch.example_moe_tail", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="examples/moe_tail.py", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="8,128,1024", help="comma-separated token counts (default %(default)s)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--top-k", type=int, default=8)
@@ -167,7 +169,7 @@ def run(args) -> bool:
     import torch
     import torch.distributed as dist
     import dispatch
-    from dispatch.bench import nvfp4_dequant
+    from moe_ar_tools.reference import nvfp4_dequant
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -247,7 +249,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     if "LOCAL_RANK" not in os.environ:
-        print("run with torchrun, e.g.: torchrun --nproc-per-node 2 -m dispatch.example_moe_tail", file=sys.stderr)
+        print("run with torchrun, e.g.: torchrun --nproc-per-node 2 examples/moe_tail.py", file=sys.stderr)
         return 2
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)

@@ -1,6 +1,8 @@
 """Probe for the open PDL-burst timeouts in emulation (bench_results/gpu_tests/README.md).
 
-    OUT=dir python3 tests/gpu_burst_probe.py SEED SECONDS DEVICES      e.g. 1 40 0,0  or  2 40 0,1
+    OUT=dir python3 -m moe_ar_tools.probes.gpu_burst_probe SEED SECONDS DEVICES    e.g. 1 40 0,0  or  2 40 0,1
+
+from the repository root (it builds its calls with tests/test_gpu_correctness.py's helpers).
 
 Bursts of 8 calls of an emulated world of 2 (fp16, auto selection, every quant), each rank's calls
 launched one by one on its own stream with no join between calls, as separate processes would; four
@@ -13,10 +15,10 @@ ranks share a GPU (f6d76c0), to see whether that request is what ended these tim
 burst that mixes a row-ring program with a two-shot can also time out for f6d76c0's own reason: a
 failure's `meta` names each call's program, which tells the two apart.
 """
-import json, os, random, sys, time
-sys.path[:0] = ["tests", "."]
+import json, os, pathlib, random, sys, time
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
 import torch
-import reference as ref
+from moe_ar_tools import reference as ref
 import test_gpu_correctness as tgc
 import dispatch
 from dispatch import registry

@@ -7,11 +7,11 @@ Its two uses:
     to the rank's own memory traffic (it was: 0.98-1.04 of the pair from 1,024 to 8,192 tokens,
     bench_results/pipelined/solo/);
   * Nsight Compute: ncu runs kernels one at a time, so the two ranks of a pair cannot both run
-    under it (tests/ncu_one_rank.py works only for the one-shot); a rank that never waits can.
+    under it (ncu_one_rank.py beside this works only for the one-shot); a rank that never waits can.
 
-    PYTHONPATH=. python3 tests/pipelined_solo_rank.py --out solo.json
+    python3 -m moe_ar_tools.probes.pipelined_solo_rank --out solo.json
     ncu --clock-control none --kernel-name regex:moe_ar_ --set full -o tsp8192 \
-        python3 tests/pipelined_solo_rank.py --ncu --tokens 8192 --programs moe_ar_tsp_bf16_ws2_o110:none
+        python3 -m moe_ar_tools.probes.pipelined_solo_rank --ncu --tokens 8192 --programs moe_ar_tsp_bf16_ws2_o110:none
 
 Kernel times under ncu are longer than in the timing mode (300 against 133 us at 2,048 tokens):
 read ncu for stall reasons, bytes and instruction counts, not durations. Rank 0's writes to its
@@ -24,15 +24,13 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cupy  # noqa: E402
-import torch  # noqa: E402
+import cupy
+import torch
 
-import dispatch  # noqa: E402
-import reference as ref  # noqa: E402
-from dispatch.op import prepare_call  # noqa: E402
-from dispatch.workspace import STATE_WORDS  # noqa: E402
+import dispatch
+from dispatch.op import prepare_call
+from dispatch.workspace import STATE_WORDS
+from moe_ar_tools import reference as ref
 
 FILL = 0x3F803F80  # two bf16 1.0: never the sentinel
 
