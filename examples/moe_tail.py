@@ -35,7 +35,6 @@ import statistics
 import sys
 
 REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 TOLERANCE_U = 8            # norm-relative, in unit roundoffs of the dtype
 NVFP4_TOLERANCE = 0.25     # dequantized NVFP4 vs the kernel's norm_out, norm-relative
 ROUTED_SCALING_FACTOR = 2.5
@@ -169,13 +168,13 @@ def run(args) -> bool:
     import torch
     import torch.distributed as dist
     import dispatch
-    from moe_ar_tools.reference import nvfp4_dequant
+    from moe_ar_tools.reference import UNIT_ROUNDOFF, nvfp4_dequant
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     quant = None if args.quant == "none" else "nvfp4"
-    tol = TOLERANCE_U * UNIT_ROUNDOFF[args.dtype]
+    tol = TOLERANCE_U * UNIT_ROUNDOFF[dtype]
     ws = dispatch.Workspace(dist.group.WORLD, max(args.token_counts), args.hidden, dtype, timeout_s=args.timeout_s)
     handle = dispatch.workspace_handle(ws)
     fused = torch.compile(fused_tail, fullgraph=True) if args.compile else fused_tail

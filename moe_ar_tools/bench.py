@@ -1,5 +1,5 @@
 """Benchmark of the fused MoE finalize + all-reduce + residual + RMSNorm (+ NVFP4) op against
-unfused baselines, following /work/shared/spec/measure.md.
+unfused baselines, following the measurement protocol (measure.md).
 
     moe-ar-bench --out bench_results/run.json          (or python -m moe_ar_tools.bench)
 
@@ -84,7 +84,6 @@ SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "auto+quant", "programs")
 PROFILES = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 FP8_PROFILES = ("fp8_group128", "fp8_tensor")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2}
-UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 # Norm-relative tolerance of residual_out and norm_out against the float64 reference, in units
 # of the dtype's unit roundoff u. The fused programs round once (error about u/3); the torch
@@ -159,12 +158,6 @@ def parse_list(text: str, allowed=None, what="value") -> list[str]:
 
 # ---- roofline ----------------------------------------------------------------------------------
 
-def scale_out_bytes(tokens: int, hidden: int) -> int:
-    """Bytes of the swizzled NVFP4 scale buffer: rows padded to 128, scale columns to 4
-    (the same rule as dispatch.scale_out_bytes, restated here so that it is tested on its own)."""
-    return -(-tokens // 128) * 128 * (-(-(hidden // 16) // 4) * 4)
-
-
 def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, elem_bytes: int = 2,
               dropped_routes: int = 0, scale_bytes: int = 4) -> dict:
     """Bytes one rank's op must move through HBM, by term.
@@ -178,6 +171,7 @@ def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, 
     nvfp4        quant_out T*H/2 bytes + the swizzled scale bytes (profile 111 only)
     fp8          quant_out T*H bytes (+ T*H/128 float32 scales for fp8_group128)
     """
+    from dispatch.op import scale_out_bytes  # the runtime's rule (importing dispatch loads torch)
     T, H, K, e = tokens, hidden, top_k, elem_bytes
     terms = {
         "expert_rows": (T * K - dropped_routes) * H * e,
@@ -215,13 +209,6 @@ def roofline(hbm: float, nvlink: float, hbm_GBps: float, nvlink_GBps: float) -> 
 
 def regime_of_family(family: str) -> str:
     return "one_shot" if family == "oneshot" else "two_shot"
-
-
-def swizzle_offset(m: int, k: int, hidden: int) -> int:
-    """Byte offset of the NVFP4 scale of row m, scale column k in the 128x4 layout (op.md)."""
-    num_k_tiles = -(-hidden // 64)
-    return ((m // 128) * (num_k_tiles * 512) + (k // 4) * 512
-            + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4))
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -637,27 +624,22 @@ def make_input_sets(shape: Shape, tokens: int, count: int, dtype, rank: int, see
     return sets
 
 
-def reference(x: InputSet, dtype, group) -> tuple:
-    """(residual_out, norm_out) of the precision contract as float32 tensors: the partial in
+def contract_outputs(inputs: InputSet, dtype, group) -> tuple:
+    """(residual_out, norm_out) of the precision contract as float32 tensors: this rank's partial in
     float64 rounded to dtype once, the cross-rank sum in float64 (an NCCL float64 all_reduce),
-    residual_out rounded to dtype once, RMSNorm of it in float64. Collective over `group`."""
-    import torch
+    residual_out rounded to dtype once, RMSNorm of it in float64 (moe_ar_tools.reference's
+    functions). Collective over `group`."""
     import torch.distributed as dist
-    T, K = x.idx.shape
-    acc = torch.zeros(T, x.allreduce_in.shape[1], dtype=torch.float64, device=x.allreduce_in.device)
-    for k in range(K):
-        acc += x.scale[:, k, None].double() * x.allreduce_in.index_select(0, x.idx[:, k]).double()
-    acc *= float(torch.tensor(ROUTED_SCALING_FACTOR, dtype=torch.float32))
-    if x.shared is not None:
-        acc += x.shared.double()
-    total = acc.to(dtype).double()
-    del acc
+    from moe_ar_tools import reference as ref
+    partial = ref.finalize_partial(inputs.allreduce_in, inputs.idx, inputs.scale, ROUTED_SCALING_FACTOR,
+                                   inputs.shared)
+    total = ref.round_to_dtype(partial, dtype).double()
+    del partial
     dist.all_reduce(total, group=group)
-    res = (total + x.residual.double()).to(dtype).double()
+    residual = ref.round_to_dtype(total + inputs.residual.double(), dtype)
     del total
-    inv = torch.rsqrt(res.square().mean(-1, keepdim=True) + float(torch.tensor(EPS, dtype=torch.float32)))
-    norm = res * inv * x.norm_weight.double()
-    return res.float(), norm.float()
+    norm = ref.rmsnorm_f64(residual, inputs.norm_weight, EPS, 0)
+    return residual.float(), norm.float()
 
 
 def rel_err(x, ref) -> float:
@@ -666,24 +648,6 @@ def rel_err(x, ref) -> float:
     d = torch.linalg.vector_norm(x.float() - ref)
     n = torch.linalg.vector_norm(ref)
     return float(d / n) if float(n) > 0 else float(d)
-
-
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def nvfp4_dequant(quant_out, scale_out, global_scale: float, tokens: int, hidden: int):
-    """float32 [T, H] from packed E2M1 (low nibble = even element) and 128x4-swizzled E4M3 scales."""
-    import torch
-    dev = quant_out.device
-    q = quant_out.reshape(tokens, hidden // 2)
-    nib = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(tokens, hidden).long()
-    vals = torch.tensor(_E2M1, dtype=torch.float32, device=dev)[nib]
-    m = torch.arange(tokens, device=dev)[:, None]
-    k = torch.arange(hidden // 16, device=dev)[None, :]
-    num_k_tiles = -(-hidden // 64)
-    off = (m // 128) * (num_k_tiles * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4)
-    sf = scale_out[off.reshape(-1)].view(torch.float8_e4m3fn).float().reshape(tokens, hidden // 16)
-    return (vals.view(tokens, hidden // 16, 16) * (sf / global_scale)[..., None]).reshape(tokens, hidden)
 
 
 # ---- systems -----------------------------------------------------------------------------------
@@ -732,6 +696,7 @@ def torch_epilogue(reduced, x: InputSet, out: dict) -> None:
 
 def _alloc_outputs(tokens: int, hidden: int, dtype, quant, n_sets: int, device) -> list:
     import torch
+    from dispatch.op import fp8_scale_shape, scale_out_bytes
     outs = []
     for _ in range(n_sets):
         o = {"norm_out": torch.empty(tokens, hidden, dtype=dtype, device=device),
@@ -742,20 +707,17 @@ def _alloc_outputs(tokens: int, hidden: int, dtype, quant, n_sets: int, device) 
         if quant in FP8_PROFILES:
             o["quant_out"] = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
         if quant == "fp8_group128":
-            o["scale_out"] = torch.empty(tokens, hidden // 128, dtype=torch.float32, device=device)
+            o["scale_out"] = torch.empty(fp8_scale_shape(tokens, hidden), dtype=torch.float32, device=device)
         outs.append(o)
     return outs
 
 
 def _poison(outputs: list) -> None:
-    """NaN into float outputs (FP8 too), 0xAB into byte outputs: a check then sees what was not written."""
-    import torch
+    """NaN into float outputs, an E4M3 NaN into FP8 ones, 0xAB into byte outputs (the reference's
+    poison): a check then sees what was not written."""
+    from moe_ar_tools import reference as ref
     for o in outputs:
-        for t in o.values():
-            if t.dtype == torch.float8_e4m3fn:
-                t.view(torch.uint8).fill_(0x7F)
-            else:
-                t.fill_(float("nan") if t.dtype.is_floating_point else 0xAB)
+        ref.repoison(o)
 
 
 # The separate quantization kernel of the auto+quant baseline: what an unfused engine runs after
@@ -1085,7 +1047,8 @@ class Bench:
     def check(self, system: System, refs: list, gs_value: Optional[float], quant) -> dict:
         """Compare every input set's outputs with the float64 reference and across ranks."""
         import torch
-        tol = TOLERANCE_U * UNIT_ROUNDOFF[self.cfg.dtype]
+        from moe_ar_tools import reference as ref
+        tol = TOLERANCE_U * ref.UNIT_ROUNDOFF[self.dtype]
         res_err = norm_err = q_err = 0.0
         identical = True
         for o, (res_ref, norm_ref) in zip(system.outputs, refs):
@@ -1093,7 +1056,7 @@ class Bench:
             norm_err = max(norm_err, rel_err(o["norm_out"], norm_ref))
             if quant == "nvfp4":
                 T, H = o["norm_out"].shape
-                deq = nvfp4_dequant(o["quant_out"], o["scale_out"], gs_value, T, H)
+                deq = ref.nvfp4_dequant(o["quant_out"], o["scale_out"], gs_value, T, H)
                 q_err = max(q_err, rel_err(deq, o["norm_out"].float()))
             if quant in FP8_PROFILES:
                 q = o["quant_out"].float()
@@ -1333,6 +1296,7 @@ class Bench:
         """Every shape, token count and profile; inputs and the reference are built once per
         shape and token count. Rank 0 rewrites the JSON after each shape."""
         import torch
+        from moe_ar_tools import reference as ref
         cfg = self.cfg
         for shape in cfg.shapes:
             for T in cfg.tokens:
@@ -1344,12 +1308,12 @@ class Bench:
                     DTYPE_BYTES[cfg.dtype]
                 n_sets = input_sets_for(bytes_per_set, self.l2_bytes, cfg.calls)
                 sets = make_input_sets(shape, T, n_sets, self.dtype, self.rank, cfg.seed, self.device)
-                refs = [reference(x, self.dtype, self.group) for x in sets]
+                refs = [contract_outputs(x, self.dtype, self.group) for x in sets]
                 amax = max(float(n.abs().max()) for _, n in refs)
-                gs_value = float(torch.tensor(448.0 * 6.0 / amax, dtype=torch.float32))
+                gs_value = ref.f32(ref.E4M3_MAX * 6.0 / amax)  # the usual NVFP4 global scale
                 gs = torch.tensor([gs_value], dtype=torch.float32, device=self.device)
                 # fp8_tensor: the usual static scale, amax / 448, kept on the device
-                self.fp8_scale_value = float(torch.tensor(amax / 448.0, dtype=torch.float32))
+                self.fp8_scale_value = ref.f32(amax / ref.E4M3_MAX)
                 self.fp8_scale = torch.tensor([self.fp8_scale_value], dtype=torch.float32, device=self.device)
                 for profile in cfg.profiles:
                     bar.update(f"{shape.label} T={T} p{profile}")

@@ -20,10 +20,10 @@ the GPU, right behind the kernels:
 * residual_out of rank 0 against the precision contract, element by element: each rank's partial
   is recomputed in float32 and rounded to the dtype, the rounded partials plus residual_in are
   summed in float64, and the tolerance is derived from the contract (float32 accumulation in the
-  kernel, one rounding of each partial, one of the sum: `residual_expectation`);
+  kernel, one rounding of each partial, one of the sum: the reference's `residual_expectation`);
 * norm_out of rank 0 against the float64 RMSNorm of its own residual_out (`norm_expectation`);
 * NVFP4: quant_out and the swizzled scale bytes of rank 0 exactly equal to op.md's rule applied to
-  its own norm_out (`nvfp4_expected`), scale padding zero, the bytes past the required scale
+  its own norm_out (`nvfp4_blocks`), scale padding zero, the bytes past the required scale
   length untouched;
 * every output of every rank bit-identical to rank 0's (which also proves every element written).
 
@@ -50,7 +50,6 @@ import pathlib
 import platform
 import random
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -58,11 +57,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from dispatch.op import scale_out_bytes
 from moe_ar_tools import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-POISON_BYTE = 0xAB
 SCALE_TAIL = 64  # bytes past the required scale length handed to the kernel, which must stay untouched
 DROP_FRAC = 0.2
 COUNTERS = ("residual_out", "norm_out", "cross_rank", "quant_out", "scale_out", "scale_padding", "scale_tail")
@@ -73,153 +71,6 @@ GS_LOG_RANGES = {  # natural-log ranges of the NVFP4 global scale (norm_out is O
     "small": (math.log(1e-3), math.log(1.0)),     # zero and subnormal E4M3 block scales
     "large": (math.log(1e4), math.log(1e6)),      # block scales saturating at 448
 }
-
-# ---- precision contract (the same constants as moe_ar_tools/reference.py, which dispatch must not import) --
-
-U32 = 2.0 ** -24
-UNIT_ROUNDOFF = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
-SUBNORMAL_HALF = {torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
-E4M3_MAX = 448.0
-# E2M1 rounding boundaries: a magnitude above a "strict" midpoint rounds up; at or above a "tie up"
-# midpoint rounds up (ties to the even code).
-_E2M1_STRICT = (0.25, 1.25, 2.5, 5.0)
-_E2M1_TIE_UP = (0.75, 1.75, 3.5)
-
-
-def f32(x: float) -> float:
-    """A Python number rounded to float32."""
-    return struct.unpack("f", struct.pack("f", float(x)))[0]
-
-
-def gamma(n: int, u: float = U32) -> float:
-    """Higham's gamma_n: bound on the relative error of n roundings."""
-    return n * u / (1.0 - n * u)
-
-
-def norm_rel_bound(hidden: int) -> float:
-    """Relative error of a float32 RMSNorm evaluation before rounding (moe_ar_tools/reference.py's bound)."""
-    return 0.5 * 1.01 * gamma(hidden + 2) + 8 * U32
-
-
-def residual_expectation(X: torch.Tensor, ridx: torch.Tensor, tokens: int, top_k: int, scale, rsf: float,
-                         shared, residual_in: torch.Tensor, dtype: torch.dtype):
-    """(S, tol), float64 [T, H]: what residual_out must be, and how far a correct kernel may be from it.
-
-    X: [W, rows, H] dtype, every rank's allreduce_in stacked (one row of zeros stands for dropped
-    routes); ridx: [T*K] int64 rows of X per (token, route), dropped routes pointing at the zero row;
-    scale: [T*K] float32 or dtype, or None; shared: [W, T, H] dtype or None (zeros for a rank without
-    one); residual_in: [T, H] dtype. Works on CPU and CUDA tensors.
-
-    Each rank's partial is recomputed in float32 (K + 4 roundings at most, as the kernel's) and
-    rounded to dtype: q'_r. S = sum_r q'_r + residual_in in float64. A contract-following kernel's
-    rounded partial q_r differs from q'_r by at most d_r = 2.01 u |q'_r| + 1.01 * 2 gamma(K+4) m_r +
-    3 eta (m_r = |rsf| sum_k |s x| + |shared|: the two float32 values are within 2 gamma(K+4) m_r and
-    may round to neighbouring dtype values); its float32 sum of W + 1 terms errs by gamma(W+1) of
-    their magnitudes and the final rounding by u |.| + eta. Hence
-        tol = (1 + u) (D + gamma(W+1) (A + D)) + u |S| + 2^-45 A + eta,
-    D = sum_r d_r, A = sum_r |q'_r| + |residual_in| (the 2^-45 A covers the float64 sum itself).
-    tests/test_soak_cpu.py checks that the float64 reference and both ends of its per-element
-    bracket are always accepted.
-    """
-    W, _, H = X.shape
-    T, K = tokens, top_k
-    G = X.index_select(1, ridx).float()  # [W, T*K, H]
-    if scale is not None:
-        G.mul_(scale.reshape(1, T * K, 1).float())
-    G4 = G.view(W, T, K, H)
-    P = G4.sum(2)
-    M = G4.abs_().sum(2)
-    r = f32(rsf)
-    if r != 1.0:
-        P.mul_(r)
-        M.mul_(abs(r))
-    if shared is not None:
-        sh = shared.float()
-        P.add_(sh)
-        M.add_(sh.abs())
-    Q = P.to(dtype).double()
-    res = residual_in.double()
-    S = Q.sum(0).add_(res)
-    # tol expanded into one coefficient per magnitude (D and A substituted), 1 + 2^-20 of slack on each
-    u, eta = UNIT_ROUNDOFF[dtype], SUBNORMAL_HALF[dtype]
-    gk = 2.0 * gamma(K + 4) * (1.0 + 2.0 ** -20)
-    g = gamma(W + 1)
-    s, big = 1.0 + 2.0 ** -20, (1.0 + u) * (1.0 + g)
-    c_q = s * (big * 2.01 * u + (1.0 + u) * g + 2.0 ** -45)  # times sum_r |q'_r|
-    c_m = s * big * 1.01 * gk                                  # times sum_r m_r
-    c_r = s * ((1.0 + u) * g + 2.0 ** -45)                     # times |residual_in|
-    c_0 = s * (big * 3.0 * eta * W + eta)
-    tol = Q.abs_().sum(0).mul_(c_q).add_(M.sum(0).double(), alpha=c_m).add_(res.abs(), alpha=c_r)
-    tol.add_(S.abs(), alpha=s * u).add_(c_0)
-    return S, tol
-
-
-def norm_expectation(residual_out: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight_bias: int,
-                     dtype: torch.dtype):
-    """(y, tol), float64: the RMSNorm of this residual_out in float64 and the distance a correct norm_out
-    may have from it: |norm_out - y| <= (u + b + u b) |y| + eta, b = norm_rel_bound(H) (float32
-    evaluation), u the final rounding to dtype."""
-    x = residual_out.double()
-    ms = x.square().mean(-1, keepdim=True)
-    inv = (ms + f32(eps)).rsqrt()
-    y = x * inv * (norm_weight.double() + float(weight_bias))
-    u, eta = UNIT_ROUNDOFF[dtype], SUBNORMAL_HALF[dtype]
-    b = norm_rel_bound(x.shape[-1])
-    tol = y.abs().mul_((u + b + u * b) * (1.0 + 2.0 ** -20)).add_(eta)
-    return y, tol
-
-
-def count_bad(got: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
-    """Elements outside the tolerance (NaN counts as outside), as a 0-dim int64 tensor."""
-    return (~((got.double() - expected).abs() <= tol)).sum()
-
-
-_E2M1_CACHE: dict = {}
-
-
-def _e2m1_tables(device):
-    key = str(device)
-    if key not in _E2M1_CACHE:
-        _E2M1_CACHE[key] = (torch.tensor(_E2M1_STRICT, dtype=torch.float32, device=device),
-                            torch.tensor(_E2M1_TIE_UP, dtype=torch.float32, device=device))
-    return _E2M1_CACHE[key]
-
-
-def nvfp4_expected(norm_out: torch.Tensor, global_scale: torch.Tensor):
-    """(quant [T, H/2] uint8, sf8 [T, H/16] uint8): op.md's NVFP4 of this norm_out, every step a float32
-    tensor op as moe_ar_tools/reference.py's nvfp4_ref (tensor / tensor, never / a Python scalar); sf8 is the
-    E4M3 block scale of each (token, 16-element block) before swizzling. global_scale: [1] float32
-    tensor on norm_out's device."""
-    T, H = norm_out.shape
-    x = norm_out.float().reshape(T, H // 16, 16)
-    amax = x.abs().amax(-1)
-    gs = global_scale.reshape(1, 1).float()
-    sf = (gs * amax) / torch.full_like(amax, 6.0)
-    sf8 = sf.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    sf8f = sf8.view(torch.float8_e4m3fn).float()
-    t = sf8f / gs
-    scale = torch.where(sf8f != 0, torch.ones_like(t) / t, torch.zeros_like(t))
-    v = x * scale[..., None]
-    mag = v.abs()
-    strict, tie_up = _e2m1_tables(v.device)
-    # bucketize(right=False) counts boundaries < mag, (right=True) boundaries <= mag
-    code = torch.bucketize(mag, strict, right=False) + torch.bucketize(mag, tie_up, right=True)
-    q = (code.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)).reshape(T, H)
-    return q[:, 0::2] | (q[:, 1::2] << 4), sf8
-
-
-def scale_out_bytes(tokens: int, hidden: int) -> int:
-    return -(-tokens // 128) * 128 * (-(-(hidden // 16) // 4) * 4)
-
-
-def swizzle_offsets(tokens: int, hidden: int, device="cpu") -> torch.Tensor:
-    """int64 [tokens, hidden/16]: byte offset of scale (m, k) in the 128x4 swizzled layout."""
-    num_k_tiles = (hidden + 63) // 64
-    m = torch.arange(tokens, dtype=torch.int64, device=device)[:, None]
-    k = torch.arange(hidden // 16, dtype=torch.int64, device=device)[None, :]
-    return ((m // 128) * (num_k_tiles * 512) + (k // 4) * 512
-            + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4))
-
 
 # ---- what to call: token counts, regimes, options (pure Python) ----------------------------------------
 
@@ -316,7 +167,7 @@ def draw_config(rnd: random.Random, quant, tokens: int, max_rows: int) -> CallCo
     return CallConfig(
         tokens=tokens, top_k=K, padded_rows=pad, drop=rnd.random() < 0.25,
         scale=rnd.choice(("none", "fp32", "dtype")), shared=rnd.choice(("none", "all", "rank0")), quant=quant,
-        pdl=rnd.random() < 0.5, rsf=1.0 if rnd.random() < 0.5 else f32(rnd.uniform(0.5, 2.0)),
+        pdl=rnd.random() < 0.5, rsf=1.0 if rnd.random() < 0.5 else ref.f32(rnd.uniform(0.5, 2.0)),
         weight_bias=rnd.randint(0, 1), eps=rnd.choice((1e-6, 1e-5)),
         std=rnd.choice((1.0, 1.0, 1.0, 1.0, 1.0, 0.05, 8.0)),
         gs_range=rnd.choice(("typical",) * 6 + ("small", "large")))
@@ -363,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=100_000, help="calls to make, fewer if the time budget ends first (100000)")
     p.add_argument("--time-budget-s", type=float, default=600.0, help="start no call after this many seconds (600)")
     p.add_argument("--out", default=None, help="JSON result path (default: print it)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="(bf16)")
+    p.add_argument("--dtype", choices=sorted(ref.NAME_TO_DTYPE), default="bf16", help="(bf16)")
     p.add_argument("--hidden", type=int, default=2048, help="(2048)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="default: max(2048, the last regime boundary of the selection table + 255, rounded to 128)")
@@ -519,7 +370,7 @@ class Soak:
         self.dispatch = dispatch
         self.rnd = random.Random(args.seed)
         torch.manual_seed(args.seed & (2 ** 63 - 1))
-        self.dtype = DTYPES[args.dtype]
+        self.dtype = ref.NAME_TO_DTYPE[args.dtype]
         self.W, self.H = args.world_size, args.hidden
         self.quants = list(args.quant_list)
         selection_rows = registry.program_set().manifest["selection"]["boundaries"]
@@ -552,7 +403,7 @@ class Soak:
         self.bounds = regime_boundaries(lambda T, q, sh: self._select(T, q, sh)[0], self.max_tokens, self.quants)
         self.sampler = TokenSampler(self.max_tokens, self.bounds, self.W, self.rnd)
         # NVFP4 scale offsets of max_tokens rows: the first T rows' are T's (the layout does not depend on T)
-        self.offsets = swizzle_offsets(self.max_tokens, self.H, device=self.home).reshape(-1)
+        self.offsets = ref.swizzle_offsets(self.max_tokens, self.H, device=self.home).reshape(-1)
         self.gamma = {}
         for wb in (0, 1):
             g = (torch.randn(self.H, device=self.home) * 0.1 + (1.0 if wb == 0 else 0.0)).to(self.dtype)
@@ -651,8 +502,8 @@ class Soak:
         slot.NO[:, :T].fill_(math.nan)
         slot.RO[:, :T].fill_(math.nan)
         if cfg.quant == "nvfp4":
-            slot.QO[:, :T].fill_(POISON_BYTE)
-            slot.SO[:, :n_scale + SCALE_TAIL].fill_(POISON_BYTE)
+            slot.QO[:, :T].fill_(ref.POISON_BYTE)
+            slot.SO[:, :n_scale + SCALE_TAIL].fill_(ref.POISON_BYTE)
         for r, b in slot.remote.items():
             b["X"][:rows].copy_(X[r, :rows])
             b["IDX"][:TK].copy_(slot.IDX[:TK])
@@ -667,8 +518,8 @@ class Soak:
             b["RO"][:T].fill_(math.nan)
             if cfg.quant == "nvfp4":
                 b["GS"].copy_(slot.GS)
-                b["QO"][:T].fill_(POISON_BYTE)
-                b["SO"][:n_scale + SCALE_TAIL].fill_(POISON_BYTE)
+                b["QO"][:T].fill_(ref.POISON_BYTE)
+                b["SO"][:n_scale + SCALE_TAIL].fill_(ref.POISON_BYTE)
         return ridx
 
     def _enqueue_check(self, slot, cfg, rows, n_scale, ridx):
@@ -683,12 +534,12 @@ class Soak:
                 slot.SO[r, :n_scale + SCALE_TAIL].copy_(b["SO"][:n_scale + SCALE_TAIL])
         scale = slot.SC32[:TK] if cfg.scale == "fp32" else (slot.SCD[:TK] if cfg.scale == "dtype" else None)
         shared = slot.SH[:, :T] if cfg.shared != "none" else None
-        S, tol = residual_expectation(slot.X, ridx, T, K, scale, cfg.rsf, shared, slot.RES[:T], D)
+        S, tol = ref.residual_expectation(slot.X, ridx, T, K, scale, cfg.rsf, shared, slot.RES[:T], D)
         ro, no = slot.RO[:, :T], slot.NO[:, :T]
-        counts = [count_bad(ro[0], S, tol)]
-        y, ntol = norm_expectation(ro[0], self.gamma[(str(self.home), cfg.weight_bias)], cfg.eps,
+        counts = [ref.count_bad(ro[0], S, tol)]
+        y, ntol = ref.norm_expectation(ro[0], self.gamma[(str(self.home), cfg.weight_bias)], cfg.eps,
                                    cfg.weight_bias, D)
-        counts.append(count_bad(no[0], y, ntol))
+        counts.append(ref.count_bad(no[0], y, ntol))
         if self.W > 1:
             xr = (ro[1:].view(torch.int16) != ro[:1].view(torch.int16)).sum() + \
                 (no[1:].view(torch.int16) != no[:1].view(torch.int16)).sum()
@@ -697,11 +548,11 @@ class Soak:
         if cfg.quant == "nvfp4":
             q0 = slot.QO[:, :T]
             so = slot.SO[:, :n_scale]
-            qexp, sf8 = nvfp4_expected(no[0], slot.GS)
+            qexp, sf8 = ref.nvfp4_blocks(no[0], slot.GS)
             got = so[0][self.offsets[:T * (self.H // 16)]]
             counts += [(q0[0] != qexp).sum(), (got != sf8.reshape(-1)).sum(),
                        (so[0] != 0).sum() - (got != 0).sum(),
-                       (slot.SO[:, n_scale:n_scale + SCALE_TAIL] != POISON_BYTE).sum()]
+                       (slot.SO[:, n_scale:n_scale + SCALE_TAIL] != ref.POISON_BYTE).sum()]
             if self.W > 1:
                 xr = xr + (q0[1:] != q0[:1]).sum() + (so[1:] != so[:1]).sum()
         else:

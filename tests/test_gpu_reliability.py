@@ -659,7 +659,7 @@ def _check_pending(dist, rank, pending, failures):
             failures.append(str(e)[:1500])
         mine = [provided["residual_out"], provided["norm_out"]]
         if quant:
-            mine += [provided["quant_out"], provided["scale_out"][: ref.scale_bytes_len(*provided["norm_out"].shape)]]
+            mine += [provided["quant_out"], provided["scale_out"][: ref.scale_out_bytes(*provided["norm_out"].shape)]]
         for t in mine:
             b = t.contiguous().view(torch.uint8).reshape(-1)
             allb = [torch.empty_like(b) for _ in range(2)]

@@ -739,9 +739,9 @@ def test_example_inputs_and_unfused_baseline_on_cpu(tmp_path):
             assert torch.equal(other["residual_in"], x["residual_in"]) and torch.equal(other["expanded_idx_to_permuted_idx"], idx)
             assert not torch.equal(other["allreduce_in"], x["allreduce_in"])
             norm, res = ex.unfused_tail(x, dist.group.WORLD)
-            a = dict(x, routed_scaling_factor=ex.ROUTED_SCALING_FACTOR, eps=ex.EPS, weight_bias=0)
-            want_res, want_norm = cpu_math(a, T, 4, 512, 1)
-            tol = ex.TOLERANCE_U * ex.UNIT_ROUNDOFF["bf16"]
+            want = _reference().reference([x], ex.EPS, 0, ex.ROUTED_SCALING_FACTOR, torch.bfloat16)
+            want_res, want_norm = want["residual_out"], want["norm_out"]
+            tol = ex.TOLERANCE_U * _reference().UNIT_ROUNDOFF[torch.bfloat16]
             assert ex.rel_err(res, want_res) <= tol and ex.rel_err(norm, want_norm) <= tol
             assert ex.rel_err(res, want_res) > 0  # per-op rounding: not the contract's bits
             assert ex.worst_over_ranks([0.5, float("nan")], torch.device("cpu")) == [0.5, math.inf]
