@@ -141,8 +141,8 @@ def rmsnorm_f64(residual, norm_weight, eps, weight_bias) -> torch.Tensor:
 def reference(per_rank, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
     """The precision contract, in float64 with single roundings to dtype.
 
-    Returns (all on rank 0's device):
-      residual_out, norm_out: dtype tensors (the contract's results)
+    Returns (all on rank 0'total device):
+      residual_out, norm_out: dtype tensors (the contract'total results)
       residual_out_f64: float64 sum of the rounded partials + residual_in, before rounding
       norm_out_f64: float64 RMSNorm of residual_out, before rounding
       partials: list of per-rank partials rounded to dtype
@@ -150,44 +150,44 @@ def reference(per_rank, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
         may legally produce for residual_out (see residual_bracket)
     """
     dtype = as_torch_dtype(dtype)
-    dev = per_rank[0]["allreduce_in"].device
+    device = per_rank[0]["allreduce_in"].device
     W = len(per_rank)
     K = per_rank[0]["expanded_idx_to_permuted_idx"].shape[1]
-    residual_in = per_rank[0]["residual_in"].to(dev)  # replicated across ranks
-    norm_weight = per_rank[0]["norm_weight"].to(dev)
+    residual_in = per_rank[0]["residual_in"].to(device)  # replicated across ranks
+    norm_weight = per_rank[0]["norm_weight"].to(device)
     res64 = residual_in.to(torch.float64)
 
     n_partial = K + 4  # K products, K-1 adds, rsf multiply, shared add, one spare
-    s = res64.clone()
-    s_lo = res64.clone()
-    s_hi = res64.clone()
+    total = res64.clone()
+    total_lo = res64.clone()
+    total_hi = res64.clone()
     absum = res64.abs()
     partials = []
-    for kw in per_rank:
-        p, mag = _partial_and_magnitude(
-            kw["allreduce_in"].to(dev), kw["expanded_idx_to_permuted_idx"],
-            kw.get("expert_scale_factor"), routed_scaling_factor, kw.get("shared_expert_output"))
-        pd = round_to_dtype(p, dtype)
-        partials.append(pd)
-        s += pd.to(torch.float64)
-        # float32 accumulation error bound, plus a float64 margin for p itself
-        err = (gamma(n_partial) + 2.0 ** -50) * mag
-        lo = round_to_dtype(p - err, dtype).to(torch.float64)
-        hi = round_to_dtype(p + err, dtype).to(torch.float64)
-        s_lo += lo
-        s_hi += hi
+    for inputs in per_rank:
+        partial, magnitude = _partial_and_magnitude(
+            inputs["allreduce_in"].to(device), inputs["expanded_idx_to_permuted_idx"],
+            inputs.get("expert_scale_factor"), routed_scaling_factor, inputs.get("shared_expert_output"))
+        rounded = round_to_dtype(partial, dtype)
+        partials.append(rounded)
+        total += rounded.to(torch.float64)
+        # float32 accumulation error bound, plus a float64 margin for the partial itself
+        err = (gamma(n_partial) + 2.0 ** -50) * magnitude
+        lo = round_to_dtype(partial - err, dtype).to(torch.float64)
+        hi = round_to_dtype(partial + err, dtype).to(torch.float64)
+        total_lo += lo
+        total_hi += hi
         absum += torch.maximum(lo.abs(), hi.abs())
     sum_err = gamma(W + 1) * absum  # W+1 dtype values summed in float32, any order
-    residual_out = round_to_dtype(s, dtype)
+    residual_out = round_to_dtype(total, dtype)
     norm64 = rmsnorm_f64(residual_out, norm_weight, eps, weight_bias)
     return dict(
         residual_out=residual_out,
         norm_out=round_to_dtype(norm64, dtype),
-        residual_out_f64=s,
+        residual_out_f64=total,
         norm_out_f64=norm64,
         partials=partials,
-        residual_lo=round_to_dtype(s_lo - sum_err, dtype),
-        residual_hi=round_to_dtype(s_hi + sum_err, dtype),
+        residual_lo=round_to_dtype(total_lo - sum_err, dtype),
+        residual_hi=round_to_dtype(total_hi + sum_err, dtype),
     )
 
 
@@ -541,33 +541,35 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
         ref = reference_for(case)
     dev = ref["residual_out"].device
     items = list(outs.items()) if isinstance(outs, dict) else list(enumerate(outs))
-    prov = (dict(provided.items()) if isinstance(provided, dict) else dict(enumerate(provided))) if provided else {}
+    provided_by_rank = {} if not provided else \
+        dict(provided.items()) if isinstance(provided, dict) else dict(enumerate(provided))
     n_scale = scale_out_bytes(T, H) if quant == "nvfp4" else None
     fp8 = dict(layout=fp8_scale_layout, pow2=fp8_pow2_scales)
     fails = []
     stats = {"max_res_ulp_from_ref": 0.0, "fully_checked_ranks": []}
     gs_vals = {}
-    first = None
-    for r, o in items:
-        p = prov.get(r, {})
+    first = None  # (rank, outputs) of the first fully checked rank
+    for r, returned in items:
+        given = provided_by_rank.get(r, {})
         tag = f"rank {r}"
         got = {}
         for name in ("residual_out", "norm_out", "quant_out", "scale_out"):
-            ret = getattr(o, name)
-            if name in p and ret is not None and ret.data_ptr() != p[name].data_ptr():
+            ret = getattr(returned, name)
+            if name in given and ret is not None and ret.data_ptr() != given[name].data_ptr():
                 fails.append(f"{tag}: returned {name} is not the preallocated tensor")
-            got[name] = p.get(name, ret)
+            got[name] = given.get(name, ret)
         if quant is None:
-            if o.quant_out is not None or o.scale_out is not None:
+            if returned.quant_out is not None or returned.scale_out is not None:
                 fails.append(f"{tag}: quant=None but quant_out/scale_out returned")
         else:
             if isinstance(global_scale, (list, tuple)):
                 gs_vals[r] = _gs_float(global_scale[r])
             elif global_scale is not None:
                 gs_vals[r] = _gs_float(global_scale)
-            s_t = got["scale_out"]
-            if quant == "nvfp4" and s_t is not None and s_t.dim() == 1 and s_t.numel() > n_scale and "scale_out" in p:
-                tail = s_t[n_scale:]
+            scale_t = got["scale_out"]
+            if quant == "nvfp4" and scale_t is not None and scale_t.dim() == 1 and scale_t.numel() > n_scale \
+                    and "scale_out" in given:
+                tail = scale_t[n_scale:]
                 if (tail != poison_byte).any():
                     fails.append(f"{tag}: wrote {int((tail != poison_byte).sum())} bytes past the "
                                  f"{n_scale} scale bytes it owns")
@@ -576,16 +578,16 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
         if first is not None:
             same = True
             for name in names:
-                a, b = first[1][name], got[name]
-                if b is None or a.shape[0] != b.shape[0] or a.dtype != b.dtype:
+                theirs, mine = first[1][name], got[name]
+                if mine is None or theirs.shape[0] != mine.shape[0] or theirs.dtype != mine.dtype:
                     same = False
                     continue
-                a, b = _bits(a.reshape(-1)[: a.numel() if name != "scale_out" else n_scale]), \
-                    _bits(b.to(a.device).reshape(-1)[: b.numel() if name != "scale_out" else n_scale])
-                if a.shape != b.shape or not torch.equal(a, b):
+                theirs, mine = _bits(theirs.reshape(-1)[: theirs.numel() if name != "scale_out" else n_scale]), \
+                    _bits(mine.to(theirs.device).reshape(-1)[: mine.numel() if name != "scale_out" else n_scale])
+                if theirs.shape != mine.shape or not torch.equal(theirs, mine):
                     same = False
-                    nd = int((a != b).sum()) if a.shape == b.shape else "all"
-                    fails.append(f"{tag}: {name} not bit-identical to rank {first[0]} ({nd} elements differ)")
+                    n_diff = int((theirs != mine).sum()) if theirs.shape == mine.shape else "all"
+                    fails.append(f"{tag}: {name} not bit-identical to rank {first[0]} ({n_diff} elements differ)")
             if same and gs_vals.get(r) == gs_vals.get(first[0]):
                 continue  # identical to a fully checked rank
         stats["fully_checked_ranks"].append(r)

@@ -50,7 +50,6 @@ import pathlib
 import platform
 import random
 import socket
-import subprocess
 import sys
 import time
 from typing import NamedTuple, Optional
@@ -59,8 +58,8 @@ import torch
 
 from dispatch.op import scale_out_bytes
 from moe_ar_tools import reference as ref
+from moe_ar_tools.provenance import git_commit
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SCALE_TAIL = 64  # bytes past the required scale length handed to the kernel, which must stay untouched
 DROP_FRAC = 0.2
 COUNTERS = ("residual_out", "norm_out", "cross_rank", "quant_out", "scale_out", "scale_padding", "scale_tail")
@@ -78,16 +77,16 @@ def regime_boundaries(select, max_tokens: int, quants, shared_options=(False, Tr
     """quant -> sorted token counts T (2..max_tokens) where select(T, quant, shared) differs from
     select(T - 1, quant, shared) for some shared option: the first T of each new regime."""
     out = {}
-    for q in quants:
+    for quant in quants:
         bounds = set()
-        for sh in shared_options:
-            prev = select(1, q, sh)
+        for shared in shared_options:
+            prev = select(1, quant, shared)
             for T in range(2, max_tokens + 1):
-                cur = select(T, q, sh)
+                cur = select(T, quant, shared)
                 if cur != prev:
                     bounds.add(T)
                 prev = cur
-        out[q] = sorted(bounds)
+        out[quant] = sorted(bounds)
     return out
 
 
@@ -111,21 +110,21 @@ class TokenSampler:
                                             max_tokens) if 1 <= t <= max_tokens})
         self.rnd = rnd
         total = float(sum(mix))
-        acc, self.cum = 0.0, []
-        for m in mix:
-            acc += m / total
+        acc, self.cum = 0.0, []  # cumulative probabilities of the four kinds of draw
+        for share in mix:
+            acc += share / total
             self.cum.append(acc)
         self.log_max = math.log(max_tokens + 1)
 
     def draw(self, quant=None) -> int:
         rnd = self.rnd
-        x = rnd.random()
+        kind = rnd.random()
         bounds = self.boundaries.get(quant) or []
-        if x < self.cum[0]:
+        if kind < self.cum[0]:
             T = int(math.exp(rnd.random() * self.log_max))
-        elif x < self.cum[1] and bounds:
+        elif kind < self.cum[1] and bounds:
             T = rnd.choice(bounds) + rnd.randint(-3, 2)
-        elif x < self.cum[2]:
+        elif kind < self.cum[2]:
             T = rnd.choice(self.specials)
         else:
             T = rnd.randint(1, self.max_tokens)
@@ -207,53 +206,56 @@ def parse_quants(spec: str) -> list:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moe-ar-soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, required=True, help="ranks of the emulated world (2, 4 or 8)")
-    p.add_argument("--devices", default=None,
-                   help="each rank's GPU, comma separated, repeated to the world size (default: all on GPU 0)")
-    p.add_argument("--calls", type=int, default=100_000, help="calls to make, fewer if the time budget ends first (100000)")
-    p.add_argument("--time-budget-s", type=float, default=600.0, help="start no call after this many seconds (600)")
-    p.add_argument("--out", default=None, help="JSON result path (default: print it)")
-    p.add_argument("--dtype", choices=sorted(ref.NAME_TO_DTYPE), default="bf16", help="(bf16)")
-    p.add_argument("--hidden", type=int, default=2048, help="(2048)")
-    p.add_argument("--max-tokens", type=int, default=None,
-                   help="default: max(2048, the last regime boundary of the selection table + 255, rounded to 128)")
-    p.add_argument("--oneshot-max-tokens", type=int, default=None, help="the workspaces' one-shot capacity")
-    p.add_argument("--quants", default="none,nvfp4", help="output profiles to draw from (none,nvfp4)")
-    p.add_argument("--graph-fraction", type=float, default=0.5, help="share of calls replayed from CUDA graphs, single-device worlds only (0.5)")
-    p.add_argument("--graph-configs-per-bucket", type=int, default=1,
-                   help="captured option sets per (regime T bucket, profile, PDL) (1)")
-    p.add_argument("--full-check-every", type=int, default=200, help="full moe_ar_tools/reference.py check every N calls (200)")
-    p.add_argument("--check-every", type=int, default=1000, help="world.check() (timeouts) every N calls (1000)")
-    p.add_argument("--timeout-s", type=float, default=10.0, help="the workspaces' peer-wait deadline (10)")
-    p.add_argument("--seed", type=int, default=None, help="default: fresh (recorded in the JSON)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar / lines")
-    return p
+    parser = argparse.ArgumentParser(prog="moe-ar-soak", description=__doc__.split("\n\n")[0])
+    add = parser.add_argument
+    add("--world-size", type=int, required=True, help="ranks of the emulated world (2, 4 or 8)")
+    add("--devices", default=None,
+        help="each rank's GPU, comma separated, repeated to the world size (default: all on GPU 0)")
+    add("--calls", type=int, default=100_000, help="calls to make, fewer if the time budget ends first (100000)")
+    add("--time-budget-s", type=float, default=600.0, help="start no call after this many seconds (600)")
+    add("--out", default=None, help="JSON result path (default: print it)")
+    add("--dtype", choices=sorted(ref.NAME_TO_DTYPE), default="bf16", help="(bf16)")
+    add("--hidden", type=int, default=2048, help="(2048)")
+    add("--max-tokens", type=int, default=None,
+        help="default: max(2048, the last regime boundary of the selection table + 255, rounded to 128)")
+    add("--oneshot-max-tokens", type=int, default=None, help="the workspaces' one-shot capacity")
+    add("--quants", default="none,nvfp4", help="output profiles to draw from (none,nvfp4)")
+    add("--graph-fraction", type=float, default=0.5,
+        help="share of calls replayed from CUDA graphs, single-device worlds only (0.5)")
+    add("--graph-configs-per-bucket", type=int, default=1,
+        help="captured option sets per (regime T bucket, profile, PDL) (1)")
+    add("--full-check-every", type=int, default=200,
+        help="full check against the float64 reference every N calls (200)")
+    add("--check-every", type=int, default=1000, help="world.check() (timeouts) every N calls (1000)")
+    add("--timeout-s", type=float, default=10.0, help="the workspaces' peer-wait deadline (10)")
+    add("--seed", type=int, default=None, help="default: fresh (recorded in the JSON)")
+    add("--no-progress", action="store_true", help="no progress bar / lines")
+    return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = build_parser()
-    a = p.parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
-        if a.world_size < 2:
-            raise ValueError(f"world-size: {a.world_size}")
-        a.device_list = parse_devices(a.devices, a.world_size)
-        a.quant_list = parse_quants(a.quants)
-        if a.calls < 1:
-            raise ValueError(f"calls: {a.calls} < 1")
-        if a.hidden <= 0 or a.hidden % 16:
-            raise ValueError(f"hidden: {a.hidden} must be a positive multiple of 16")
-        if a.max_tokens is not None and a.max_tokens < 1:
-            raise ValueError(f"max-tokens: {a.max_tokens}")
-        if not 0.0 <= a.graph_fraction <= 1.0:
-            raise ValueError(f"graph-fraction: {a.graph_fraction} not in [0, 1]")
-        if a.full_check_every < 1 or a.check_every < 1 or a.graph_configs_per_bucket < 1:
+        if args.world_size < 2:
+            raise ValueError(f"world-size: {args.world_size}")
+        args.device_list = parse_devices(args.devices, args.world_size)
+        args.quant_list = parse_quants(args.quants)
+        if args.calls < 1:
+            raise ValueError(f"calls: {args.calls} < 1")
+        if args.hidden <= 0 or args.hidden % 16:
+            raise ValueError(f"hidden: {args.hidden} must be a positive multiple of 16")
+        if args.max_tokens is not None and args.max_tokens < 1:
+            raise ValueError(f"max-tokens: {args.max_tokens}")
+        if not 0.0 <= args.graph_fraction <= 1.0:
+            raise ValueError(f"graph-fraction: {args.graph_fraction} not in [0, 1]")
+        if args.full_check_every < 1 or args.check_every < 1 or args.graph_configs_per_bucket < 1:
             raise ValueError("full-check-every, check-every and graph-configs-per-bucket must be >= 1")
     except ValueError as e:
-        p.error(str(e))
-    if a.seed is None:
-        a.seed = random.SystemRandom().randrange(2 ** 62)
-    return a
+        parser.error(str(e))
+    if args.seed is None:
+        args.seed = random.SystemRandom().randrange(2 ** 62)
+    return args
 
 
 def default_max_tokens(selection_rows, dtype_name: str, world_size: int) -> int:
@@ -261,11 +263,11 @@ def default_max_tokens(selection_rows, dtype_name: str, world_size: int) -> int:
     profile of (dtype, world size) in the selection table is reachable."""
     from dispatch import registry
     last = 1
-    for s in selection_rows:
-        if s.get("dtype") == dtype_name and int(s.get("world_size", -1)) == world_size:
-            last = max(last, *(int(s[k]) + 1 for k in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens",
-                                                        "loads_max_tokens")
-                               if int(s[k]) < registry.ALL_TOKENS))
+    for row in selection_rows:
+        if row.get("dtype") == dtype_name and int(row.get("world_size", -1)) == world_size:
+            last = max(last, *(int(row[key]) + 1 for key in ("oneshot_max_tokens", "early_max_tokens",
+                                                            "twoshot_max_tokens", "loads_max_tokens")
+                               if int(row[key]) < registry.ALL_TOKENS))
     need = last + 255
     return max(2048, -(-need // 128) * 128)
 
@@ -286,79 +288,71 @@ def machine_info() -> dict:
     return info
 
 
-def commit() -> str:
-    c = os.environ.get("MOE_AR_COMMIT")
-    if c:
-        return c
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
-
-
 # ---- the soak --------------------------------------------------------------------------------------------
 
-class _Hang(Exception):
-    pass
+class _HungCall(Exception):
+    """A call that did not finish within Soak.hang_s."""
 
 
-class _Rec(NamedTuple):
+class _CallRecord(NamedTuple):
+    """What the checks of a launched call need to know about it."""
     index: int
     cfg: CallConfig
-    rows: int
-    n_scale: int
-    ridx: torch.Tensor
-    mode: str
+    rows: int       # allreduce_in rows the call was given
+    n_scale: int    # NVFP4 scale bytes it must write (0 without NVFP4)
+    mode: str       # "eager" or "graph"
     program: str
 
 
-class _Slot:
-    """One set of input and output buffers of max_tokens rows (two alternate, so that a call's check
-    can be read while the next call runs)."""
+# The names of one call's buffers, as _BufferSet attributes and as keys of each rank's views.
+_BUFFER_NAMES = ("allreduce_in", "shared", "residual_in", "idx", "scale_fp32", "scale_dtype", "global_scale",
+                 "norm_out", "residual_out", "quant_out", "scale_out")
+
+
+class _BufferSet:
+    """One set of input and output buffers of max_tokens rows on rank 0's GPU (two alternate, so that
+    a call's check can be read while the next call runs); per-rank tensors are stacked [W, ...]."""
 
     def __init__(self, soak, index: int):
-        W, H, D, Tm, Rc = soak.W, soak.H, soak.dtype, soak.max_tokens, soak.max_rows
-        dev = soak.home
+        W, H, dtype, max_tokens, max_rows = soak.W, soak.H, soak.dtype, soak.max_tokens, soak.max_rows
+        home = soak.home_device
         self.index = index
         nvfp4 = "nvfp4" in soak.quants
-        # allreduce_in of every rank; row Rc stays zero (dropped routes in the check), row Rc + 1 is scratch
-        self.X = torch.zeros(W, Rc + 2, H, dtype=D, device=dev)
-        self.SH = torch.zeros(W, Tm, H, dtype=D, device=dev)
-        self.RES = torch.zeros(Tm, H, dtype=D, device=dev)
-        self.IDX = torch.zeros(Rc, dtype=torch.int32, device=dev)
-        self.SC32 = torch.zeros(Rc, dtype=torch.float32, device=dev)
-        self.SCD = torch.zeros(Rc, dtype=D, device=dev)
-        self.GS = torch.ones(1, dtype=torch.float32, device=dev)
-        self.NO = torch.zeros(W, Tm, H, dtype=D, device=dev)
-        self.RO = torch.zeros(W, Tm, H, dtype=D, device=dev)
-        scap = scale_out_bytes(Tm, H) + SCALE_TAIL
-        self.QO = torch.zeros(W, Tm, H // 2, dtype=torch.uint8, device=dev) if nvfp4 else None
-        self.SO = torch.zeros(W, scap, dtype=torch.uint8, device=dev) if nvfp4 else None
-        self.bases = []
-        self.remote = {}
+        scale_capacity = scale_out_bytes(max_tokens, H) + SCALE_TAIL
+
+        def make(device, ranks=()):
+            """The buffers on `device`; ranks=(W,) stacks the per-rank ones."""
+            return dict(
+                # row max_rows stays zero (dropped routes in the check), row max_rows + 1 is scratch
+                allreduce_in=torch.zeros(*ranks, max_rows + 2, H, dtype=dtype, device=device),
+                shared=torch.zeros(*ranks, max_tokens, H, dtype=dtype, device=device),
+                residual_in=torch.zeros(max_tokens, H, dtype=dtype, device=device),
+                idx=torch.zeros(max_rows, dtype=torch.int32, device=device),
+                scale_fp32=torch.zeros(max_rows, dtype=torch.float32, device=device),
+                scale_dtype=torch.zeros(max_rows, dtype=dtype, device=device),
+                global_scale=torch.ones(1, dtype=torch.float32, device=device),
+                norm_out=torch.zeros(*ranks, max_tokens, H, dtype=dtype, device=device),
+                residual_out=torch.zeros(*ranks, max_tokens, H, dtype=dtype, device=device),
+                quant_out=torch.zeros(*ranks, max_tokens, H // 2, dtype=torch.uint8, device=device) if nvfp4 else None,
+                scale_out=torch.zeros(*ranks, scale_capacity, dtype=torch.uint8, device=device) if nvfp4 else None)
+
+        for name, tensor in make(home, (W,)).items():
+            setattr(self, name, tensor)
+        per_rank = ("allreduce_in", "shared", "norm_out", "residual_out", "quant_out", "scale_out")
+        self.rank_views = []        # [rank] -> {buffer name: the tensor that rank's call reads or writes}
+        self.other_gpu_ranks = {}   # rank -> its own buffers, for a rank on another GPU than rank 0's
         for r, ws in enumerate(soak.world.workspaces):
-            if ws.device == dev:
-                b = dict(X=self.X[r], SH=self.SH[r], RES=self.RES, IDX=self.IDX, SC32=self.SC32, SCD=self.SCD,
-                         GS=self.GS, NO=self.NO[r], RO=self.RO[r],
-                         QO=self.QO[r] if nvfp4 else None, SO=self.SO[r] if nvfp4 else None)
-            else:  # a rank on another GPU: its own copies, filled from these before each call
-                d = ws.device
-                b = dict(X=torch.zeros(Rc + 2, H, dtype=D, device=d), SH=torch.zeros(Tm, H, dtype=D, device=d),
-                         RES=torch.zeros(Tm, H, dtype=D, device=d), IDX=torch.zeros(Rc, dtype=torch.int32, device=d),
-                         SC32=torch.zeros(Rc, dtype=torch.float32, device=d),
-                         SCD=torch.zeros(Rc, dtype=D, device=d), GS=torch.ones(1, dtype=torch.float32, device=d),
-                         NO=torch.zeros(Tm, H, dtype=D, device=d), RO=torch.zeros(Tm, H, dtype=D, device=d),
-                         QO=torch.zeros(Tm, H // 2, dtype=torch.uint8, device=d) if nvfp4 else None,
-                         SO=torch.zeros(scap, dtype=torch.uint8, device=d) if nvfp4 else None)
-                self.remote[r] = b
-            b["device"] = ws.device
-            self.bases.append(b)
-        cuda = dev.type == "cuda"
-        self.host = torch.zeros(len(COUNTERS), dtype=torch.int64, pin_memory=cuda)
-        self.event = torch.cuda.Event() if cuda else None
+            if ws.device == home:
+                views = {name: getattr(self, name) for name in _BUFFER_NAMES}
+                views.update({name: views[name][r] for name in per_rank if views[name] is not None})
+            else:  # filled from the stacked buffers before each call, its outputs copied back after
+                views = make(ws.device)
+                self.other_gpu_ranks[r] = views
+            views["device"] = ws.device
+            self.rank_views.append(views)
+        cuda = home.type == "cuda"
+        self.host_counts = torch.zeros(len(COUNTERS), dtype=torch.int64, pin_memory=cuda)
+        self.counts_ready = torch.cuda.Event() if cuda else None
 
 
 class Soak:
@@ -381,11 +375,12 @@ class Soak:
             world = dispatch.EmulatedWorld(self.W, self.max_tokens, self.H, self.dtype, devices=args.device_list,
                                            timeout_s=args.timeout_s, oneshot_max_tokens=args.oneshot_max_tokens)
         self.world = world
-        self.ws0 = world.workspaces[0]
-        self.home = self.ws0.device
-        self.cuda = self.home.type == "cuda"
-        if self.cuda:  # checks, events and graph captures run on rank 0's GPU
-            torch.cuda.set_device(self.home)
+        self.rank0_workspace = world.workspaces[0]
+        # rank 0's device: the stacked buffers, the checks, events and graph captures live there
+        self.home_device = self.rank0_workspace.device
+        self.cuda = self.home_device.type == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(self.home_device)
         self.rank_devices = [ws.device for ws in world.workspaces]
         self.single_device = len({str(d) for d in self.rank_devices}) == 1
         self.graphs_enabled = self.cuda and self.single_device and args.graph_fraction > 0
@@ -400,17 +395,18 @@ class Soak:
             self.graph_note = f"{args.graph_fraction:.0%} of calls replayed from CUDA graphs"
         self.hang_s = max(60.0, 5.0 * float(args.timeout_s))
         self._select_cache = {}
-        self.bounds = regime_boundaries(lambda T, q, sh: self._select(T, q, sh)[0], self.max_tokens, self.quants)
+        self.bounds = regime_boundaries(lambda T, quant, shared: self._select(T, quant, shared)[0], self.max_tokens,
+                                        self.quants)
         self.sampler = TokenSampler(self.max_tokens, self.bounds, self.W, self.rnd)
         # NVFP4 scale offsets of max_tokens rows: the first T rows' are T's (the layout does not depend on T)
-        self.offsets = ref.swizzle_offsets(self.max_tokens, self.H, device=self.home).reshape(-1)
-        self.gamma = {}
-        for wb in (0, 1):
-            g = (torch.randn(self.H, device=self.home) * 0.1 + (1.0 if wb == 0 else 0.0)).to(self.dtype)
-            for d in {str(x): x for x in self.rank_devices}.values():
-                self.gamma[(str(d), wb)] = g if str(d) == str(self.home) else g.to(d)
-        self.zero = torch.zeros((), dtype=torch.int64, device=self.home)
-        self.slots = [_Slot(self, 0), _Slot(self, 1)]
+        self.offsets = ref.swizzle_offsets(self.max_tokens, self.H, device=self.home_device).reshape(-1)
+        self.norm_weights = {}  # (device, weight_bias) -> the norm_weight every rank on that device reads
+        for weight_bias in (0, 1):
+            weights = self._random_norm_weight(weight_bias)
+            for d in self._distinct_devices():
+                self.norm_weights[(str(d), weight_bias)] = weights if str(d) == str(self.home_device) else weights.to(d)
+        self.zero = torch.zeros((), dtype=torch.int64, device=self.home_device)
+        self.buffer_sets = [_BufferSet(self, 0), _BufferSet(self, 1)]
         self.graph_configs = self._graph_configs() if self.graphs_enabled else []
         self.graphs = {}
         self.stats = dict(calls=0, eager_calls=0, graph_calls=0, pdl_calls=0, graphs_captured=0,
@@ -430,7 +426,7 @@ class Soak:
         key = (T, quant, bool(has_shared))
         got = self._select_cache.get(key)
         if got is None:
-            name = self.dispatch.select_program(self.ws0, T, quant, bool(has_shared))
+            name = self.dispatch.select_program(self.rank0_workspace, T, quant, bool(has_shared))
             got = self._select_cache[key] = (name, self.dispatch.program_info(name)["family"])
         return got
 
@@ -445,162 +441,166 @@ class Soak:
 
     # -- one call -------------------------------------------------------------------------------------------
 
-    def _kwargs(self, slot, cfg, rows, n_scale):
+    def _call_kwargs(self, bufs, cfg, rows, n_scale):
+        """Every rank's keyword arguments of dispatch.moe_finalize_allreduce for this call."""
         T, K = cfg.tokens, cfg.top_k
         TK = T * K
-        out = []
-        for r, b in enumerate(slot.bases):
-            kw = dict(allreduce_in=b["X"][:rows], expanded_idx_to_permuted_idx=b["IDX"][:TK].view(T, K),
-                      residual_in=b["RES"][:T], norm_weight=self.gamma[(str(b["device"]), cfg.weight_bias)],
-                      eps=cfg.eps, weight_bias=cfg.weight_bias, routed_scaling_factor=cfg.rsf,
-                      launch_with_pdl=cfg.pdl, norm_out=b["NO"][:T], residual_out=b["RO"][:T])
+        per_rank = []
+        for r, views in enumerate(bufs.rank_views):
+            kw = dict(allreduce_in=views["allreduce_in"][:rows],
+                      expanded_idx_to_permuted_idx=views["idx"][:TK].view(T, K), residual_in=views["residual_in"][:T],
+                      norm_weight=self.norm_weights[(str(views["device"]), cfg.weight_bias)], eps=cfg.eps,
+                      weight_bias=cfg.weight_bias, routed_scaling_factor=cfg.rsf, launch_with_pdl=cfg.pdl,
+                      norm_out=views["norm_out"][:T], residual_out=views["residual_out"][:T])
             if cfg.scale == "fp32":
-                kw["expert_scale_factor"] = b["SC32"][:TK].view(T, K)
+                kw["expert_scale_factor"] = views["scale_fp32"][:TK].view(T, K)
             elif cfg.scale == "dtype":
-                kw["expert_scale_factor"] = b["SCD"][:TK].view(T, K)
+                kw["expert_scale_factor"] = views["scale_dtype"][:TK].view(T, K)
             if cfg.shared == "all" or (cfg.shared == "rank0" and r == 0):
-                kw["shared_expert_output"] = b["SH"][:T]
+                kw["shared_expert_output"] = views["shared"][:T]
             if cfg.quant == "nvfp4":
-                kw.update(quant="nvfp4", global_scale=b["GS"], quant_out=b["QO"][:T],
-                          scale_out=b["SO"][:n_scale + SCALE_TAIL])
-            out.append(kw)
-        return out
+                kw.update(quant="nvfp4", global_scale=views["global_scale"], quant_out=views["quant_out"][:T],
+                          scale_out=views["scale_out"][:n_scale + SCALE_TAIL])
+            per_rank.append(kw)
+        return per_rank
 
-    def _refill(self, slot, cfg, rows, n_scale):
+    def _refill(self, bufs, cfg, rows, n_scale):
         """Fresh random inputs for the rows this call reads, poisoned outputs; returns the check's row
         index per (token, route) (dropped routes -> the zero row)."""
         T, K = cfg.tokens, cfg.top_k
         TK = T * K
-        dev = self.home
-        X = slot.X
-        X[:, :rows].normal_(0.0, cfg.std)
-        perm = torch.randperm(rows, device=dev)
+        allreduce_in = bufs.allreduce_in
+        allreduce_in[:, :rows].normal_(0.0, cfg.std)
+        perm = torch.randperm(rows, device=self.home_device)
         route = perm[:TK]
         if cfg.drop:
-            dropped = torch.rand(TK, device=dev) < DROP_FRAC
-            slot.IDX[:TK].copy_(torch.where(dropped, -1, route))
-            ridx = torch.where(dropped, self.max_rows, route)
+            dropped = torch.rand(TK, device=self.home_device) < DROP_FRAC
+            bufs.idx[:TK].copy_(torch.where(dropped, -1, route))
+            route_rows = torch.where(dropped, self.max_rows, route)
             # rows no valid route reads are NaN: a kernel must never read them into a result
-            X.index_fill_(1, torch.where(dropped, route, self.max_rows + 1), math.nan)
+            allreduce_in.index_fill_(1, torch.where(dropped, route, self.max_rows + 1), math.nan)
         else:
-            slot.IDX[:TK].copy_(route)
-            ridx = route
+            bufs.idx[:TK].copy_(route)
+            route_rows = route
         if rows > TK:
-            X.index_fill_(1, perm[TK:], math.nan)
+            allreduce_in.index_fill_(1, perm[TK:], math.nan)
         if cfg.scale == "fp32":
-            slot.SC32[:TK].uniform_(0.05, 1.0)
+            bufs.scale_fp32[:TK].uniform_(0.05, 1.0)
         elif cfg.scale == "dtype":
-            slot.SCD[:TK].uniform_(0.05, 1.0)
-        slot.RES[:T].normal_(0.0, 1.5)
+            bufs.scale_dtype[:TK].uniform_(0.05, 1.0)
+        bufs.residual_in[:T].normal_(0.0, 1.5)
         if cfg.shared != "none":
-            slot.SH[:, :T].normal_(0.0, 0.5 * cfg.std)
+            bufs.shared[:, :T].normal_(0.0, 0.5 * cfg.std)
             if cfg.shared == "rank0":
-                slot.SH[1:, :T].zero_()
+                bufs.shared[1:, :T].zero_()
         if cfg.quant == "nvfp4":
             lo, hi = GS_LOG_RANGES[cfg.gs_range]
-            slot.GS.uniform_(lo, hi).exp_()
-        slot.NO[:, :T].fill_(math.nan)
-        slot.RO[:, :T].fill_(math.nan)
+            bufs.global_scale.uniform_(lo, hi).exp_()
+        bufs.norm_out[:, :T].fill_(math.nan)
+        bufs.residual_out[:, :T].fill_(math.nan)
         if cfg.quant == "nvfp4":
-            slot.QO[:, :T].fill_(ref.POISON_BYTE)
-            slot.SO[:, :n_scale + SCALE_TAIL].fill_(ref.POISON_BYTE)
-        for r, b in slot.remote.items():
-            b["X"][:rows].copy_(X[r, :rows])
-            b["IDX"][:TK].copy_(slot.IDX[:TK])
-            b["RES"][:T].copy_(slot.RES[:T])
+            bufs.quant_out[:, :T].fill_(ref.POISON_BYTE)
+            bufs.scale_out[:, :n_scale + SCALE_TAIL].fill_(ref.POISON_BYTE)
+        for r, rank_bufs in bufs.other_gpu_ranks.items():
+            rank_bufs["allreduce_in"][:rows].copy_(allreduce_in[r, :rows])
+            rank_bufs["idx"][:TK].copy_(bufs.idx[:TK])
+            rank_bufs["residual_in"][:T].copy_(bufs.residual_in[:T])
             if cfg.scale == "fp32":
-                b["SC32"][:TK].copy_(slot.SC32[:TK])
+                rank_bufs["scale_fp32"][:TK].copy_(bufs.scale_fp32[:TK])
             elif cfg.scale == "dtype":
-                b["SCD"][:TK].copy_(slot.SCD[:TK])
+                rank_bufs["scale_dtype"][:TK].copy_(bufs.scale_dtype[:TK])
             if cfg.shared == "all":
-                b["SH"][:T].copy_(slot.SH[r, :T])
-            b["NO"][:T].fill_(math.nan)
-            b["RO"][:T].fill_(math.nan)
+                rank_bufs["shared"][:T].copy_(bufs.shared[r, :T])
+            rank_bufs["norm_out"][:T].fill_(math.nan)
+            rank_bufs["residual_out"][:T].fill_(math.nan)
             if cfg.quant == "nvfp4":
-                b["GS"].copy_(slot.GS)
-                b["QO"][:T].fill_(ref.POISON_BYTE)
-                b["SO"][:n_scale + SCALE_TAIL].fill_(ref.POISON_BYTE)
-        return ridx
+                rank_bufs["global_scale"].copy_(bufs.global_scale)
+                rank_bufs["quant_out"][:T].fill_(ref.POISON_BYTE)
+                rank_bufs["scale_out"][:n_scale + SCALE_TAIL].fill_(ref.POISON_BYTE)
+        return route_rows
 
-    def _enqueue_check(self, slot, cfg, rows, n_scale, ridx):
-        """The cheap check of the call just launched, on the GPU; counts land in slot.host at slot.event."""
-        T, K, D = cfg.tokens, cfg.top_k, self.dtype
+    def _enqueue_check(self, bufs, cfg, n_scale, route_rows):
+        """The cheap check of the call just launched, on the GPU: counts of wrong elements per COUNTERS
+        entry land in bufs.host_counts when bufs.counts_ready has passed."""
+        T, K, dtype = cfg.tokens, cfg.top_k, self.dtype
         TK = T * K
-        for r, b in slot.remote.items():  # bring other GPUs' outputs home
-            slot.NO[r, :T].copy_(b["NO"][:T])
-            slot.RO[r, :T].copy_(b["RO"][:T])
+        for r, rank_bufs in bufs.other_gpu_ranks.items():  # bring other GPUs' outputs home
+            bufs.norm_out[r, :T].copy_(rank_bufs["norm_out"][:T])
+            bufs.residual_out[r, :T].copy_(rank_bufs["residual_out"][:T])
             if cfg.quant == "nvfp4":
-                slot.QO[r, :T].copy_(b["QO"][:T])
-                slot.SO[r, :n_scale + SCALE_TAIL].copy_(b["SO"][:n_scale + SCALE_TAIL])
-        scale = slot.SC32[:TK] if cfg.scale == "fp32" else (slot.SCD[:TK] if cfg.scale == "dtype" else None)
-        shared = slot.SH[:, :T] if cfg.shared != "none" else None
-        S, tol = ref.residual_expectation(slot.X, ridx, T, K, scale, cfg.rsf, shared, slot.RES[:T], D)
-        ro, no = slot.RO[:, :T], slot.NO[:, :T]
-        counts = [ref.count_bad(ro[0], S, tol)]
-        y, ntol = ref.norm_expectation(ro[0], self.gamma[(str(self.home), cfg.weight_bias)], cfg.eps,
-                                   cfg.weight_bias, D)
-        counts.append(ref.count_bad(no[0], y, ntol))
+                bufs.quant_out[r, :T].copy_(rank_bufs["quant_out"][:T])
+                bufs.scale_out[r, :n_scale + SCALE_TAIL].copy_(rank_bufs["scale_out"][:n_scale + SCALE_TAIL])
+        scale = {"fp32": bufs.scale_fp32[:TK], "dtype": bufs.scale_dtype[:TK]}.get(cfg.scale)
+        shared = bufs.shared[:, :T] if cfg.shared != "none" else None
+        residual_expected, residual_tol = ref.residual_expectation(
+            bufs.allreduce_in, route_rows, T, K, scale, cfg.rsf, shared, bufs.residual_in[:T], dtype)
+        residual_outs, norm_outs = bufs.residual_out[:, :T], bufs.norm_out[:, :T]
+        counts = [ref.count_bad(residual_outs[0], residual_expected, residual_tol)]
+        norm_expected, norm_tol = ref.norm_expectation(
+            residual_outs[0], self.norm_weights[(str(self.home_device), cfg.weight_bias)], cfg.eps, cfg.weight_bias,
+            dtype)
+        counts.append(ref.count_bad(norm_outs[0], norm_expected, norm_tol))
         if self.W > 1:
-            xr = (ro[1:].view(torch.int16) != ro[:1].view(torch.int16)).sum() + \
-                (no[1:].view(torch.int16) != no[:1].view(torch.int16)).sum()
+            cross_rank = (residual_outs[1:].view(torch.int16) != residual_outs[:1].view(torch.int16)).sum() + \
+                (norm_outs[1:].view(torch.int16) != norm_outs[:1].view(torch.int16)).sum()
         else:
-            xr = self.zero
+            cross_rank = self.zero
         if cfg.quant == "nvfp4":
-            q0 = slot.QO[:, :T]
-            so = slot.SO[:, :n_scale]
-            qexp, sf8 = ref.nvfp4_blocks(no[0], slot.GS)
-            got = so[0][self.offsets[:T * (self.H // 16)]]
-            counts += [(q0[0] != qexp).sum(), (got != sf8.reshape(-1)).sum(),
-                       (so[0] != 0).sum() - (got != 0).sum(),
-                       (slot.SO[:, n_scale:n_scale + SCALE_TAIL] != ref.POISON_BYTE).sum()]
+            quant_outs = bufs.quant_out[:, :T]
+            scale_outs = bufs.scale_out[:, :n_scale]
+            quant_expected, sf8_expected = ref.nvfp4_blocks(norm_outs[0], bufs.global_scale)
+            sf8 = scale_outs[0][self.offsets[:T * (self.H // 16)]]
+            counts += [(quant_outs[0] != quant_expected).sum(), (sf8 != sf8_expected.reshape(-1)).sum(),
+                       (scale_outs[0] != 0).sum() - (sf8 != 0).sum(),  # padding
+                       (bufs.scale_out[:, n_scale:n_scale + SCALE_TAIL] != ref.POISON_BYTE).sum()]
             if self.W > 1:
-                xr = xr + (q0[1:] != q0[:1]).sum() + (so[1:] != so[:1]).sum()
+                cross_rank = cross_rank + (quant_outs[1:] != quant_outs[:1]).sum() + \
+                    (scale_outs[1:] != scale_outs[:1]).sum()
         else:
             counts += [self.zero] * 4
-        counts.insert(2, xr)
+        counts.insert(2, cross_rank)
         stacked = torch.stack(counts)
         if self.cuda:
-            slot.host.copy_(stacked, non_blocking=True)
-            slot.event.record(torch.cuda.current_stream(self.home))
+            bufs.host_counts.copy_(stacked, non_blocking=True)
+            bufs.counts_ready.record(torch.cuda.current_stream(self.home_device))
         else:
-            slot.host.copy_(stacked)
+            bufs.host_counts.copy_(stacked)
 
-    def _one_call(self, slot, cfg, mode, index, graph=None, kwargs=None):
+    def _one_call(self, bufs, cfg, mode, index, graph=None, kwargs=None):
         T, K = cfg.tokens, cfg.top_k
         rows = T * K + cfg.padded_rows
         n_scale = scale_out_bytes(T, self.H) if cfg.quant == "nvfp4" else 0
-        ridx = self._refill(slot, cfg, rows, n_scale)
+        route_rows = self._refill(bufs, cfg, rows, n_scale)
         if mode == "graph":
             graph.replay()
         else:
-            self.world.run(kwargs if kwargs is not None else self._kwargs(slot, cfg, rows, n_scale))
-        self._enqueue_check(slot, cfg, rows, n_scale, ridx)
+            self.world.run(kwargs if kwargs is not None else self._call_kwargs(bufs, cfg, rows, n_scale))
+        self._enqueue_check(bufs, cfg, n_scale, route_rows)
         name, family = self._select(T, cfg.quant, cfg.shared != "none")
         self._count(cfg, mode, name, family)
-        return _Rec(index, cfg, rows, n_scale, ridx, mode, name)
+        return _CallRecord(index, cfg, rows, n_scale, mode, name)
 
     def _count(self, cfg, mode, name, family):
-        s = self.stats
-        s["calls"] += 1
-        s["graph_calls" if mode == "graph" else "eager_calls"] += 1
-        s["pdl_calls"] += cfg.pdl
+        stats = self.stats
+        stats["calls"] += 1
+        stats["graph_calls" if mode == "graph" else "eager_calls"] += 1
+        stats["pdl_calls"] += cfg.pdl
         for key, val in (("quant_calls", str(cfg.quant).lower()), ("shared_modes", cfg.shared),
                          ("scale_kinds", cfg.scale), ("regimes", family), ("programs", name),
                          ("top_k", str(cfg.top_k))):
-            s[key][val] = s[key].get(val, 0) + 1
-        s["dropped_route_calls"] += cfg.drop
-        s["padded_calls"] += cfg.padded_rows > 0
+            stats[key][val] = stats[key].get(val, 0) + 1
+        stats["dropped_route_calls"] += cfg.drop
+        stats["padded_calls"] += cfg.padded_rows > 0
         T = cfg.tokens
         self.tokens_seen[T] = self.tokens_seen.get(T, 0) + 1
         if self.prev_T is not None:
-            for q, bounds in self.bounds.items():
-                for b in bounds:
-                    key = f"{str(q).lower()}@{b}"
-                    c = self.crossings.setdefault(key, {"up": 0, "down": 0})
-                    if self.prev_T < b <= T:
-                        c["up"] += 1
-                    elif T < b <= self.prev_T:
-                        c["down"] += 1
+            for quant, bounds in self.bounds.items():
+                for bound in bounds:
+                    crossing = self.crossings.setdefault(f"{str(quant).lower()}@{bound}", {"up": 0, "down": 0})
+                    if self.prev_T < bound <= T:
+                        crossing["up"] += 1
+                    elif T < bound <= self.prev_T:
+                        crossing["down"] += 1
         self.prev_T = T
 
     # -- results -----------------------------------------------------------------------------------------------
@@ -615,61 +615,66 @@ class Soak:
             if spins > 2000:
                 time.sleep(2e-5)
             if time.monotonic() - t0 > self.hang_s:
-                raise _Hang(f"a call did not finish within {self.hang_s:g} s")
+                raise _HungCall(f"a call did not finish within {self.hang_s:g} s")
 
-    def _finish(self, slot, rec):
-        """Read the cheap check's counts of `rec` (on `slot`); a failing call gets a full check."""
-        self._wait(slot.event)
-        counts = [int(v) for v in slot.host.tolist()]
+    def _finish(self, bufs, record):
+        """Read the cheap check's counts of `record` (on `bufs`); a failing call gets a full check."""
+        self._wait(bufs.counts_ready)
+        counts = [int(v) for v in bufs.host_counts.tolist()]
         bad = sum(counts)
         if bad:
-            s = self.stats
-            s["wrong_elements"] += bad
-            s["wrong_calls"] += 1
-            for c, v in zip(COUNTERS, counts):
-                s["wrong_by_output"][c] += v
+            stats = self.stats
+            stats["wrong_elements"] += bad
+            stats["wrong_calls"] += 1
+            for counter, n in zip(COUNTERS, counts):
+                stats["wrong_by_output"][counter] += n
             if len(self.failures) < 20:
-                self.failures.append(dict(call=rec.index, mode=rec.mode, program=rec.program,
-                                          config=rec.cfg._asdict(), rows=rec.rows,
-                                          wrong=dict((c, v) for c, v in zip(COUNTERS, counts) if v)))
-            self._full_check(slot, rec, reason="cheap check failed")
+                self.failures.append(dict(call=record.index, mode=record.mode, program=record.program,
+                                          config=record.cfg._asdict(), rows=record.rows,
+                                          wrong={counter: n for counter, n in zip(COUNTERS, counts) if n}))
+            self._full_check(bufs, record, reason="cheap check failed")
 
-    def _full_check(self, slot, rec, reason="sample"):
-        cfg = rec.cfg
+    def _full_check(self, bufs, record, reason="sample"):
+        """The call in full against the float64 reference (ref.check_outputs)."""
+        cfg = record.cfg
         T, K, H = cfg.tokens, cfg.top_k, self.H
         TK = T * K
+        scale = {"fp32": bufs.scale_fp32[:TK], "dtype": bufs.scale_dtype[:TK]}.get(cfg.scale)
         ranks = []
         for r in range(self.W):
             has_shared = cfg.shared == "all" or (cfg.shared == "rank0" and r == 0)
             ranks.append(dict(
-                allreduce_in=slot.X[r, :rec.rows], expanded_idx_to_permuted_idx=slot.IDX[:TK].view(T, K),
-                expert_scale_factor=(slot.SC32[:TK].view(T, K) if cfg.scale == "fp32" else
-                                     slot.SCD[:TK].view(T, K) if cfg.scale == "dtype" else None),
-                routed_scaling_factor=cfg.rsf, shared_expert_output=slot.SH[r, :T] if has_shared else None,
-                residual_in=slot.RES[:T], norm_weight=self.gamma[(str(self.home), cfg.weight_bias)], eps=cfg.eps,
+                allreduce_in=bufs.allreduce_in[r, :record.rows], expanded_idx_to_permuted_idx=bufs.idx[:TK].view(T, K),
+                expert_scale_factor=None if scale is None else scale.view(T, K), routed_scaling_factor=cfg.rsf,
+                shared_expert_output=bufs.shared[r, :T] if has_shared else None, residual_in=bufs.residual_in[:T],
+                norm_weight=self.norm_weights[(str(self.home_device), cfg.weight_bias)], eps=cfg.eps,
                 weight_bias=cfg.weight_bias))
-        meta = dict(seed=f"soak call {rec.index}", world_size=self.W, tokens=T, hidden=H, top_k=K, dtype=self.dtype,
-                    padded_rows=cfg.padded_rows, drop_frac=DROP_FRAC if cfg.drop else 0.0,
+        meta = dict(seed=f"soak call {record.index}", world_size=self.W, tokens=T, hidden=H, top_k=K,
+                    dtype=self.dtype, padded_rows=cfg.padded_rows, drop_frac=DROP_FRAC if cfg.drop else 0.0,
                     scale_kind=None if cfg.scale == "none" else cfg.scale, shared=cfg.shared, rsf=cfg.rsf,
                     weight_bias=cfg.weight_bias, eps=cfg.eps)
         case = ref.Case(ranks, meta)
-        nv = cfg.quant == "nvfp4"
-        outs = [ref_outputs(slot.NO[r, :T], slot.RO[r, :T], slot.QO[r, :T] if nv else None,
-                            slot.SO[r, :rec.n_scale] if nv else None) for r in range(self.W)]
-        gs = float(slot.GS.float().cpu()[0]) if nv else None
+        nvfp4 = cfg.quant == "nvfp4"
+        outs = [_RankOutputs(bufs.norm_out[r, :T], bufs.residual_out[r, :T], bufs.quant_out[r, :T] if nvfp4 else None,
+                             bufs.scale_out[r, :record.n_scale] if nvfp4 else None) for r in range(self.W)]
+        global_scale = float(bufs.global_scale.float().cpu()[0]) if nvfp4 else None
         try:
-            ref.check_outputs(case, outs, quant=cfg.quant, global_scale=gs, nvfp4_device=self.home,
-                              label=f"soak call {rec.index} ({rec.mode}, {rec.program}, {reason})")
+            ref.check_outputs(case, outs, quant=cfg.quant, global_scale=global_scale, nvfp4_device=self.home_device,
+                              label=f"soak call {record.index} ({record.mode}, {record.program}, {reason})")
         except AssertionError as e:
             self.stats["full_check_failures"] += 1
             if len(self.failures) < 40:
-                self.failures.append(dict(call=rec.index, mode=rec.mode, program=rec.program,
+                self.failures.append(dict(call=record.index, mode=record.mode, program=record.program,
                                           full_check=str(e)[:3000]))
         self.stats["full_checks"] += 1
 
+    def _distinct_devices(self):
+        """Each device some rank runs on, once."""
+        return list({str(d): d for d in self.rank_devices}.values())
+
     def _sync(self):
         if self.cuda:
-            for d in {str(x): x for x in self.rank_devices}.values():
+            for d in self._distinct_devices():
                 torch.cuda.synchronize(d)
 
     def _world_check(self):
@@ -693,19 +698,19 @@ class Soak:
         self.world.reset()
 
     def _capture(self, kwargs):
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             self.world.run(kwargs)
-        torch.cuda.synchronize(self.home)
+        torch.cuda.synchronize(self.home_device)
         self.stats["graphs_captured"] += 1
-        return g
+        return graph
 
     def _warmup(self):
         if not self.cuda:
             return
         t0 = time.perf_counter()
         names = sorted({name for name, _family in self._select_cache.values()})  # every program selection can pick
-        for d in {str(x): x for x in self.rank_devices}.values():
+        for d in self._distinct_devices():
             self.dispatch.warmup(names, device_index=d.index)
         self.warmup_seconds = time.perf_counter() - t0
 
@@ -714,73 +719,73 @@ class Soak:
     def run(self) -> dict:
         args = self.args
         self._warmup()
-        progress = _Progress(args.calls, enabled=not args.no_progress, log=self.log)
+        progress = _CallProgress(args.calls, enabled=not args.no_progress, log=self.log)
         t_start = time.monotonic()
         stopped_by = "calls"
         hang = error = None
         next_check = args.check_every
-        i = 0
-        pending = None
+        calls_made = 0
+        pending = None  # (buffers, record) of the last call, its cheap check not yet read
         try:
-            while i < args.calls:
+            while calls_made < args.calls:
                 if time.monotonic() - t_start > args.time_budget_s:
                     stopped_by = "time_budget"
                     break
-                slot = self.slots[i % 2]
+                bufs = self.buffer_sets[calls_made % 2]
                 use_graph = self.graphs_enabled and self.rnd.random() < args.graph_fraction
                 try:
                     if use_graph:
                         cfg = self.rnd.choice(self.graph_configs)
-                        key = (slot.index, cfg)
+                        key = (bufs.index, cfg)
                         graph = self.graphs.get(key)
                         if graph is None:
                             # an eager call with the static buffers builds the launchers, then capture
                             pending = self._drain(pending)
                             rows = cfg.tokens * cfg.top_k + cfg.padded_rows
                             n_scale = scale_out_bytes(cfg.tokens, self.H) if cfg.quant == "nvfp4" else 0
-                            kwargs = self._kwargs(slot, cfg, rows, n_scale)
-                            rec = self._one_call(slot, cfg, "eager", i, kwargs=kwargs)
-                            i += 1
-                            self._finish(slot, rec)
+                            kwargs = self._call_kwargs(bufs, cfg, rows, n_scale)
+                            record = self._one_call(bufs, cfg, "eager", calls_made, kwargs=kwargs)
+                            calls_made += 1
+                            self._finish(bufs, record)
                             self.graphs[key] = self._capture(kwargs)
-                            progress.update(i)
+                            progress.update(calls_made)
                             continue
-                        rec = self._one_call(slot, cfg, "graph", i, graph=graph)
+                        record = self._one_call(bufs, cfg, "graph", calls_made, graph=graph)
                     else:
                         quant = self.rnd.choice(self.quants)
                         cfg = draw_config(self.rnd, quant, self.sampler.draw(quant), self.max_rows)
-                        rec = self._one_call(slot, cfg, "eager", i)
+                        record = self._one_call(bufs, cfg, "eager", calls_made)
                 except RuntimeError as e:
                     if "timed out" not in str(e):
                         raise
                     pending = self._drain(pending)
                     self._record_error(e)
-                    i += 1
+                    calls_made += 1
                     continue
-                i += 1
+                calls_made += 1
                 if pending is not None:
                     self._finish(*pending)
-                pending = (slot, rec)
-                if rec.index % args.full_check_every == 0:
+                pending = (bufs, record)
+                if record.index % args.full_check_every == 0:
                     pending = self._drain(pending)
-                    self._full_check(slot, rec)
-                if i >= next_check:
+                    self._full_check(bufs, record)
+                if calls_made >= next_check:
                     next_check += args.check_every
                     pending = self._drain(pending)
                     self._world_check()
-                    self._refresh_gamma()
-                progress.update(i)
+                    self._refresh_norm_weights()
+                progress.update(calls_made)
             pending = self._drain(pending)
             self._sync()
             self._world_check()
-        except _Hang as e:
+        except _HungCall as e:
             hang = str(e)
             self.stats["hangs"] += 1
         except KeyboardInterrupt:
             stopped_by = "interrupted"
             try:
                 pending = self._drain(pending)
-            except _Hang as e:
+            except _HungCall as e:
                 hang = str(e)
                 self.stats["hangs"] += 1
         except Exception as e:  # noqa: BLE001 - record it in the JSON, fail the run
@@ -804,53 +809,57 @@ class Soak:
             self._finish(*pending)
         return None
 
-    def _refresh_gamma(self):
+    def _refresh_norm_weights(self):
         """New RMSNorm weights now and then (in place: captured graphs read the same tensors)."""
-        for wb in (0, 1):
-            g = self.gamma[(str(self.home), wb)]
-            g.copy_((torch.randn(self.H, device=self.home) * 0.1 + (1.0 if wb == 0 else 0.0)).to(self.dtype))
-            for d in {str(x): x for x in self.rank_devices}.values():
-                if str(d) != str(self.home):
-                    self.gamma[(str(d), wb)].copy_(g)
+        for weight_bias in (0, 1):
+            weights = self.norm_weights[(str(self.home_device), weight_bias)]
+            weights.copy_(self._random_norm_weight(weight_bias))
+            for d in self._distinct_devices():
+                if str(d) != str(self.home_device):
+                    self.norm_weights[(str(d), weight_bias)].copy_(weights)
+
+    def _random_norm_weight(self, weight_bias):
+        """gamma around 1 (weight_bias 0) or around 0 (weight_bias 1: the kernel adds the 1)."""
+        return (torch.randn(self.H, device=self.home_device) * 0.1 + (1.0 if weight_bias == 0 else 0.0)).to(self.dtype)
 
     def _result(self, seconds, stopped_by, hang) -> dict:
-        s = dict(self.stats)
-        toks = sorted(self.tokens_seen)
-        log2_hist = {}
+        stats = dict(self.stats)
+        seen = sorted(self.tokens_seen)
+        log2_hist = {}  # "lo-hi" power-of-two bucket -> calls
         for T, n in self.tokens_seen.items():
-            k = f"{2 ** (T.bit_length() - 1)}-{2 ** T.bit_length() - 1}"
-            log2_hist[k] = log2_hist.get(k, 0) + n
-        passed = (s["calls"] > 0 and s["wrong_elements"] == 0 and s["wrong_calls"] == 0
-                  and s["full_check_failures"] == 0 and s["timeouts"] == 0 and s["hangs"] == 0)
+            bucket = f"{2 ** (T.bit_length() - 1)}-{2 ** T.bit_length() - 1}"
+            log2_hist[bucket] = log2_hist.get(bucket, 0) + n
+        passed = (stats["calls"] > 0 and stats["wrong_elements"] == 0 and stats["wrong_calls"] == 0
+                  and stats["full_check_failures"] == 0 and stats["timeouts"] == 0 and stats["hangs"] == 0)
         return dict(
-            tool="moe_ar_tools.soak", machine=machine_info(), commit=commit(),
+            tool="moe_ar_tools.soak", machine=machine_info(), commit=git_commit(),
             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             world_size=self.W, devices=[str(d) for d in self.rank_devices], single_device=self.single_device,
             dtype=self.args.dtype, hidden=self.H, max_tokens=self.max_tokens,
-            oneshot_max_tokens=getattr(self.ws0, "oneshot_max_tokens", None), timeout_s=self.args.timeout_s,
-            seed=self.args.seed, quants=[str(q).lower() for q in self.quants],
+            oneshot_max_tokens=getattr(self.rank0_workspace, "oneshot_max_tokens", None), timeout_s=self.args.timeout_s,
+            seed=self.args.seed, quants=[str(quant).lower() for quant in self.quants],
             calls_requested=self.args.calls, time_budget_s=self.args.time_budget_s, stopped_by=stopped_by,
-            **s,
+            **stats,
             graph_note=self.graph_note, graph_configs=len(self.graph_configs),
-            boundaries={str(q).lower(): b for q, b in self.bounds.items()},
+            boundaries={str(quant).lower(): bounds for quant, bounds in self.bounds.items()},
             boundary_crossings=self.crossings,
-            tokens=dict(min=toks[0] if toks else None, max=toks[-1] if toks else None, distinct=len(toks),
+            tokens=dict(min=seen[0] if seen else None, max=seen[-1] if seen else None, distinct=len(seen),
                         log2_histogram=dict(sorted(log2_hist.items(), key=lambda kv: int(kv[0].split("-")[0])))),
             failures=self.failures, timeout_messages=self.timeout_messages,
             hang=hang, seconds=round(seconds, 3), warmup_seconds=round(self.warmup_seconds, 3),
-            calls_per_second=round(s["calls"] / seconds, 1) if seconds > 0 else None,
+            calls_per_second=round(stats["calls"] / seconds, 1) if seconds > 0 else None,
             passed=passed)
 
 
-class ref_outputs(NamedTuple):
-    """MoeFinalizeOutputs-like view of one rank's outputs for moe_ar_tools/reference.py's check_outputs."""
+class _RankOutputs(NamedTuple):
+    """MoeFinalizeOutputs-like view of one rank's outputs for the reference's check_outputs."""
     norm_out: torch.Tensor
     residual_out: torch.Tensor
     quant_out: Optional[torch.Tensor]
     scale_out: Optional[torch.Tensor]
 
 
-class _Progress:
+class _CallProgress:
     """tqdm when importable, else one printed line every 5,000 calls."""
 
     def __init__(self, total, enabled, log=print):
@@ -892,6 +901,7 @@ def write_result(result: dict, out) -> None:
 
 
 def summary_line(r: dict) -> str:
+    """One line of the result r."""
     return (f"soak ws{r['world_size']} {r['dtype']} devices={r['devices']}: {r['calls']} calls "
             f"({r['eager_calls']} eager, {r['graph_calls']} graph, {r['pdl_calls']} PDL) in {r['seconds']:.1f} s, "
             f"regimes {r['regimes']}, wrong elements {r['wrong_elements']}, full checks {r['full_checks']} "

@@ -16,7 +16,8 @@ one rank with its receive buffers pre-filled). Kernel times under ncu are not th
 own overhead adds ~170 us to each); read instruction counts, SM active cycles and stall reasons.
 
     ncu --clock-control none --kernel-name regex:moe_ar_ --launch-skip 3 --launch-count 1 --set full \\
-        -o os111_512 python3 -m moe_ar_tools.probes.ncu_one_rank --program moe_ar_os_bf16_ws2_o111 --quant nvfp4 --tokens 512
+        -o os111_512 python3 -m moe_ar_tools.probes.ncu_one_rank --program moe_ar_os_bf16_ws2_o111 \\
+        --quant nvfp4 --tokens 512
 """
 import argparse
 import sys
@@ -29,33 +30,35 @@ from moe_ar_tools import reference as ref
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--program", required=True, help="a one-shot program of world size 2")
-    ap.add_argument("--quant", default="none", choices=["none", "nvfp4", "fp8_group128"])
-    ap.add_argument("--tokens", type=int, default=512)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--top-k", type=int, default=8)
-    a = ap.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--program", required=True, help="a one-shot program of world size 2")
+    parser.add_argument("--quant", default="none", choices=["none", "nvfp4", "fp8_group128"])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--top-k", type=int, default=8)
+    args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         print("needs 2 GPUs", file=sys.stderr)
         return 2
-    quant = None if a.quant == "none" else a.quant
-    devs = ["cuda:0", "cuda:1"]
-    world = dispatch.EmulatedWorld(2, max(a.tokens, 16), a.hidden, torch.bfloat16, devices=devs, timeout_s=0.05)
+    quant = None if args.quant == "none" else args.quant
+    devices = ["cuda:0", "cuda:1"]
+    world = dispatch.EmulatedWorld(2, max(args.tokens, 16), args.hidden, torch.bfloat16, devices=devices,
+                                   timeout_s=0.05)
 
-    def kwargs(seed):
-        case = ref.make_case(2, a.tokens, a.hidden, a.top_k, torch.bfloat16, seed=seed, device=devs, shared=True)
-        out = []
-        for r, kw in enumerate(case):
-            d = dict(kw, quant=quant, program=a.program)
+    def per_rank_kwargs(seed):
+        case = ref.make_case(2, args.tokens, args.hidden, args.top_k, torch.bfloat16, seed=seed, device=devices,
+                             shared=True)
+        per_rank = []
+        for r, inputs in enumerate(case):
+            kwargs = dict(inputs, quant=quant, program=args.program)
             if quant == "nvfp4":
-                d["global_scale"] = torch.tensor([ref.typical_global_scale(kw["residual_in"])], dtype=torch.float32,
-                                                 device=devs[r])
-            out.append(d)
-        return out
+                kwargs["global_scale"] = torch.tensor([ref.typical_global_scale(inputs["residual_in"])],
+                                                      dtype=torch.float32, device=devices[r])
+            per_rank.append(kwargs)
+        return per_rank
 
-    first = [prepare_call(w, dict(k)) for w, k in zip(world.workspaces, kwargs(1))]
-    second = [prepare_call(w, dict(k)) for w, k in zip(world.workspaces, kwargs(2))]
+    first = [prepare_call(ws, dict(kw)) for ws, kw in zip(world.workspaces, per_rank_kwargs(1))]
+    second = [prepare_call(ws, dict(kw)) for ws, kw in zip(world.workspaces, per_rank_kwargs(2))]
     for call, rank in ((first[1], 1), (first[0], 0), (second[1], 1), (second[0], 0)):
         with torch.cuda.stream(world.streams[rank]):
             call.launch()
