@@ -1,7 +1,7 @@
 """Reliability (issue #5): faults, hostile input and lifetimes, on the GPU.
 
 Faults, each followed by the documented recovery (`reset()`) and fresh calls checked in full against
-the float64 reference (tests/reference.py), in the same process:
+the float64 reference (moe_ar_tools/reference.py), in the same process:
 
 * a late rank: one rank's stream sleeps ~100 ms (torch.cuda._sleep, measured with CUDA events) before
   its kernel; with a 10 s deadline every rank is correct; with a 20 ms deadline every rank either
@@ -28,7 +28,7 @@ GPU out of memory) frees every rank and names rank 1; two processes on one GPU a
 Workspace rendezvous on both (tests/test_gpu_two_process.py has the two-GPU rendezvous cases).
 
 Every test appends a JSON line through `record_result` (kind "reliability"): what it did, calls,
-faults injected, outcome, seconds; tests/reliability_summary.py turns them into the summary.
+faults injected, outcome, seconds; moe_ar_tools/reliability_summary.py turns them into the summary.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import multiproc
-import reference as ref
+from moe_ar_tools import reference as ref
 
 pytestmark = pytest.mark.gpu
 
@@ -662,7 +662,7 @@ def _check_pending(dist, rank, pending, failures):
             failures.append(str(e)[:1500])
         mine = [provided["residual_out"], provided["norm_out"]]
         if quant:
-            mine += [provided["quant_out"], provided["scale_out"][: ref.scale_bytes_len(*provided["norm_out"].shape)]]
+            mine += [provided["quant_out"], provided["scale_out"][: ref.scale_out_bytes(*provided["norm_out"].shape)]]
         for t in mine:
             b = t.contiguous().view(torch.uint8).reshape(-1)
             allb = [torch.empty_like(b) for _ in range(2)]

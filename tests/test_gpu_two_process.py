@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import multiproc
-import reference as ref
+from moe_ar_tools import reference as ref
 from generator import policy
 from generator import spec as gspec
 
@@ -139,7 +139,7 @@ def _one_call(dist, ws, rank, dev, case, quant, gs_factor, pdl, program, data_gr
     mine = [("residual_out", provided["residual_out"]), ("norm_out", provided["norm_out"])]
     if quant == "nvfp4":
         mine += [("quant_out", provided["quant_out"]),
-                 ("scale_out", provided["scale_out"][: ref.scale_bytes_len(*provided["norm_out"].shape)])]
+                 ("scale_out", provided["scale_out"][: ref.scale_out_bytes(*provided["norm_out"].shape)])]
     elif quant is not None:
         mine += [("quant_out", provided["quant_out"])] + ([("scale_out", provided["scale_out"])]
                                                           if quant == "fp8_group128" else [])
