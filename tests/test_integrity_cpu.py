@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from dispatch import manifest as runtime_manifest
 from dispatch import op, registry
 
+import reference as ref
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROGRAM = "moe_ar_os_bf16_ws2_o110"
 
@@ -519,6 +521,100 @@ def test_the_flashinfer_entry_refuses_before_converting(name, value):
         m.setattr(op, "prepare_call", lambda *a, **k: pytest.fail("the call reached the runtime"))
         with pytest.raises(ValueError, match=rf"^{name}: "):
             trtllm_moe_finalize_allreduce_fusion(**args)
+
+
+# ---- device scales the host cannot check: the bytes the rule gives (dispatch/API.md's table) ---------
+
+def _norm_rows():
+    """bf16 norm_out-like rows: random values of both signs, a 16-element block of +0 (block 1), a
+    block of tiny values (block 3: its NVFP4 scale byte underflows), single +0 and -0 elements."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 64, generator=g) * 2
+    x[:, 16:32] = 0.0
+    x[:, 48:64] *= 1e-7
+    x[:, 5], x[:, 40] = 0.0, -0.0
+    return x.to(torch.bfloat16)
+
+
+def _nibbles(q):
+    return torch.stack([q & 0xF, q >> 4], dim=-1).reshape(q.shape[0], -1)
+
+
+NVFP4_TYPICAL = 300.0  # a global scale whose blocks' scale bytes are normal E4M3 values
+
+
+@pytest.mark.parametrize("gs", [0.0, -0.0, -NVFP4_TYPICAL, math.nan, math.inf, -math.inf, 2.0 ** -149, 3e38])
+def test_nvfp4_rule_for_special_global_scales(gs):
+    x = _norm_rows()
+    T, Hx = x.shape
+    q, sb = ref.nvfp4_ref(x, gs)
+    sf8 = ref.unswizzle(sb, T, Hx).reshape(T, Hx // 16)
+    nib = _nibbles(q)
+    xf = x.float()
+    zero, neg = xf == 0, torch.signbit(xf)
+    signed_zero = torch.where(neg, 8, 0).to(torch.uint8)
+    signed_six = torch.where(neg, 0xF, 0x7).to(torch.uint8)
+    zero_block, tiny_block = torch.zeros(T, Hx // 16, dtype=torch.bool), torch.zeros(T, Hx // 16, dtype=torch.bool)
+    zero_block[:, 1], tiny_block[:, 3] = True, True
+    normal_block = ~zero_block & ~tiny_block
+    if gs == 0.0 and not math.copysign(1, gs) < 0 or gs == 2.0 ** -149:
+        assert (sf8 == 0).all() and torch.equal(nib, signed_zero)  # the scale byte underflows: +-0
+    elif gs == 0.0:  # -0: byte 0x80 (-0), its scale 1 / (-0 / -0) is NaN, so is every product: nibble 0
+        assert (sf8 == 0x80).all() and (nib == 0).all()
+    elif math.isnan(gs):
+        assert (sf8 == 0x7F).all() and (nib == 0).all()
+    elif math.isinf(gs) or gs == 3e38:
+        # the scale saturates at +-448 (0x7E, 0xFE); its reciprocal is huge: every element saturates
+        # (+-6), a zero is 0 * inf = NaN (nibble 0); a block of zeros: inf * 0 = NaN, byte 0x7F for an
+        # infinite scale, 0 for the finite one (and then +-0 nibbles)
+        want_byte = 0x7E if gs > 0 else 0xFE
+        assert (sf8[~zero_block] == want_byte).all()
+        if math.isinf(gs):
+            assert (sf8[zero_block] == 0x7F).all() and (nib[zero] == 0).all()
+        else:
+            assert (sf8[zero_block] == 0).all()
+            assert torch.equal(nib[:, 16:32], signed_zero[:, 16:32])
+        assert torch.equal(nib[~zero], signed_six[~zero])  # the tiny block too
+    else:  # negative: the bytes of |gs| with the sign bit set and the same nibbles, where they are not 0
+        qp, sbp = ref.nvfp4_ref(x, -gs)
+        sf8p = ref.unswizzle(sbp, T, Hx).reshape(T, Hx // 16)
+        assert (sf8p[normal_block] != 0).all() and (sf8p[zero_block | tiny_block] == 0).all()
+        assert torch.equal(sf8[normal_block], sf8p[normal_block] | 0x80)
+        # where |gs|'s byte is 0, gs's is 0x80 (-0), whose scale is 1 / (-0 / gs) = +inf: +-6 for a
+        # nonzero element, NaN (nibble 0) for a zero
+        assert (sf8[zero_block | tiny_block] == 0x80).all()
+        assert (nib[:, 16:32] == 0).all() and torch.equal(nib[:, 48:64], signed_six[:, 48:64])
+        assert torch.equal(nib[:, :16], _nibbles(qp)[:, :16]) and torch.equal(nib[:, 32:48], _nibbles(qp)[:, 32:48])
+
+
+FP8_TYPICAL = 2.0 ** -6
+
+
+@pytest.mark.parametrize("s", [0.0, -0.0, -FP8_TYPICAL, math.nan, math.inf, -math.inf, 2.0 ** -149, 3e38])
+def test_fp8_tensor_rule_for_special_scales(s):
+    x = _norm_rows()
+    b = ref.fp8_tensor_ref(x, s).view(torch.uint8)
+    xf = x.float()
+    zero, neg = xf == 0, torch.signbit(xf)
+    flip = math.copysign(1.0, s) < 0  # a negative scale (or -0, -inf) flips every sign
+    sat = torch.where(neg ^ flip, 0xFE, 0x7E).to(torch.uint8)
+    signed_zero = torch.where(neg ^ flip, 0x80, 0x00).to(torch.uint8)
+    if math.isnan(s):
+        assert (b == 0x7F).all()
+    elif s == 0.0:  # x / 0 = +-inf -> +-448; 0 / 0 = NaN -> 0x7F
+        assert torch.equal(b[~zero], sat[~zero]) and (b[zero] == 0x7F).all()
+    elif math.isinf(s) or s == 3e38:  # x / s -> +-0
+        assert torch.equal(b, signed_zero)
+    elif s == 2.0 ** -149:  # x / s overflows -> +-448; 0 / s = +-0
+        assert torch.equal(b[~zero], sat[~zero]) and torch.equal(b[zero], signed_zero[zero])
+    else:  # negative: the bytes of |s| with the sign bit flipped
+        assert torch.equal(b, ref.fp8_tensor_ref(x, -s).view(torch.uint8) ^ 0x80)
+
+
+def test_e4m3_convert_saturates_both_ways_and_writes_one_nan():
+    v = torch.tensor([math.inf, -math.inf, 500.0, -500.0, -448.0, math.nan, -math.nan, -0.0, 0.0])
+    got = ref.e4m3_satfinite_bytes(v).tolist()
+    assert got == [0x7E, 0xFE, 0x7E, 0xFE, 0xFE, 0x7F, 0x7F, 0x80, 0x00]
 
 
 @pytest.mark.parametrize("name,quant", [("global_scale", None), ("global_scale", "fp8_tensor"),
