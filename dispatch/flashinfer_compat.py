@@ -40,8 +40,10 @@ How each argument maps to dispatch.moe_finalize_allreduce:
 
 Anything that cannot be honored raises ValueError naming the argument (a tensor passed as
 workspace_ptrs, a rank or world size that is not the workspace's, a weight_bias other than
-0/1, only one of quant_out/scale_out, quant_out without global_scale, an unknown backend), as do
-all of dispatch.moe_finalize_allreduce's own checks.
+0/1, only one of quant_out/scale_out, quant_out without global_scale, an unknown backend, an eps
+or routed_scaling_factor that is not a finite number (eps > 0), a launch_with_pdl that is not a
+bool), as do all of dispatch.moe_finalize_allreduce's own checks (outputs sharing memory with
+inputs, among others).
 
 Differences from FlashInfer (as read from its source; see dispatch/API.md):
 
@@ -88,11 +90,12 @@ Differences from FlashInfer (as read from its source; see dispatch/API.md):
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
 
-from .op import MoeFinalizeOutputs, moe_finalize_allreduce, scale_out_bytes
+from .op import MoeFinalizeOutputs, check_flag, check_scalar, moe_finalize_allreduce, scale_out_bytes
 from .torch_op import _as_handle, moe_finalize_allreduce_op, workspace_from_handle
 
 BACKENDS = ("trtllm", "cake")
@@ -117,6 +120,12 @@ def _weight_bias(weight_bias) -> int:
     if isinstance(weight_bias, bool) or not isinstance(weight_bias, (int, float)) or weight_bias not in (0, 1):
         raise ValueError(f"weight_bias: {weight_bias!r}; supported are None, 0.0 (gamma) and 1.0 (1 + gamma)")
     return int(weight_bias)
+
+
+def _scalar(name, x, positive=False):
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
+        x = float(x)
+    check_scalar(name, x, positive)
 
 
 def _as_bytes(name, buffer, tokens, row_bytes=None, min_bytes=None):
@@ -185,6 +194,10 @@ def trtllm_moe_finalize_allreduce_fusion(
         raise ValueError("global_scale: NVFP4 output (quant_out given) needs global_scale=, a [1] float32 tensor on "
                          "the device (FlashInfer's entry has no such argument)")
     rsf = 1.0 if routed_scaling_factor is None else routed_scaling_factor
+    # Numbers pass (a numpy float too: it is converted below); a bool, a string or a NaN does not.
+    _scalar("routed_scaling_factor", rsf)
+    _scalar("eps", eps, positive=True)
+    check_flag("launch_with_pdl", launch_with_pdl)
     wb = _weight_bias(weight_bias)
     if not isinstance(expanded_idx_to_permuted_idx, torch.Tensor) or expanded_idx_to_permuted_idx.dim() != 2:
         raise ValueError("expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
@@ -219,7 +232,7 @@ def trtllm_moe_finalize_allreduce_fusion(
         ws, allreduce_in=allreduce_in, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
         residual_in=residual_in, norm_weight=norm_weight, expert_scale_factor=expert_scale_factor,
         routed_scaling_factor=float(rsf), shared_expert_output=shared_expert_output, eps=float(eps),
-        weight_bias=wb, quant=quant, global_scale=global_scale, launch_with_pdl=bool(launch_with_pdl),
+        weight_bias=wb, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
         norm_out=norm_out, residual_out=residual_out, quant_out=quant_bytes, scale_out=scale_bytes)
     if quant is None:
         return out

@@ -51,6 +51,7 @@ def profile_for_quant(quant) -> str:
 # ---- argument checks --------------------------------------------------------------------
 
 def _tensor(name, x, ws, dtypes, shape=None, ndim=None, align=16):
+    """Check one tensor argument; returns (name, x, its data pointer) for the overlap check."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
@@ -63,9 +64,82 @@ def _tensor(name, x, ws, dtypes, shape=None, ndim=None, align=16):
         raise ValueError(f"{name}: on {x.device}, expected the workspace's device {ws.device}")
     if not x.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
-    if x.data_ptr() % align:
+    ptr = x.data_ptr()
+    if ptr % align:
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
-    return x
+    return name, x, ptr
+
+
+# float32 rounding of a Python float: from _F32_INF up it gives inf; up to _F32_ZERO (positive), 0.
+_F32_INF = 2.0 ** 128 - 2.0 ** 103
+_F32_ZERO = 2.0 ** -150
+
+
+def check_scalar(name, x, positive=False):
+    """A Python float or int (not a bool) that stays finite as the kernel's float32, and > 0 there
+    when `positive`."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{name}: expected a Python float, got {type(x).__name__}")
+    if not -_F32_INF < x < _F32_INF:  # NaN too
+        raise ValueError(f"{name}: {x!r} is not finite as a float32 (the kernel takes it as one)")
+    if positive and not x > _F32_ZERO:
+        raise ValueError(f"{name}: {x!r}, expected > 0 (at least the smallest float32, 2**-149)")
+
+
+def check_flag(name, x):
+    if not isinstance(x, bool):
+        raise ValueError(f"{name}: expected a bool, got {type(x).__name__}")
+
+
+def check_weight_bias(x):
+    if isinstance(x, bool) or not isinstance(x, int) or x not in (0, 1):
+        raise ValueError(f"weight_bias: {x!r}, expected the int 0 or 1")
+
+
+def check_unused(quant, global_scale, fp8_scale, quant_out, scale_out, fp8_scale_layout, fp8_pow2_scales):
+    """An argument given with a `quant` that does not read or write it is an error, not ignored."""
+    if global_scale is not None and quant != "nvfp4":
+        raise ValueError(f"global_scale: given with quant={quant!r}, which does not use it (only 'nvfp4' does)")
+    if fp8_scale is not None and quant != "fp8_tensor":
+        raise ValueError(f"fp8_scale: given with quant={quant!r}, which does not use it (only 'fp8_tensor' does)")
+    if quant_out is not None and quant is None:
+        raise ValueError("quant_out: given with quant=None, which writes no quantized output")
+    if scale_out is not None and quant in (None, "fp8_tensor"):
+        raise ValueError(f"scale_out: given with quant={quant!r}, which writes no scales"
+                         + (" (its scale is the fp8_scale input)" if quant else ""))
+    if quant != "fp8_group128":
+        if fp8_scale_layout != "row":
+            raise ValueError(f"fp8_scale_layout: {fp8_scale_layout!r} given with quant={quant!r}, which does not "
+                             f"use it (only 'fp8_group128' does)")
+        if fp8_pow2_scales:
+            raise ValueError(f"fp8_pow2_scales: True given with quant={quant!r}, which does not use it (only "
+                             f"'fp8_group128' does)")
+
+
+_OVERLAP_RULE = ("an output must not share memory with an input or another output; only residual_out may be "
+                 "residual_in itself (in place: the same data pointer, shape and dtype)")
+
+
+def _check_overlaps(outputs, inputs):
+    """outputs, inputs: lists of (name, tensor, data pointer) of checked (contiguous) tensors, whose
+    bytes are exactly [pointer, pointer + nbytes). Raises ValueError naming the output for any
+    shared byte, except residual_out exactly over residual_in."""
+    outputs = [(name, p, p + x.nbytes) for name, x, p in outputs]
+    inputs = [(name, p, p + x.nbytes) for name, x, p in inputs]
+    for j, (name, lo, hi) in enumerate(outputs):
+        if lo == hi:
+            continue
+        for other, olo, ohi in outputs[:j]:
+            if lo < ohi and olo < hi:
+                raise ValueError(f"{other}: overlaps {name} in memory; {_OVERLAP_RULE}")
+        for other, olo, ohi in inputs:
+            if lo < ohi and olo < hi:
+                if name == "residual_out" and other == "residual_in":
+                    if lo == olo and hi == ohi:  # both [T, H] D: residual_in itself
+                        continue
+                    raise ValueError(f"residual_out: overlaps residual_in in memory without being residual_in "
+                                     f"itself; {_OVERLAP_RULE}")
+                raise ValueError(f"{name}: overlaps {other} in memory; {_OVERLAP_RULE}")
 
 
 def _check_args(ws, a):
@@ -76,65 +150,108 @@ def _check_args(ws, a):
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
         raise ValueError("expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
     T, K = idx.shape
-    _tensor("expanded_idx_to_permuted_idx", idx, ws, (torch.int32,), ndim=2, align=4)
+    ins = [_tensor("expanded_idx_to_permuted_idx", idx, ws, (torch.int32,), ndim=2, align=4)]  # read
     if T > ws.max_tokens:
         raise ValueError(f"expanded_idx_to_permuted_idx: {T} tokens, more than the workspace's max_tokens "
                          f"{ws.max_tokens}")
     if not 1 <= K <= MAX_TOP_K:
         raise ValueError(f"expanded_idx_to_permuted_idx: top_k {K} out of range 1..{MAX_TOP_K}")
-    x = _tensor("allreduce_in", a["allreduce_in"], ws, (D,), ndim=2)
-    if x.shape[1] != H:
-        raise ValueError(f"allreduce_in: hidden {x.shape[1]}, the workspace was made for hidden {H}")
-    R = x.shape[0]
+    x = a["allreduce_in"]
+    ins.append(_tensor("allreduce_in", x, ws, (D,), ndim=2))
+    R, Hx = x.shape
+    if Hx != H:
+        raise ValueError(f"allreduce_in: hidden {Hx}, the workspace was made for hidden {H}")
     if R < T * K:
         raise ValueError(f"allreduce_in: {R} rows, fewer than tokens * top_k = {T * K}")
     if R >= 2 ** 31:
         raise ValueError(f"allreduce_in: {R} rows, more than int32 indices can address")
-    if a.get("expert_scale_factor") is not None:
-        _tensor("expert_scale_factor", a["expert_scale_factor"], ws, (D, torch.float32), shape=(T, K), align=4)
-    if a.get("shared_expert_output") is not None:
-        _tensor("shared_expert_output", a["shared_expert_output"], ws, (D,), shape=(T, H))
-    _tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H))
-    _tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,))
-    quant = a.get("quant")
+    if a["expert_scale_factor"] is not None:
+        ins.append(_tensor("expert_scale_factor", a["expert_scale_factor"], ws, (D, torch.float32), shape=(T, K),
+                           align=4))
+    if a["shared_expert_output"] is not None:
+        ins.append(_tensor("shared_expert_output", a["shared_expert_output"], ws, (D,), shape=(T, H)))
+    ins.append(_tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H)))
+    ins.append(_tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,)))
+    quant = a["quant"]
     profile = profile_for_quant(quant)
+    layout = a["fp8_scale_layout"]
+    if not isinstance(layout, str) or layout not in FP8_SCALE_LAYOUTS:
+        raise ValueError(f"fp8_scale_layout: {layout!r}, expected 'row' or 'column'")
+    check_flag("fp8_pow2_scales", a["fp8_pow2_scales"])
+    check_unused(quant, a["global_scale"], a["fp8_scale"], a["quant_out"], a["scale_out"], layout,
+                 a["fp8_pow2_scales"])
     if quant == "nvfp4":
-        if a.get("global_scale") is None:
+        if a["global_scale"] is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
-        _tensor("global_scale", a["global_scale"], ws, (torch.float32,), shape=(1,), align=4)
+        ins.append(_tensor("global_scale", a["global_scale"], ws, (torch.float32,), shape=(1,), align=4))
     if quant == "fp8_tensor":
-        if a.get("fp8_scale") is None:
+        if a["fp8_scale"] is None:
             raise ValueError("fp8_scale: required for quant='fp8_tensor' (a [1] float32 device tensor)")
-        _tensor("fp8_scale", a["fp8_scale"], ws, (torch.float32,), shape=(1,), align=4)
+        ins.append(_tensor("fp8_scale", a["fp8_scale"], ws, (torch.float32,), shape=(1,), align=4))
     if quant == "fp8_group128" and H % FP8_GROUP:
         raise ValueError(f"quant: 'fp8_group128' needs hidden to be a multiple of {FP8_GROUP}, the workspace has "
                          f"hidden {H}")
-    if a["fp8_scale_layout"] not in FP8_SCALE_LAYOUTS:
-        raise ValueError(f"fp8_scale_layout: {a['fp8_scale_layout']!r}, expected 'row' or 'column'")
-    if not isinstance(a["fp8_pow2_scales"], bool):
-        raise ValueError(f"fp8_pow2_scales: expected a bool, got {type(a['fp8_pow2_scales']).__name__}")
-    for name in ("eps", "routed_scaling_factor"):
-        if not isinstance(a[name], (int, float)):
-            raise ValueError(f"{name}: expected a Python float, got {type(a[name]).__name__}")
-    if a["weight_bias"] not in (0, 1):
-        raise ValueError(f"weight_bias: {a['weight_bias']!r}, expected 0 or 1")
-    _tensor("norm_out", a["norm_out"], ws, (D,), shape=(T, H)) if a.get("norm_out") is not None else None
-    _tensor("residual_out", a["residual_out"], ws, (D,), shape=(T, H)) if a.get("residual_out") is not None else None
+    check_scalar("eps", a["eps"], positive=True)
+    check_scalar("routed_scaling_factor", a["routed_scaling_factor"])
+    check_weight_bias(a["weight_bias"])
+    check_flag("launch_with_pdl", a["launch_with_pdl"])
+    if a["program"] is not None and not isinstance(a["program"], str):
+        raise ValueError(f"program: expected a program name (str) or None, got {type(a['program']).__name__}")
+    outs = []  # written
+    if a["norm_out"] is not None:
+        outs.append(_tensor("norm_out", a["norm_out"], ws, (D,), shape=(T, H)))
+    if a["residual_out"] is not None:
+        outs.append(_tensor("residual_out", a["residual_out"], ws, (D,), shape=(T, H)))
+    q, s = a["quant_out"], a["scale_out"]  # None unless quant writes them (check_unused)
     if quant == "nvfp4":
-        if a.get("quant_out") is not None:
-            _tensor("quant_out", a["quant_out"], ws, (torch.uint8,), shape=(T, H // 2), align=4)
-        if a.get("scale_out") is not None:
-            s = _tensor("scale_out", a["scale_out"], ws, (torch.uint8,), ndim=1, align=4)
+        if q is not None:
+            outs.append(_tensor("quant_out", q, ws, (torch.uint8,), shape=(T, H // 2), align=4))
+        if s is not None:
+            outs.append(_tensor("scale_out", s, ws, (torch.uint8,), ndim=1, align=4))
             if s.numel() < scale_out_bytes(T, H):
                 raise ValueError(f"scale_out: {s.numel()} bytes, need {scale_out_bytes(T, H)}")
-    if quant in ("fp8_group128", "fp8_tensor") and a.get("quant_out") is not None:
-        _tensor("quant_out", a["quant_out"], ws, (torch.float8_e4m3fn,), shape=(T, H), align=16)
-    if quant == "fp8_group128" and a.get("scale_out") is not None:
-        _tensor("scale_out", a["scale_out"], ws, (torch.float32,), shape=fp8_scale_shape(T, H, a["fp8_scale_layout"]),
-                align=4)
-    if quant == "fp8_tensor" and a.get("scale_out") is not None:
-        raise ValueError("scale_out: quant='fp8_tensor' writes no scales (its scale is the fp8_scale input)")
+    if quant in ("fp8_group128", "fp8_tensor") and q is not None:
+        outs.append(_tensor("quant_out", q, ws, (torch.float8_e4m3fn,), shape=(T, H), align=16))
+    if quant == "fp8_group128" and s is not None:
+        outs.append(_tensor("scale_out", s, ws, (torch.float32,), shape=fp8_scale_shape(T, H, layout), align=4))
+    if outs:
+        _check_overlaps(outs, ins)
     return T, K, R, profile
+
+
+def _spans(a):
+    """(name, first byte, one past the last byte, is an output) of every non-empty tensor a checked
+    call reads or writes (outputs allocated or given)."""
+    out = []
+    for names, is_out in ((_OUTPUT_NAMES, True), (_INPUT_NAMES, False)):
+        for name in names:
+            x = a.get(name)
+            if isinstance(x, torch.Tensor) and x.numel():
+                p = x.data_ptr()
+                out.append((name, p, p + x.numel() * x.element_size(), is_out))
+    return out
+
+
+_OUTPUT_NAMES = ("norm_out", "residual_out", "quant_out", "scale_out")
+_INPUT_NAMES = ("allreduce_in", "expanded_idx_to_permuted_idx", "expert_scale_factor", "shared_expert_output",
+                "residual_in", "norm_weight", "global_scale", "fp8_scale")
+
+
+def check_rank_overlaps(per_rank_args) -> None:
+    """All ranks in one process (EmulatedWorld.run): an output of one rank sharing memory with any
+    tensor of another rank is a ValueError naming per_rank_kwargs[r] and the argument. per_rank_args:
+    each rank's checked arguments (with its outputs); inputs may be shared by ranks."""
+    spans = sorted((lo, hi, r, name, is_out) for r, a in enumerate(per_rank_args)
+                   for name, lo, hi, is_out in _spans(a))
+    active = []  # spans that may still overlap what comes next (sorted by start)
+    for lo, hi, r, name, is_out in spans:
+        active = [s for s in active if s[1] > lo]
+        for _, _, r2, name2, is_out2 in active:
+            if r2 != r and (is_out or is_out2):
+                (ro, no), (ri, ni) = ((r, name), (r2, name2)) if is_out else ((r2, name2), (r, name))
+                raise ValueError(f"per_rank_kwargs[{ro}]: {no} overlaps {ni} of per_rank_kwargs[{ri}] in memory "
+                                 f"(each rank's outputs need memory of their own)")
+        active.append((lo, hi, r, name, is_out))
 
 
 _DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
@@ -336,6 +453,11 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
       "fp8_group128": quant_out [T, H] float8_e4m3fn, scale_out float32 fp8_scale_shape(T, H, layout):
                       [T, H/128] row-major, or [H/128, roundup(T, 4)] column-major (padding written 0);
       "fp8_tensor":   quant_out [T, H] float8_e4m3fn (scale_out is None).
+    eps must be > 0 and routed_scaling_factor finite (as float32s); weight_bias an int, not a bool.
+    An output sharing memory with an input or another output is refused, except residual_out being
+    residual_in itself (in place); so is global_scale, fp8_scale, quant_out or scale_out given with a
+    quant that does not use it. Device scales are not checked: see dispatch/API.md for the bytes any
+    value gives.
     Every rank of the group must make the same sequence of calls with the same T; residual_in and
     norm_weight must hold the same values on every rank (tensor parallelism replicates them).
     `program=` forces a program by name. `launch_with_pdl=True` lets the kernel start while the

@@ -50,8 +50,8 @@ from typing import Optional
 
 import torch
 
-from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, profile_for_quant, fp8_scale_shape, \
-    scale_out_bytes
+from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, check_flag, check_scalar, check_unused, \
+    check_weight_bias, fp8_scale_shape, profile_for_quant, scale_out_bytes
 
 OP_NAME = "moe_ar::moe_finalize_allreduce"
 _HANDLE_ATTR = "_moe_ar_op_handle"
@@ -201,6 +201,7 @@ def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permut
     profile_for_quant(quant)  # ValueError naming quant unless the manifest has a profile for it
     if weight_bias not in (0, 1):
         raise ValueError(f"weight_bias: {weight_bias!r}, expected 0 or 1")
+    check_unused(quant, global_scale, fp8_scale, None, None, fp8_scale_layout, fp8_pow2_scales)
     norm_out = residual.new_empty((T, H))
     residual_out = residual.new_empty((T, H))
     if quant == "nvfp4":
@@ -259,6 +260,12 @@ def moe_finalize_allreduce_op(workspace, *, allreduce_in, expanded_idx_to_permut
     new tensors (no norm_out= etc.). Returns MoeFinalizeOutputs; quant_out and scale_out are
     None when quant is None, scale_out is None for quant="fp8_tensor".
     """
+    # The op's schema converts; a bool, a string or a NaN must be refused here, not converted.
+    check_scalar("routed_scaling_factor", routed_scaling_factor)
+    check_scalar("eps", eps, positive=True)
+    check_weight_bias(weight_bias)
+    check_flag("launch_with_pdl", launch_with_pdl)
+    check_flag("fp8_pow2_scales", fp8_pow2_scales)
     norm_out, residual_out, quant_out, scale_out = moe_finalize_allreduce_custom_op(
         _as_handle(workspace), allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
         expert_scale_factor, float(routed_scaling_factor), shared_expert_output, float(eps), int(weight_bias),

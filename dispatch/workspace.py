@@ -711,12 +711,13 @@ class EmulatedWorld:
         launched (ValueError naming the argument); the kernels run co-resident on per-rank streams,
         joined back to each device's current stream. Returns the list of MoeFinalizeOutputs.
         Capturable in a CUDA graph (single-device worlds)."""
-        from .op import prepare_call
+        from .op import check_rank_overlaps, prepare_call
         if len(per_rank_kwargs) != self.world_size:
             raise ValueError(f"per_rank_kwargs: {len(per_rank_kwargs)} entries for world size {self.world_size}")
         # Every rank's call is checked (and its outputs allocated on the caller's stream) before any
         # rank launches: a rank launched alone would wait for its peers until the deadline.
         calls = [prepare_call(w, dict(kw)) for w, kw in zip(self.workspaces, per_rank_kwargs)]
+        check_rank_overlaps([c.args for c in calls])  # all ranks share one address space here
         for d, s in zip(self.devices, self.streams):
             s.wait_stream(torch.cuda.current_stream(d))
         outs = []

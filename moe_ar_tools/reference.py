@@ -240,6 +240,7 @@ E2M1_BOUNDARIES = (
     (5.0, False),   # 4 | 6     -> tie to 4   (code 6); above 6 saturates at code 7
 )
 E4M3_MAX = 448.0
+E4M3_NAN_BYTE = 0x7F  # the NaN the saturating convert writes, whatever the NaN's sign
 
 
 def e2m1_nibbles(v: torch.Tensor) -> torch.Tensor:
@@ -262,8 +263,16 @@ def e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_satfinite_bytes(sf: torch.Tensor) -> torch.Tensor:
-    """float32 (>= 0) -> E4M3 bytes, RNE, saturating to 448 (clamp, then torch's RNE convert)."""
-    return sf.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    """float32 -> E4M3 bytes as the GPU's saturating convert: RNE, saturating to +-448 (infinities
+    too), every NaN to 0x7F (clamp, then torch's RNE convert; torch alone would keep a NaN's sign)."""
+    b = sf.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(sf), torch.full_like(b, E4M3_NAN_BYTE), b)
+
+
+def _canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """Every NaN as the positive one: a GPU's float32 arithmetic returns that NaN whatever NaN or
+    invalid operation (0 * inf, 0 / 0) made it, where a CPU's may return a negative one."""
+    return torch.where(torch.isnan(x), torch.full_like(x, math.nan), x)
 
 
 def _roundup(a: int, b: int) -> int:
@@ -304,7 +313,10 @@ def _gs_like(amax: torch.Tensor, global_scale) -> torch.Tensor:
 def nvfp4_block_scales(x: torch.Tensor, global_scale):
     """Blocked float32 x [T, H/16, 16] -> (amax, sf, sf8 bytes, scale), each [T, H/16].
 
-    docs/operation.md step by step, every operation a float32 tensor op (correctly rounded).
+    docs/operation.md step by step, every operation a float32 tensor op (correctly rounded). For any global
+    scale (0, negative, NaN, infinite: dispatch/API.md's table) the same arithmetic as written:
+    the convert saturates both ways and writes NaN as 0x7F, and "sf8 != 0" compares the stored byte
+    (0x80, -0, is not 0: its scale is 1 / (-0 / gs)); with gs >= +0 no byte 0x80 arises.
     """
     amax = x.abs().amax(-1)
     gs = _gs_like(amax, global_scale)
@@ -312,12 +324,12 @@ def nvfp4_block_scales(x: torch.Tensor, global_scale):
     sf8 = e4m3_satfinite_bytes(sf)
     sf8f = sf8.view(torch.float8_e4m3fn).to(torch.float32)
     t = sf8f / gs
-    scale = torch.where(sf8f != 0, torch.ones_like(t) / t, torch.zeros_like(t))
+    scale = torch.where(sf8 != 0, torch.ones_like(t) / t, torch.zeros_like(t))
     return amax, sf, sf8, scale
 
 
 def nvfp4_blocks(norm_out: torch.Tensor, global_scale):
-    """(quant [T, H/2] uint8, sf8 [T, H/16] uint8): op.md's NVFP4 of norm_out with the E4M3 block
+    """(quant [T, H/2] uint8, sf8 [T, H/16] uint8): the NVFP4 of norm_out (docs/operation.md) with the E4M3 block
     scale of each (token, 16-element block) before swizzling. global_scale: a float, or a [1]
     float32 tensor (on norm_out's device it is never read back to the host).
     Element 2i goes to the low nibble, 2i+1 to the high one.
@@ -326,7 +338,7 @@ def nvfp4_blocks(norm_out: torch.Tensor, global_scale):
     assert H % 16 == 0, H
     x = norm_out.to(torch.float32).reshape(T, H // 16, 16)
     _, _, sf8, scale = nvfp4_block_scales(x, global_scale)
-    nibbles = e2m1_nibbles(x * scale[..., None]).reshape(T, H)
+    nibbles = e2m1_nibbles(_canonical_nan(x * scale[..., None])).reshape(T, H)  # a NaN product: nibble 0
     return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), sf8
 
 
@@ -735,7 +747,7 @@ def fp8_group_ref(norm_out: torch.Tensor, *, pow2_scales: bool = False, column_m
     s = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scales:
         s = pow2_ceil(s)
-    q = torch.clamp(x / s[..., None], -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(T, H)
+    q = e4m3_satfinite_bytes(x / s[..., None]).view(torch.float8_e4m3fn).reshape(T, H)
     if not column_major:
         return q, s
     cols = torch.zeros(fp8_scale_shape(T, H, "column"), dtype=torch.float32, device=s.device)
@@ -744,10 +756,11 @@ def fp8_group_ref(norm_out: torch.Tensor, *, pow2_scales: bool = False, column_m
 
 
 def fp8_tensor_ref(norm_out: torch.Tensor, scale: float):
-    """Per-tensor FP8 E4M3 with one static float32 scale: q = e4m3(clamp(x / scale, -448, 448))."""
+    """Per-tensor FP8 E4M3 with one static float32 scale: q = e4m3(clamp(x / scale, -448, 448)), a
+    NaN quotient (a NaN scale, 0 / 0) as 0x7F. Any scale follows it (dispatch/API.md's table)."""
     x = norm_out.to(torch.float32)
     s = torch.full_like(x, f32(float(scale)))  # a full tensor divisor: see fp8_group_ref
-    return torch.clamp(x / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return e4m3_satfinite_bytes(x / s).view(torch.float8_e4m3fn)
 
 
 # ---- per-element tolerances for a cheap check on the device (the soak's) ---------------------
