@@ -8,6 +8,7 @@ of each program (or ahead of time with dispatch.warmup).
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -300,7 +301,6 @@ class _Launcher:
     with the per-workspace fields filled in, and prebuilt launch configurations."""
 
     def __init__(self, ws, name: str):
-        from cuda.bindings import driver as cu
         info = registry.program_info(name)
         if info["dtype"] != ws.dtype_name or info["world_size"] != ws.world_size:
             raise ValueError(f"program: {name} is for {info['dtype']} world size {info['world_size']}, the workspace "
@@ -338,77 +338,138 @@ class _Launcher:
             if per_sm < 1:
                 raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
             self.max_blocks.append(max(1, per_sm * sms // sharing))
-        self.function = cu.CUfunction(prog.function_ptr)
-        self.args = registry.params_struct()()
-        a = self.args
+        self.function_ptr = prog.function_ptr
+        self.threads = [split.threads for split in ws.row_splits]
+        # The fields every call of this program on this workspace shares.
+        template = self.template = registry.params_struct()()
         for r, ptr in enumerate(ws.peer_buffer_ptrs):
-            a.peer_buffers[r] = ptr or None
-        a.state = ws._memory.state
-        a.error = ws._memory.error_host
-        a.buffer_elems = ws.buffer_elems
-        a.timeout_ns = ws.timeout_ns
-        a.hidden = ws.hidden
-        a.rank = ws.rank
-        self.arg_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(a))
-        self.arg_address = ctypes.addressof(self.arg_pointer)
-        # [row split][pdl]
-        self.configs = [[self._config(cu, split.threads, self.dynamic_smem, pdl) for pdl in (False, True)]
-                        for split in ws.row_splits]
-        self.cu = cu
+            template.peer_buffers[r] = ptr or None
+        template.state = ws._memory.state
+        template.error = ws._memory.error_host
+        template.buffer_elems = ws.buffer_elems
+        template.timeout_ns = ws.timeout_ns
+        template.hidden = ws.hidden
+        template.rank = ws.rank
+        self.pointer_base = type(template).allreduce_in.offset
+        self.device_index = ws.device_index
+        _driver()  # loaded here, not on the launch path
 
-    @staticmethod
-    def _config(cu, threads, dynamic_smem, pdl):
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = 1, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = dynamic_smem
-        if pdl:
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attr]
-            config.numAttrs = 1
-        else:
-            config.numAttrs = 0
-        return config
-
-    def launch(self, ws, T, K, R, a, pdl):
-        args = self.args
-        args.allreduce_in = a["allreduce_in"].data_ptr()
-        args.expanded_idx = a["expanded_idx_to_permuted_idx"].data_ptr()
+    def kernel_call(self, ws, T, a) -> "_KernelCall":
+        """The launch state of a call signature: the kernel argument with this program's fields and the
+        call's scalars, where each data pointer goes in it, and the launch configuration."""
+        params = type(self.template)()
+        ctypes.memmove(ctypes.addressof(params), ctypes.addressof(self.template), ctypes.sizeof(params))
         scale = a["expert_scale_factor"]
-        args.expert_scale = scale.data_ptr() if scale is not None else None
-        args.scale_kind = 0 if scale is None else (1 if scale.dtype == torch.float32 else 2)
-        shared = a["shared_expert_output"]
-        args.shared_in = shared.data_ptr() if shared is not None else None
-        args.residual_in = a["residual_in"].data_ptr()
-        args.norm_weight = a["norm_weight"].data_ptr()
-        args.quant_scale = a[self.quant_scale_arg].data_ptr() if self.quant_scale_arg else None
-        args.norm_out = a["norm_out"].data_ptr()
-        args.residual_out = a["residual_out"].data_ptr()
-        args.quant_out = a["quant_out"].data_ptr() if self.writes_quant else None
-        args.scale_out = a["scale_out"].data_ptr() if self.writes_scales else None
-        args.quant_flags = ((_QUANT_FLAG_COLUMN_MAJOR if a["fp8_scale_layout"] == "column" else 0)
-                            | (_QUANT_FLAG_POW2 if a["fp8_pow2_scales"] else 0))
-        args.fault_stop_after = ws._fault_stop_after_units
-        args.tokens, args.top_k, args.rows = T, K, R
-        args.routed_scaling_factor = a["routed_scaling_factor"]
-        args.eps = a["eps"]
-        args.weight_bias = float(a["weight_bias"])
+        params.scale_kind = 0 if scale is None else (1 if scale.dtype == torch.float32 else 2)
+        params.quant_flags = ((_QUANT_FLAG_COLUMN_MAJOR if a["fp8_scale_layout"] == "column" else 0)
+                              | (_QUANT_FLAG_POW2 if a["fp8_pow2_scales"] else 0))
+        params.fault_stop_after = ws._fault_stop_after_units
+        params.tokens, params.top_k, params.rows = T, a["expanded_idx_to_permuted_idx"].shape[1], \
+            a["allreduce_in"].shape[0]
+        params.routed_scaling_factor = a["routed_scaling_factor"]
+        params.eps = a["eps"]
+        params.weight_bias = float(a["weight_bias"])
+        params.vec_per_thread = ws.row_splits[ws.row_split_index(T)].vec_per_thread
+        offsets = {field: getattr(type(params), field).offset for field in _POINTER_FIELDS}
+        slots = tuple((name, (offsets[_FIELD_OF[name]] - self.pointer_base) // 8)
+                      for name in self.pointer_arguments(a))
+        return _KernelCall(params, slots, self.config_for(ws, T, a["launch_with_pdl"]))
+
+    def pointer_arguments(self, a) -> tuple:
+        """The call arguments whose data pointers the kernel takes (the rest are null)."""
+        names = ["allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight", "norm_out",
+                 "residual_out"]
+        names += [n for n in ("expert_scale_factor", "shared_expert_output") if a[n] is not None]
+        if self.quant_scale_arg:
+            names.append(self.quant_scale_arg)
+        if self.writes_quant:
+            names.append("quant_out")
+        if self.writes_scales:
+            names.append("scale_out")
+        return tuple(names)
+
+    def config_for(self, ws, T, pdl):
+        """The launch configuration of a call of T tokens (the stream is set at each launch)."""
         i = ws.row_split_index(T)
-        vec_per_thread = ws.row_splits[i].vec_per_thread
-        args.vec_per_thread = vec_per_thread
-        config = self.configs[i][bool(pdl)]
-        if self.sliced_units:
-            config.gridDimX = min(T * vec_per_thread, self.max_blocks[i])  # a unit is one row slice
+        config = _LaunchConfig()
+        if self.sliced_units:  # a unit is one row slice
+            config.gridDimX = min(T * ws.row_splits[i].vec_per_thread, self.max_blocks[i])
         elif self.column_units:  # a unit is one column: a token of each rank
             config.gridDimX = balanced_grid(-(-T // ws.world_size), self.max_blocks[i])
-        else:
-            config.gridDimX = min(T, self.max_blocks[i])  # a unit is one row
-        config.hStream = self.cu.CUstream(torch.cuda.current_stream(ws.device).cuda_stream)
-        err, = self.cu.cuLaunchKernelEx(config, self.function, self.arg_address, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: {err}")
+        else:  # a unit is one row
+            config.gridDimX = min(T, self.max_blocks[i])
+        config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
+        config.blockDimX = self.threads[i]
+        config.sharedMemBytes = self.dynamic_smem
+        if pdl:
+            config.attrs, config.numAttrs = _PDL_ATTRIBUTE, 1
+        return config
+
+    def launch(self, kernel: "_KernelCall", pointers: dict) -> None:
+        values = [0] * len(_POINTER_FIELDS)
+        for name, slot in kernel.pointer_slots:
+            values[slot] = pointers[name]
+        struct.pack_into(_POINTER_FORMAT, kernel.params, self.pointer_base, *values)
+        config = kernel.config
+        config.hStream = _current_stream(self.device_index)
+        err = _cu_launch_kernel_ex(ctypes.byref(config), self.function_ptr, kernel.param_pointer, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: CUresult {err}")
+
+
+class _KernelCall:
+    """A launch of one program for one call signature (everything but the data pointers and stream)."""
+
+    __slots__ = ("params", "param_pointer", "pointer_slots", "config")
+
+    def __init__(self, params, pointer_slots, config):
+        self.params, self.pointer_slots, self.config = params, pointer_slots, config
+        self.param_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(params))  # cuLaunchKernelEx's kernelParams
+
+
+# ---- the driver call -------------------------------------------------------------------------
+# cuLaunchKernelEx straight through ctypes: its configuration is a prebuilt structure per call
+# signature, so a launch sets the stream and makes one foreign call (layouts from cuda.h).
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_PDL_ATTRIBUTE = (_LaunchAttribute * 1)()
+_PDL_ATTRIBUTE[0].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTRIBUTE[0].value.programmaticStreamSerializationAllowed = 1
+_cu_launch_kernel_ex = None
+
+
+def _driver() -> None:
+    """Load the driver's cuLaunchKernelEx (once)."""
+    global _cu_launch_kernel_ex
+    if _cu_launch_kernel_ex is None:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        fn = libcuda.cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        _cu_launch_kernel_ex = fn
+
+
+def _current_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _current_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811  (the same value, without a Stream object)
 
 
 def balanced_grid(units: int, max_blocks: int) -> int:
@@ -465,45 +526,183 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     Raises ValueError naming the argument for a bad call, RuntimeError if an earlier call of this
     workspace timed out waiting for a peer.
     """
-    call = prepare_call(workspace, dict(kwargs, allreduce_in=allreduce_in,
-                                        expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-                                        residual_in=residual_in, norm_weight=norm_weight))
-    return call.launch()
+    kwargs["allreduce_in"] = allreduce_in
+    kwargs["expanded_idx_to_permuted_idx"] = expanded_idx_to_permuted_idx
+    kwargs["residual_in"] = residual_in
+    kwargs["norm_weight"] = norm_weight
+    return prepare_call(workspace, kwargs).launch()
 
 
-class _Call(NamedTuple):
-    workspace: object
-    launcher: Optional[_Launcher]
-    tokens: int
-    top_k: int
-    rows: int
-    args: dict
-    outputs: MoeFinalizeOutputs
+# ---- the call: a plan per call signature ----------------------------------------------------
+#
+# Everything the checks and the program choice depend on, except the data pointers, is a function
+# of the call's signature: each argument's name and, for a tensor, its dtype, shape and device, for
+# anything else its type and value (plus the workspace's fault-injection setting). The first call
+# of a signature runs every check (_check_args) and keeps a _Plan: the program, the grid, the
+# kernel argument with the call's scalars filled in, the byte size of each tensor. A later call
+# with the same signature only checks what a signature does not fix (contiguity, alignment,
+# overlap) and writes the data pointers. Anything unexpected takes the full path,
+# which raises the ValueError naming the argument.
+
+_TENSOR_ARGS = _OUTPUT_NAMES + _INPUT_NAMES
+_PLANS_PER_WORKSPACE = 1024  # a workspace drops its plans past this many signatures
+_POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
+                   "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
+_POINTER_FORMAT = f"<{len(_POINTER_FIELDS)}Q"  # consecutive in Params (generator/abi.py)
+# The kernel argument fields each call argument's data pointer goes to.
+_FIELD_OF = {"allreduce_in": "allreduce_in", "expanded_idx_to_permuted_idx": "expanded_idx",
+             "expert_scale_factor": "expert_scale", "shared_expert_output": "shared_in", "residual_in": "residual_in",
+             "norm_weight": "norm_weight", "global_scale": "quant_scale", "fp8_scale": "quant_scale",
+             "norm_out": "norm_out", "residual_out": "residual_out", "quant_out": "quant_out", "scale_out": "scale_out"}
+_ALIGN = {"expanded_idx_to_permuted_idx": 4, "expert_scale_factor": 4, "global_scale": 4, "fp8_scale": 4,
+          "scale_out": 4}
+
+
+def _signature(ws, kwargs: dict):
+    """The call's signature (hashable), or None when an argument has no cheap one."""
+    parts = [ws._fault_stop_after_units]
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.shape, value.device))
+        else:
+            parts.append((name, type(value), value))
+    return tuple(parts)
+
+
+class _Plan:
+    """One call signature on one workspace, checked once (see above)."""
+
+    __slots__ = ("launcher", "kernel", "tokens", "tensors", "outputs_given", "missing", "quant")
+
+    def __init__(self, ws, launcher, T, a: dict, given: set):
+        self.launcher, self.tokens, self.quant = launcher, T, a["quant"]
+        # (name, alignment, bytes) of each tensor the call was given
+        self.tensors = tuple((name, _ALIGN.get(name, 16), a[name].numel() * a[name].element_size())
+                             for name in _TENSOR_ARGS if name in given and isinstance(a[name], torch.Tensor))
+        self.outputs_given = any(name in given and a[name] is not None for name in _OUTPUT_NAMES)
+        self.missing = tuple(name for name in _OUTPUT_NAMES if name not in given or a[name] is None)
+        self.kernel = launcher.kernel_call(ws, T, a) if launcher is not None else None  # None: T is 0
+
+    def pointers(self, ws, kwargs: dict):
+        """Data pointers of the tensors given, after the checks a signature does not fix; None when one
+        fails (the caller then runs the full checks, which name the argument)."""
+        ptrs = {}
+        for name, align, _ in self.tensors:
+            x = kwargs[name]
+            if not x.is_contiguous():
+                return None
+            p = x.data_ptr()
+            if p % align:
+                return None
+            ptrs[name] = p
+        if self.outputs_given and not _spans_apart(ptrs, self.tensors):
+            return None
+        return ptrs
+
+
+def _spans_apart(ptrs: dict, tensors) -> bool:
+    """No output shares a byte with an input or another output, except residual_out exactly over
+    residual_in (the rule _check_overlaps enforces and names). One pass over the spans sorted by
+    their start; in place, residual_in stands for both and counts as an output."""
+    in_place = ptrs.get("residual_out") is not None and ptrs.get("residual_out") == ptrs.get("residual_in")
+    spans = sorted((ptrs[name], ptrs[name] + nbytes, name in _OUTPUT_NAMES or (in_place and name == "residual_in"))
+                   for name, _, nbytes in tensors if nbytes and not (in_place and name == "residual_out"))
+    end_any = end_out = 0  # the furthest end of the spans so far, and of the outputs among them
+    for lo, hi, is_out in spans:
+        if lo < (end_any if is_out else end_out):
+            return False
+        end_any = max(end_any, hi)
+        if is_out:
+            end_out = max(end_out, hi)
+    return True
+
+
+class _Call:
+    """A checked call: its outputs, and the launch (nothing when T is 0)."""
+
+    __slots__ = ("plan", "pointers", "outputs", "args")
+
+    def __init__(self, plan, pointers, outputs, args):
+        self.plan, self.pointers, self.outputs, self.args = plan, pointers, outputs, args
 
     def launch(self) -> MoeFinalizeOutputs:
-        if self.launcher is not None:
-            self.launcher.launch(self.workspace, self.tokens, self.top_k, self.rows, self.args,
-                                 self.args["launch_with_pdl"])
+        plan = self.plan
+        if plan.kernel is not None:
+            plan.launcher.launch(plan.kernel, self.pointers)
         return self.outputs
 
 
+def _allocate_missing(ws, plan, kwargs):
+    """Outputs the call did not pass, from torch's caching allocator (as allocate_outputs)."""
+    T, H = plan.tokens, ws.hidden
+    for name in plan.missing:
+        if name == "norm_out" or name == "residual_out":
+            x = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
+        elif name == "quant_out" and plan.quant == "nvfp4":
+            x = torch.empty((T, H // 2), dtype=torch.uint8, device=ws.device)
+        elif name == "quant_out" and plan.quant in ("fp8_group128", "fp8_tensor"):
+            x = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=ws.device)
+        elif name == "scale_out" and plan.quant == "nvfp4":
+            x = torch.empty((scale_out_bytes(T, H),), dtype=torch.uint8, device=ws.device)
+        elif name == "scale_out" and plan.quant == "fp8_group128":
+            x = torch.empty(fp8_scale_shape(T, H, kwargs.get("fp8_scale_layout", "row")), dtype=torch.float32,
+                            device=ws.device)
+        else:
+            continue
+        kwargs[name] = x
+
+
+_REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
+_KNOWN = frozenset(_DEFAULTS) | frozenset(_REQUIRED)
+
+
 def prepare_call(workspace, kwargs: dict) -> _Call:
-    """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use)."""
-    unknown = set(kwargs) - set(_DEFAULTS) - {"allreduce_in", "expanded_idx_to_permuted_idx", "residual_in",
-                                                "norm_weight"}
-    if unknown:
-        raise ValueError(f"{sorted(unknown)[0]}: unknown argument")
-    a = dict(_DEFAULTS)
-    a.update(kwargs)
+    """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use).
+    `kwargs` (the call's keyword arguments) gets the allocated outputs."""
     workspace._ensure_open()
     workspace._check_error_words()
+    plans = workspace._plans
+    try:
+        signature = _signature(workspace, kwargs)
+        plan = plans.get(signature)
+    except TypeError:  # an unhashable argument: the full checks name it
+        signature = plan = None
+    pointers = plan.pointers(workspace, kwargs) if plan is not None else None
+    if pointers is None:
+        plan = _full_checks(workspace, kwargs)
+        pointers = plan.pointers(workspace, kwargs)
+        if pointers is None:  # cannot happen after the full checks passed; never launch unchecked
+            raise RuntimeError("moe_finalize_allreduce: internal error: a checked call failed its fast checks")
+        if signature is not None:
+            if len(plans) >= _PLANS_PER_WORKSPACE:
+                plans.clear()
+            plans[signature] = plan
+    if plan.missing:
+        _allocate_missing(workspace, plan, kwargs)
+        for name in plan.missing:
+            x = kwargs.get(name)
+            if x is not None:
+                pointers[name] = x.data_ptr()
+    quant = plan.quant
+    g = kwargs.get
+    outputs = MoeFinalizeOutputs(kwargs["norm_out"], kwargs["residual_out"], g("quant_out") if quant is not None else None,
+                                 g("scale_out") if quant in ("nvfp4", "fp8_group128") else None)
+    return _Call(plan, pointers, outputs, kwargs)
+
+
+def _full_checks(workspace, kwargs: dict) -> _Plan:
+    """Every check of a call (ValueError naming the argument), and the plan for its signature."""
+    unknown = set(kwargs) - _KNOWN
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: unknown argument")
+    for name in _REQUIRED:
+        if name not in kwargs:
+            raise ValueError(f"{name}: required")
+    a = dict(_DEFAULTS)
+    a.update(kwargs)
     T, K, R, profile = _check_args(workspace, a)
-    allocate_outputs(workspace, a)
-    quant = a["quant"]
-    out = MoeFinalizeOutputs(a["norm_out"], a["residual_out"], a["quant_out"] if quant is not None else None,
-                             a["scale_out"] if quant in ("nvfp4", "fp8_group128") else None)
     if T == 0:
-        return _Call(workspace, None, T, K, R, a, out)
+        return _Plan(workspace, None, T, a, set(kwargs))
     name = a["program"]
     if name is None:
         name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None)
@@ -513,4 +712,4 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     if launcher.regime == "oneshot" and T > workspace.oneshot_max_tokens:
         raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
                          f"{workspace.oneshot_max_tokens}")
-    return _Call(workspace, launcher, T, K, R, a, out)
+    return _Plan(workspace, launcher, T, a, set(kwargs))

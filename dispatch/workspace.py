@@ -420,6 +420,7 @@ class _WorkspaceBase:
             raise ValueError(f"vec_per_thread: {vec_per_thread} vectors a thread needs {self.row_splits[-1].threads} "
                              f"threads for hidden {hidden}, more than {limits['max_threads']}")
         self._launchers = {}
+        self._plans = {}  # call signature -> op._Plan
         self._closed = False
         # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
         # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
@@ -617,6 +618,7 @@ class Workspace(_WorkspaceBase):
                             _attempt(lambda: torch.cuda.synchronize(self.device)))
             self._closed = True
             self._launchers.clear()
+            self._plans.clear()
             _live_workspaces.discard(self)
             self._unmap_then_free("close")
 
@@ -637,6 +639,7 @@ class _EmulatedRank(_WorkspaceBase):
         if not self._closed:
             self._closed = True
             self._launchers.clear()
+            self._plans.clear()
             _live_workspaces.discard(self)
             self._memory.free()
 

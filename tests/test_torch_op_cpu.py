@@ -42,7 +42,7 @@ class StubWorkspace:
         self.hidden, self.dtype, self.dtype_name = hidden, dtype, DTYPE_NAMES[dtype]
         self.world_size, self.rank, self.max_tokens = world_size, rank, max_tokens
         self.oneshot_max_tokens = min(max_tokens, 1024)
-        self._launchers = {}
+        self._launchers, self._plans, self._fault_stop_after_units = {}, {}, 0
         self.closed = False
         self.launched = []
 
@@ -258,10 +258,17 @@ class CpuLauncher:
     def __init__(self, ws, name):
         info = dispatch.program_info(name)
         self.name, self.family, self.profile, self.regime = name, info["family"], info["profile"], info["regime"]
+        self.ws = ws
 
-    def launch(self, ws, T, K, R, a, pdl):
-        ws.launched.append(dict(program=self.name, T=T, K=K, R=R, pdl=pdl, quant=a["quant"]))
-        res, norm = cpu_math(a, T, K, ws.hidden, ws.world_size)
+    def kernel_call(self, ws, T, a):
+        return dict(T=T, K=a["expanded_idx_to_permuted_idx"].shape[1], R=a["allreduce_in"].shape[0],
+                    pdl=a["launch_with_pdl"])
+
+    def run(self, call):
+        """In place of the kernel launch: what the kernel would write, computed on the CPU."""
+        ws, k, a = self.ws, call.plan.kernel, call.args
+        ws.launched.append(dict(program=self.name, T=k["T"], K=k["K"], R=k["R"], pdl=k["pdl"], quant=a.get("quant")))
+        res, norm = cpu_math(dict(dop._DEFAULTS, **a), k["T"], k["K"], ws.hidden, ws.world_size)
         a["residual_out"].copy_(res)
         a["norm_out"].copy_(norm)
         if self.profile == "nvfp4":
@@ -269,10 +276,17 @@ class CpuLauncher:
             a["scale_out"].fill_(0x33)
 
 
+def _cpu_launch(call):
+    if call.plan.kernel is not None:
+        call.plan.launcher.run(call)
+    return call.outputs
+
+
 @pytest.fixture
 def cpu_runtime(monkeypatch):
     """A CPU stub workspace whose calls run dispatch.op for real up to the kernel launch."""
     monkeypatch.setattr(dop, "_launcher", lambda ws, name: ws._launchers.setdefault(name, CpuLauncher(ws, name)))
+    monkeypatch.setattr(dop._Call, "launch", _cpu_launch)
     return StubWorkspace("cpu", hidden=256)
 
 
