@@ -1,6 +1,8 @@
 """Workspaces: each rank's Lamport buffers, device state and error words, and its peers' buffers.
 
     Workspace(group, max_tokens, hidden, dtype)       one process per GPU; peers over CUDA IPC
+    Workspace(..., backend="symm_mem")                the buffers from torch symmetric memory instead
+                                                      ("auto": where every rank can, else CUDA IPC)
     EmulatedWorld(world_size, max_tokens, hidden, dtype, devices=[0, 0, 0, 0])
                                                       every rank in this process (tests, world sizes
                                                       4 and 8 without 4 or 8 GPUs)
@@ -14,10 +16,20 @@ Per rank, allocated once:
              reads it on the next call without synchronizing
 
 Rendezvous (Workspace): every rank checks its arguments, then the ranks exchange a RankDescriptor
-(arguments, buffer size, program-set hash, host and GPU identity) before anything is allocated, and
-every rank compares them identically: a disagreement is the same ValueError on every rank. Each later
-fallible local step (allocation, CUDA IPC) ends in an exchange of its status instead of a barrier, so a
-rank that fails makes every rank raise at once instead of leaving its peers waiting.
+(arguments, backend, buffer size, program-set hash, host and GPU identity, whether torch symmetric
+memory is usable, the GPU's NVLink domain) before anything is allocated, and every rank compares them
+identically: a disagreement is the same ValueError on every rank, and every rank chooses the same
+backend. Each later fallible local step (allocation, CUDA IPC or torch's rendezvous) ends in an
+exchange of its status instead of a barrier, so a rank that fails makes every rank raise at once
+instead of leaving its peers waiting.
+
+Backends (only the buffers differ; the state and error words are local and allocated alike, and the
+kernels see one pointer per rank either way, so the same generated programs run on both):
+
+    ipc        cudaMalloc, CUDA IPC handles exchanged on the group: one host only
+    symm_mem   torch.distributed._symmetric_memory (its CUDA backend, cuMem allocations) mapped by
+               torch's rendezvous on the group: one host, or hosts of one multi-node NVLink domain.
+               NVLink multicast stays off (TORCH_SYMM_MEM_DISABLE_MULTICAST=1 unless the caller set it)
 """
 from __future__ import annotations
 
@@ -25,11 +37,14 @@ import ctypes
 import dataclasses
 import functools
 import hashlib
+import inspect
 import json
 import math
 import numbers
 import operator
+import os
 import socket
+import warnings
 import weakref
 from typing import NamedTuple
 
@@ -47,6 +62,15 @@ PHASES = {0: "none", 1: "reduce-scatter (waiting for peers' partials)",
           2: "all-gather (waiting for the owners' residual_out rows)", 3: "one-shot (waiting for peers' partials)"}
 _CUDA_HOST_ALLOC_PORTABLE_MAPPED = 0x01 | 0x02
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
+BACKENDS = ("ipc", "symm_mem", "auto")
+# Torch's CUDA symmetric memory builds an NVLink multicast object at rendezvous unless this is set;
+# our kernels use none, and multicast can take a shared host's GPUs down.
+MULTICAST_ENV = "TORCH_SYMM_MEM_DISABLE_MULTICAST"
+# CUdevice_attribute values (cuda.h)
+_CU_ATTR_VIRTUAL_MEMORY_MANAGEMENT = 102
+_CU_ATTR_HANDLE_TYPE_POSIX_FD = 103
+_CU_ATTR_HANDLE_TYPE_FABRIC = 128
+_NVML_FABRIC_STATE_COMPLETED = 3
 
 _live_workspaces = weakref.WeakSet()  # every constructed, not yet closed workspace, for dispatch.check()
 _ALL_TOKENS = 2**31 - 1
@@ -103,6 +127,12 @@ def _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_m
         _int_arg("vec_per_thread", vec_per_thread, 1, limits["max_vec_per_thread"], " (or None)")
 
 
+def _check_backend(backend) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: {backend!r}, expected 'ipc', 'symm_mem' or 'auto'")
+    return backend
+
+
 def _check_devices(devices, world_size) -> list:
     """EmulatedWorld's `devices`: W GPU indices (ints, "cuda:i" or torch.device("cuda", i)); None entries
     stand for the current device (resolved later). Needs no GPU."""
@@ -151,6 +181,10 @@ class RankDescriptor:
     buffer_bytes: int
     host: str             # host_identity()
     gpu: str              # the GPU's UUID
+    backend: str = "ipc"  # the backend asked for: ipc, symm_mem or auto
+    symm_mem_unavailable: str = ""  # why this rank cannot use torch symmetric memory; "" when it can
+    nvlink_domain: str = ""         # this GPU's NVLink domain where the driver proves one (nvlink_domain())
+    nvlink_note: str = ""           # why no domain is proven
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +226,136 @@ def _gpu_identity(device_index: int) -> str:
         return f"GPU-{uuid}" if not str(uuid).startswith("GPU-") else str(uuid)
     import cupy  # older torch: the PCI bus id is unique within a host
     return f"PCI {cupy.cuda.Device(device_index).pci_bus_id}"
+
+
+# ---- backend facts (local, no collective: every rank computes its own and the descriptors carry them) ----
+
+def _symm_mem_module():
+    """torch.distributed._symmetric_memory (behind a function so that tests can replace it)."""
+    import torch.distributed._symmetric_memory as symm
+    return symm
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    return ctypes.CDLL("libcuda.so.1")
+
+
+def _cu_device_attribute(device_index: int, attribute: int) -> int:
+    """cuDeviceGetAttribute through the CUDA driver library (loaded by torch and CuPy already)."""
+    lib = _libcuda()
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    steps = (("cuInit", lambda: lib.cuInit(0)),
+             ("cuDeviceGet", lambda: lib.cuDeviceGet(ctypes.byref(dev), int(device_index))),
+             ("cuDeviceGetAttribute", lambda: lib.cuDeviceGetAttribute(ctypes.byref(value), int(attribute), dev)))
+    for what, call in steps:
+        code = call()
+        if code:
+            raise RuntimeError(f"{what} returned CUDA driver error {code}")
+    return value.value
+
+
+def symm_mem_unavailable(group, device_index: int) -> str:
+    """Why this rank cannot build its buffers on torch symmetric memory for `group`, or "" when it can.
+    Cheap and local (no collective, no allocation): the import, the API, torch's backend for the
+    device (its CUDA backend: cuMem allocations, which this workspace relies on) and the GPU's support
+    for cuMem and for exporting memory."""
+    version = torch.__version__
+    try:
+        symm = _symm_mem_module()
+    except Exception as e:
+        return f"torch {version} cannot import torch.distributed._symmetric_memory ({type(e).__name__}: {e})"
+    try:
+        p2p = getattr(getattr(symm, "_SymmetricMemory", None), "empty_strided_p2p", None)
+        rendezvous_fn = getattr(symm, "rendezvous", None)
+        if p2p is None or rendezvous_fn is None or not hasattr(symm, "get_backend"):
+            return f"torch {version}'s symmetric memory lacks empty_strided_p2p, rendezvous or get_backend"
+        if "group" not in inspect.signature(rendezvous_fn).parameters:
+            return f"torch {version}'s symmetric memory has no rendezvous(tensor, group)"
+        name = getattr(group, "group_name", None)
+        if not isinstance(name, str) or not name:
+            return "the group has no group_name, which torch's rendezvous needs"
+        backend = symm.get_backend(torch.device("cuda", device_index))
+        if backend is None:
+            return f"torch {version} has no symmetric-memory allocator for CUDA devices"
+        if backend != "CUDA":
+            return (f"torch's symmetric-memory backend for cuda:{device_index} is {backend!r}; this workspace uses "
+                    f"its 'CUDA' backend only (an NVSHMEM allocation is collective over every process of the job, "
+                    f"not only the group): set TORCH_SYMMMEM=CUDA")
+        if not _cu_device_attribute(device_index, _CU_ATTR_VIRTUAL_MEMORY_MANAGEMENT):
+            return f"GPU {device_index} does not support CUDA virtual memory management (cuMemCreate)"
+        if not (_cu_device_attribute(device_index, _CU_ATTR_HANDLE_TYPE_POSIX_FD)
+                or _cu_device_attribute(device_index, _CU_ATTR_HANDLE_TYPE_FABRIC)):
+            return f"GPU {device_index} exports memory neither as a POSIX file descriptor nor as a fabric handle"
+    except Exception as e:
+        return f"checking torch symmetric memory failed ({type(e).__name__}: {e})"
+    return ""
+
+
+class _NvmlFabricInfoV2(ctypes.Structure):  # nvmlGpuFabricInfo_v2_t
+    _fields_ = [("version", ctypes.c_uint), ("cluster_uuid", ctypes.c_ubyte * 16), ("status", ctypes.c_int),
+                ("clique_id", ctypes.c_uint), ("state", ctypes.c_ubyte), ("health_mask", ctypes.c_uint)]
+
+
+class _NvmlFabricInfo(ctypes.Structure):  # nvmlGpuFabricInfo_t (drivers without the versioned call)
+    _fields_ = [("cluster_uuid", ctypes.c_ubyte * 16), ("status", ctypes.c_int), ("clique_id", ctypes.c_uint),
+                ("state", ctypes.c_ubyte)]
+
+
+def _nvml_fabric(gpu: str) -> tuple:
+    """(cluster UUID bytes, clique id, state, status) of the GPU's NVLink fabric registration, from NVML:
+    libnvidia-ml.so.1 of the driver, loaded with ctypes as torch.cuda loads it (no Python package)."""
+    lib = ctypes.CDLL("libnvidia-ml.so.1")
+    code = lib.nvmlInit_v2()
+    if code:
+        raise RuntimeError(f"nvmlInit_v2 returned {code}")
+    try:
+        handle = ctypes.c_void_p()
+        if gpu.startswith("GPU-"):
+            code = lib.nvmlDeviceGetHandleByUUID(gpu.encode(), ctypes.byref(handle))
+        elif gpu.startswith("PCI "):
+            code = lib.nvmlDeviceGetHandleByPciBusId_v2(gpu[4:].encode(), ctypes.byref(handle))
+        else:
+            raise RuntimeError(f"no NVML device for {gpu!r}")
+        if code:
+            raise RuntimeError(f"NVML found no device {gpu} (error {code})")
+        if hasattr(lib, "nvmlDeviceGetGpuFabricInfoV"):
+            info = _NvmlFabricInfoV2(version=ctypes.sizeof(_NvmlFabricInfoV2) | (2 << 24))
+            code = lib.nvmlDeviceGetGpuFabricInfoV(handle, ctypes.byref(info))
+        else:
+            info = _NvmlFabricInfo()
+            code = lib.nvmlDeviceGetGpuFabricInfo(handle, ctypes.byref(info))
+        if code:
+            raise RuntimeError(f"nvmlDeviceGetGpuFabricInfo returned {code}")
+        return bytes(info.cluster_uuid), int(info.clique_id), int(info.state), int(info.status)
+    finally:
+        lib.nvmlShutdown()
+
+
+_proven_domains: dict = {}
+
+
+def nvlink_domain(device_index: int, gpu: str) -> tuple[str, str]:
+    """(domain, note): this GPU's NVLink domain, "fabric cluster <uuid> clique <id>", where the driver
+    proves one (the GPU exports fabric handles and its NVLink fabric registration completed), else
+    ("", why not). Ranks on different hosts share a workspace only with the same non-empty domain.
+    A proven domain is remembered per GPU; a failure is read again next time."""
+    if gpu in _proven_domains:
+        return _proven_domains[gpu], ""
+    try:
+        if not _cu_device_attribute(device_index, _CU_ATTR_HANDLE_TYPE_FABRIC):
+            return "", "its GPU does not export fabric handles (CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0)"
+        uuid, clique, state, status = _nvml_fabric(gpu)
+    except Exception as e:
+        return "", f"its GPU's NVLink fabric could not be read ({type(e).__name__}: {e})"
+    if state != _NVML_FABRIC_STATE_COMPLETED:
+        return "", f"its GPU's NVLink fabric registration is not complete (NVML fabric state {state})"
+    if status != 0:
+        return "", f"NVML reports NVLink fabric status {status} for its GPU"
+    if not any(uuid):
+        return "", "NVML reports no NVLink fabric cluster for its GPU"
+    _proven_domains[gpu] = f"fabric cluster {uuid.hex()} clique {clique}"
+    return _proven_domains[gpu], ""
 
 
 def _gather_status(group, step: str, error: BaseException | None, payload=None) -> list:
@@ -239,30 +403,81 @@ def _show(field: str, value) -> str:
 
 
 _FIELD_ARGUMENT = {"timeout_ns": "timeout_s"}
-_SAME = ("world_size", "host", "program_set", "dtype", "hidden", "max_tokens", "oneshot_max_tokens", "vec_per_thread",
-         "timeout_ns", "buffer_bytes")
+_SAME = ("world_size", "backend", "program_set", "dtype", "hidden", "max_tokens", "oneshot_max_tokens",
+         "vec_per_thread", "timeout_ns", "buffer_bytes")
 
 
-def compare_descriptors(descriptors: list) -> None:
-    """Raise ValueError naming the first field in which a rank differs from rank 0 (world size, host,
-    programs, arguments, buffer size), or two ranks that share a GPU. Every rank calls it on the same
-    list and so raises the same error."""
+def choose_backend(descriptors: list) -> tuple[str, str]:
+    """(backend, why) from the ranks' descriptors (which agree on the backend asked for): "ipc" when
+    asked; "symm_mem" when asked or on "auto" if torch symmetric memory is usable on every rank; on
+    "auto" otherwise "ipc". Raises ValueError naming `backend` when "symm_mem" is asked for and a rank
+    cannot use it. Every rank calls it on the same list and so gets the same answer or error."""
+    asked = descriptors[0].backend
+    if asked == "ipc":
+        return "ipc", "backend 'ipc' was asked for"
+    missing = [(r, d.symm_mem_unavailable) for r, d in enumerate(descriptors) if d.symm_mem_unavailable]
+    if not missing:
+        return "symm_mem", f"backend {asked!r}: torch symmetric memory is usable on every rank"
+    r, why = missing[0]
+    others = [str(q) for q, _ in missing[1:]]
+    also = f"; not on rank{'s' if len(others) > 1 else ''} {', '.join(others)} either" if others else ""
+    if asked == "symm_mem":
+        raise ValueError(f"backend: 'symm_mem' is not available on rank {r}: {why}{also} (use backend='ipc', or "
+                         f"'auto' to fall back to it)")
+    return "ipc", f"backend 'auto' chose 'ipc': torch symmetric memory is not usable on rank {r}: {why}{also}"
+
+
+def _check_hosts(descriptors: list, backend: str, why: str) -> None:
+    """Ranks on more than one host: refused with CUDA IPC (handles mean nothing on another host), and
+    with symmetric memory unless every rank's GPU is proven to be in one NVLink domain."""
+    d0 = descriptors[0]
+    other = next((r for r, d in enumerate(descriptors) if d.host != d0.host), None)
+    if other is None:
+        return
+    d = descriptors[other]
+    if backend == "ipc":
+        chosen = f" ({why})" if d0.backend == "auto" else ""
+        raise ValueError(f"host: rank {other} is on {d.host}, rank 0 on {d0.host}; the CUDA IPC backend works within "
+                         f"one host only{chosen}: run every rank of the group on one machine, or use "
+                         f"backend='symm_mem' where the hosts share a multi-node NVLink domain")
+    hosts = len({x.host for x in descriptors})
+    where = f"its ranks span {hosts} hosts (rank 0 on {d0.host}, rank {other} on {d.host})"
+    unproven = [(r, x.nvlink_note or "no NVLink domain is known for its GPU")
+                for r, x in enumerate(descriptors) if not x.nvlink_domain]
+    if unproven:
+        r, note = unproven[0]
+        raise ValueError(f"group: {where} and no common NVLink domain is proven: rank {r}: {note}. A workspace "
+                         f"across hosts needs every GPU of the group in one multi-node NVLink domain "
+                         f"(docs/nvlink-domains.md); otherwise run every rank of the group on one host")
+    for r, x in enumerate(descriptors):
+        if x.nvlink_domain != d0.nvlink_domain:
+            raise ValueError(f"group: {where} in different NVLink domains: rank {r} is in {x.nvlink_domain}, rank 0 "
+                             f"in {d0.nvlink_domain}; a peer's memory can be mapped only within one NVLink domain")
+
+
+def compare_descriptors(descriptors: list) -> tuple[str, str]:
+    """Raise ValueError naming the first field in which a rank differs from rank 0 (world size, the
+    backend asked for, programs, arguments, buffer size), `backend` when "symm_mem" is asked for and a
+    rank cannot use it, a group spanning hosts that the chosen backend cannot span (`host` with CUDA
+    IPC, `group` with symmetric memory), or two ranks that share a GPU. Every rank calls it on the same
+    list and so raises the same error. Returns choose_backend()'s (backend, why)."""
     d0 = descriptors[0]
     for field in _SAME:
         for r, d in enumerate(descriptors):
-            if field == "host" and d.host != d0.host:
-                raise ValueError(f"host: rank {r} is on {d.host}, rank 0 on {d0.host}; the CUDA IPC backend "
-                                 f"works within one host only: run every rank of the group on one machine")
             if getattr(d, field) != getattr(d0, field):
                 name = _FIELD_ARGUMENT.get(field, field)
                 raise ValueError(f"{name}: rank {r} has {_show(field, getattr(d, field))}, rank 0 has "
                                  f"{_show(field, getattr(d0, field))}; every rank of the group must have the same")
+    backend, why = choose_backend(descriptors)
+    _check_hosts(descriptors, backend, why)
     seen = {}
     for r, d in enumerate(descriptors):
-        if d.gpu in seen:
-            raise ValueError(f"device: ranks {seen[d.gpu]} and {r} are on the same GPU {d.gpu}; one process per "
+        key = (d.host, d.gpu)  # a PCI bus id (older torch's identity) is unique within a host only
+        if key in seen:
+            raise ValueError(f"device: ranks {seen[key]} and {r} are on the same GPU {d.gpu}; one process per "
                              f"GPU (use EmulatedWorld to run several ranks on one GPU)")
-        seen[d.gpu] = r
+        seen[key] = r
+    return backend, why
 
 
 def rendezvous(group, descriptor: RankDescriptor | None, error: BaseException | None = None) -> list:
@@ -304,18 +519,94 @@ def buffer_elems_for(world_size: int, max_tokens: int, hidden: int, oneshot_max_
     return max(oneshot, twoshot)
 
 
-class _RankMemory:
-    """One rank's buffers, state and error words, on one device."""
+class _CudaMallocBuffers:
+    """Buffers from cudaMalloc: the CUDA IPC backend exports them; EmulatedWorld's ranks share them
+    within the process. Called with the device current."""
 
-    def __init__(self, device_index: int, buffer_elems: int, elem_size: int):
+    def __init__(self, device_index: int, nbytes: int):
+        from cupy.cuda import runtime
+        self.ptr = runtime.malloc(nbytes)
+
+    def release(self) -> None:
+        from cupy.cuda import runtime
+        ptr, self.ptr = self.ptr, 0  # never freed twice, even if this free fails
+        if ptr:
+            runtime.free(ptr)
+
+
+class _SymmMemBuffers:
+    """Buffers from torch symmetric memory (its CUDA backend): a block of torch's symmetric allocator
+    of its own, not one of its implicit pool, which would keep the block past close() and hand it
+    back with the peers' mappings torch cached for it (ranks whose pools returned different blocks
+    would pair mappings that do not match). rendezvous() maps every peer's block. NVLink multicast
+    stays off: MULTICAST_ENV is set to "1" before the allocation unless the caller set it."""
+
+    def __init__(self, device_index: int, nbytes: int):
+        os.environ.setdefault(MULTICAST_ENV, "1")
+        self.symm = _symm_mem_module()
+        self.nbytes = nbytes
+        self.handle = None
+        self.ptrs = []
+        self.tensor = self.symm._SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8,
+                                                                   torch.device("cuda", device_index))
+        self.ptr = self.tensor.data_ptr()
+        if self.ptr % 16:  # the kernels store 16-byte vectors; every rank's block has the same layout
+            raise RuntimeError(f"torch's symmetric buffer at {self.ptr:#x} is not 16-byte aligned")
+
+    def rendezvous(self, group, rank: int, world_size: int) -> int:
+        """torch's rendezvous on `group` (collective: torch exchanges and maps every rank's block).
+        Returns this rank's buffers' offset in its block, which every peer adds to its pointer to the
+        block. Raises if a peer's block has no pointer here (a peer torch could not map)."""
+        handle = self.symm.rendezvous(self.tensor, group)
+        if handle is None:
+            raise RuntimeError("torch's rendezvous returned no handle (the buffers are not torch symmetric memory)")
+        self.handle = handle
+        ptrs = [int(p or 0) for p in handle.buffer_ptrs]
+        if len(ptrs) != world_size or getattr(handle, "rank", rank) != rank:
+            raise RuntimeError(f"torch's rendezvous gave rank {getattr(handle, 'rank', '?')} of {len(ptrs)}, expected "
+                               f"rank {rank} of {world_size}")
+        missing = [str(r) for r, p in enumerate(ptrs) if not p]
+        if missing:
+            raise RuntimeError(f"torch's rendezvous mapped no buffers of rank {', '.join(missing)} (a peer reachable "
+                               f"only over the network?)")
+        offset = self.ptr - ptrs[rank]
+        size = getattr(handle, "buffer_size", None)
+        if offset < 0 or (size is not None and offset + self.nbytes > size):
+            raise RuntimeError(f"the buffers (at offset {offset}, {self.nbytes} bytes) are not inside torch's block "
+                               f"of {size} bytes")
+        self.ptrs = ptrs
+        return offset
+
+    def peer_pointers(self, offsets: list) -> list:
+        """Every rank's buffers in this process's address space, from every rank's offset."""
+        return [p + o for p, o in zip(self.ptrs, offsets)]
+
+    def release(self) -> None:
+        """Drop the handle and the tensor. Torch then unmaps the peers' blocks and unmaps and releases
+        this rank's (cuMemUnmap / cuMemRelease, after synchronizing the device); the driver returns a
+        block's memory once every rank that mapped it has released it too."""
+        self.handle = None
+        self.ptrs = []
+        self.tensor = None
+        self.ptr = 0
+
+
+class _RankMemory:
+    """One rank's buffers, state and error words, on one device. `buffers`: what allocates the
+    buffers (_CudaMallocBuffers or _SymmMemBuffers); the state and error words are the same for every
+    backend (local: no peer touches them)."""
+
+    def __init__(self, device_index: int, buffer_elems: int, elem_size: int, buffers=_CudaMallocBuffers):
         import cupy
         from cupy.cuda import runtime
         self.device_index = device_index
         self.buffer_bytes = 3 * buffer_elems * elem_size
+        self.block = None
         self.buffers = self.state = self.error_host = 0
         try:
             with cupy.cuda.Device(device_index):
-                self.buffers = runtime.malloc(self.buffer_bytes)
+                self.block = buffers(device_index, self.buffer_bytes)
+                self.buffers = self.block.ptr
                 self.state = runtime.malloc(STATE_WORDS * 4)
             self.error_host = runtime.hostAlloc(ERROR_WORDS * 4, _CUDA_HOST_ALLOC_PORTABLE_MAPPED)
             # With unified addressing a mapped host allocation has the same address on the device.
@@ -359,15 +650,16 @@ class _RankMemory:
             except Exception as e:
                 errors.append(e)
 
-        if self.buffers or self.state:
+        if self.block is not None or self.state:
             try:
                 with cupy.cuda.Device(self.device_index):
                     attempt(runtime.deviceSynchronize)  # no kernel may still use the buffers
-                    for name in ("buffers", "state"):
-                        ptr = getattr(self, name)
-                        setattr(self, name, 0)  # never freed twice, even if this free fails
-                        if ptr:
-                            attempt(runtime.free, ptr)
+                    block, self.block, self.buffers = self.block, None, 0  # never released twice
+                    if block is not None:
+                        attempt(block.release)
+                    ptr, self.state = self.state, 0
+                    if ptr:
+                        attempt(runtime.free, ptr)
             except Exception as e:
                 errors.append(e)
         if self.error_host:
@@ -460,7 +752,8 @@ class _WorkspaceBase:
 
 
 class Workspace(_WorkspaceBase):
-    """One rank of a real process group (one process per GPU); peers' buffers over CUDA IPC.
+    """One rank of a real process group (one process per GPU); peers' buffers over CUDA IPC or torch
+    symmetric memory (`backend`).
 
     Collective: every rank of `group` constructs it together, on its current CUDA device. `group`
     is used for every exchange and never the default group in its place.
@@ -469,45 +762,68 @@ class Workspace(_WorkspaceBase):
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer, 0..86400;
     0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, 1..max_tokens, default
     min(max_tokens, 1024)), `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every
-    call; default None: per call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above).
+    call; default None: per call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above),
+    `backend` ("ipc", the default: cudaMalloc and CUDA IPC, one host; "symm_mem": torch symmetric
+    memory, one host or one multi-node NVLink domain; "auto": "symm_mem" where every rank can use
+    it, else "ipc" with a RuntimeWarning saying why). `backend` and `backend_reason` hold the choice.
 
     Before allocating anything the ranks exchange a RankDescriptor: every rank must pass the same
-    arguments and have the same buffer size, programs (manifest hash), world size and host, each on
-    its own GPU. Any difference, and a bad argument on any rank, is the same ValueError on every rank,
-    naming the field or argument. A rank whose allocation or CUDA IPC step fails makes every rank
-    raise RuntimeError naming the step and the rank; every rank frees what it took. After close(),
-    a call with this workspace raises ValueError.
+    arguments and have the same buffer size, programs (manifest hash) and world size, each on its own
+    GPU, on hosts the chosen backend can span. Any difference, and a bad argument on any rank, is the
+    same ValueError on every rank, naming the field or argument. A rank whose allocation, CUDA IPC
+    step or torch rendezvous fails makes every rank raise RuntimeError naming the step and the rank;
+    every rank frees what it took. After close(), a call with this workspace raises ValueError.
     """
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, *, timeout_s: float = 10.0,
-                 oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None):
-        import cupy
-        from cupy.cuda import runtime
+                 oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None, backend: str = "ipc"):
         rank, world_size = self._group_rank(group)
         self.group = group
         self._memory = None
         self._opened = []
         self._peer_buffers = [0] * 8
+        self.backend = self.backend_reason = None
         # 1. Local checks (no allocation), then the descriptors: a bad argument or a disagreement on
         #    any rank is the same error on every rank, before anything is allocated.
-        descriptor, error = None, None
+        descriptor, error, asked = None, None, None
         try:
             _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+            asked = _check_backend(backend)
             device_index = torch.cuda.current_device()
             self._init_common(world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
                               oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread)
+            gpu = _gpu_identity(device_index)
+            unavailable = note = "not checked (backend 'ipc')"
+            domain = ""
+            if asked != "ipc":
+                unavailable = symm_mem_unavailable(group, device_index)
+                domain, note = nvlink_domain(device_index, gpu)
             descriptor = RankDescriptor(
                 world_size=world_size, program_set=program_set_sha256(), dtype=str(dtype), hidden=self.hidden,
                 max_tokens=self.max_tokens, oneshot_max_tokens=self.oneshot_max_tokens,
                 vec_per_thread=self.vec_per_thread, timeout_ns=self.timeout_ns,
-                buffer_bytes=3 * self.buffer_elems * dtype.itemsize, host=host_identity(),
-                gpu=_gpu_identity(device_index))
+                buffer_bytes=3 * self.buffer_elems * dtype.itemsize, host=host_identity(), gpu=gpu,
+                backend=asked, symm_mem_unavailable=unavailable, nvlink_domain=domain, nvlink_note=note)
         except Exception as e:
             error = e
         self._closed = True  # until every rank has built it
-        rendezvous(group, descriptor, error)
+        descriptors = rendezvous(group, descriptor, error)
+        self.backend, self.backend_reason = choose_backend(descriptors)  # the same on every rank
+        if asked == "auto" and self.backend == "ipc":
+            warnings.warn(f"Workspace: {self.backend_reason}", RuntimeWarning, stacklevel=2)
         # 2. Allocation, 3. the peers' buffers: each step ends in an exchange of its status instead of
         #    a barrier, so one rank's failure reaches every rank at once; each frees what it took.
+        if self.backend == "ipc":
+            self._build_ipc(device_index, dtype)
+        else:
+            self._build_symm_mem(device_index, dtype)
+        self._closed = False
+        _register(self)
+
+    def _build_ipc(self, device_index: int, dtype) -> None:
+        import cupy
+        from cupy.cuda import runtime
+        group, error = self.group, None
         try:
             handle = None
             try:
@@ -527,8 +843,29 @@ class Workspace(_WorkspaceBase):
             # maps is undefined, so every rank closes its mappings before any rank frees
             self._unmap_then_free("the constructor", quiet=True)
             _raise_failures(opened, error)
-        self._closed = False
-        _register(self)
+
+    def _build_symm_mem(self, device_index: int, dtype) -> None:
+        """The buffers from torch symmetric memory, mapped by torch's rendezvous on the group (a
+        collective of torch's, over the group's store, entered by every rank or by none). cuMem
+        keeps a block alive while a peer maps it, so a rank that fails after the rendezvous may
+        release its memory at once."""
+        group, error, offset = self.group, None, None
+        try:
+            try:
+                self._memory = _RankMemory(device_index, self.buffer_elems, dtype.itemsize, buffers=_SymmMemBuffers)
+            except Exception as e:
+                error = e
+            exchange_status(group, "allocating the buffers (torch symmetric memory)", error)
+            try:
+                offset = self._memory.block.rendezvous(group, self.rank, self.world_size)
+            except Exception as e:
+                error = e
+            offsets = exchange_status(group, "mapping the peers' buffers (torch symmetric memory rendezvous)",
+                                      error, offset)
+            self._peer_buffers = self._memory.block.peer_pointers(offsets) + [0] * (8 - self.world_size)
+        except BaseException:
+            self._release(quiet=True)
+            raise
 
     @staticmethod
     def _group_rank(group) -> tuple[int, int]:
@@ -608,7 +945,9 @@ class Workspace(_WorkspaceBase):
         super().check()
 
     def close(self) -> None:
-        """Collective: release the buffers and the peers' IPC mappings. If a rank cannot finish its
+        """Collective: release the buffers and the peers' mappings (CUDA IPC: closed, then freed once
+        every rank has closed its own; symmetric memory: the tensor and torch's handle dropped once
+        every rank has finished its kernels and exchanged once more). If a rank cannot finish its
         kernels, every rank raises and keeps its workspace (a peer may still write into it)."""
         if self._closed:
             return
@@ -654,13 +993,18 @@ class EmulatedWorld:
     GPUs without peer access, and as Workspace for the rest, before any allocation. If a rank's
     allocation fails, every rank's memory is freed and RuntimeError names the rank. Proves
     correctness of world sizes 4 and 8 without 4 or 8 GPUs; its timings say nothing about a real machine.
+    `backend`: None or "ipc" (accepted for symmetry with Workspace; nothing crosses a process here).
     """
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, dtype: torch.dtype, *, devices=None,
-                 timeout_s: float = 10.0, oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None):
+                 timeout_s: float = 10.0, oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None,
+                 backend: str | None = None):
         import cupy
         from cupy.cuda import runtime
         _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+        if backend is not None and (not isinstance(backend, str) or backend != "ipc"):
+            raise ValueError(f"backend: {backend!r}; EmulatedWorld keeps every rank in this process and reaches the "
+                             f"peers' buffers directly (no CUDA IPC, no symmetric memory): pass None or 'ipc'")
         world_size = int(world_size)
         devices = _check_devices(devices, world_size)  # before any CUDA call
         if None in devices:
