@@ -862,7 +862,7 @@ class Workspace(_WorkspaceBase):
                 error = e
             offsets = exchange_status(group, "mapping the peers' buffers (torch symmetric memory rendezvous)",
                                       error, offset)
-            self._peer_buffers = self._memory.block.peer_pointers(offsets) + [0] * (8 - self.world_size)
+            self._peer_buffers = self._memory.block.peer_pointers(offsets) + [0] * (registry.program_set().limits["max_world_size"] - self.world_size)
         except BaseException:
             self._release(quiet=True)
             raise
