@@ -454,10 +454,11 @@ _cu_launch_kernel_ex = None
 
 
 def _driver() -> None:
-    """Load the driver's cuLaunchKernelEx (once)."""
+    """Load the driver's cuLaunchKernelEx (once). Called with the GIL held (PyDLL), as torch launches:
+    a launch returns at once, and letting the GIL go and taking it back per call costs more."""
     global _cu_launch_kernel_ex
     if _cu_launch_kernel_ex is None:
-        libcuda = ctypes.CDLL("libcuda.so.1")
+        libcuda = ctypes.PyDLL("libcuda.so.1")
         fn = libcuda.cuLaunchKernelEx
         fn.restype = ctypes.c_int
         fn.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)

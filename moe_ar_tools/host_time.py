@@ -11,15 +11,18 @@ shuffled each round:
                 process takes (checks against the call's plan, launch)
     checks      op.prepare_call alone (a plan exists: the per-call checks; nothing launched)
     first_call  op.prepare_call with the rank's plans dropped first: every check of a new signature
+    launch      the launch of a call already prepared (op.prepare_call outside the timing)
+    empty_launch  an empty kernel through the same driver call (op's cuLaunchKernelEx), for scale
     custom_op   torch.ops.moe_ar.moe_finalize_allreduce (functional: allocates its outputs)
     torch_add   torch.add(x, y, out=z) on [T, H] bf16 tensors of the same GPU
     rms_norm    torch.nn.functional.rms_norm of [T, H] bf16
 
-Medians over the rounds; the launch is call - checks.
+Medians over the rounds.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import random
 import statistics
@@ -86,6 +89,25 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
         ranks[r]._plans.clear()
         op.prepare_call(ranks[r], dict(kws[r]))
 
+    prepared = [None, None]
+
+    def prepare_both():
+        for r in range(2):
+            prepared[r] = op.prepare_call(ranks[r], dict(kws[r]))
+
+    def launch(r):
+        prepared[r].launch()
+
+    import cupy
+    empty = cupy.RawKernel('extern "C" __global__ void moe_ar_empty() {}', "moe_ar_empty")
+    empty_ptr = empty.kernel.ptr
+    empty_config = op._LaunchConfig(1, 1, 1, 32, 1, 1, 0, None, None, 0)
+
+    def empty_launch():
+        empty_config.hStream = op._current_stream(device.index)
+        err = op._cu_launch_kernel_ex(ctypes.byref(empty_config), empty_ptr, None, None)
+        assert err == 0, err
+
     def custom_op(r):
         torch.ops.moe_ar.moe_finalize_allreduce(
             handles[r], op_inputs[r]["allreduce_in"], op_inputs[r]["expanded_idx_to_permuted_idx"],
@@ -102,6 +124,8 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     systems = {
         "call": lambda: both(call),
         "checks": lambda: both(checks),
+        "launch": lambda: (prepare_both(), both(launch))[1],
+        "empty_launch": lambda: timed_single(empty_launch),
         "first_call": lambda: both(first_call),
         "custom_op": lambda: both(custom_op),
         "torch_add": lambda: timed_single(lambda: torch.add(x, y, out=z)),
@@ -124,7 +148,6 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     dispatch.check()
     world.close()
     med = {name: statistics.median(v) / 1e3 for name, v in samples.items()}
-    med["launch"] = med["call"] - med["checks"]
     return {"tokens": tokens, "hidden": hidden, "top_k": top_k, "quant": quant, "rounds": rounds,
             "median_us": med, "ratio_to_torch_add": {k: v / med["torch_add"] for k, v in med.items()},
             "samples_per_system": {k: len(v) for k, v in samples.items()}}

@@ -24,6 +24,11 @@ import time
 
 import pytest
 
+# An emulated world of more than 8 ranks on one GPU has a stream per rank; with CUDA's default of 8
+# hardware queues, calls launched rank by rank in bursts can queue one rank's next kernel in front of
+# a peer's current one and deadlock (seen: world size 16). Read once, when CUDA starts.
+os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 for _p in (str(ROOT), str(HERE)):

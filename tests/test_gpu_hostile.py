@@ -205,7 +205,7 @@ def _special_call(world, program, T, seed, rnd, value, poison, quant_ref_device)
 
 
 @pytest.mark.parametrize("value", list(SPECIAL_SCALES))
-@pytest.mark.parametrize("profile", ["111", "fp8_tensor"])
+@pytest.mark.parametrize("profile", ["nvfp4", "fp8_tensor"])
 def test_special_device_scale_bytes_follow_the_rule(profile, value, worlds, seed_for, base_seed, record_result):
     """Every world-size-2 program of the profile (one dtype per run) with this scale on every rank."""
     rnd = random.Random(seed_for("plan"))
@@ -213,7 +213,7 @@ def test_special_device_scale_bytes_follow_the_rule(profile, value, worlds, seed
     programs = [s.name for s in SPECS if s.world_size == 2 and s.dtype == dname and s.profile == profile]
     assert {gspec.parse(p).family for p in programs} >= {"oneshot", "twoshot", "twoshot_pipelined"}, programs
     world = worlds.get(2, _hidden(base_seed, 2, dname), ref.NAME_TO_DTYPE[dname])
-    arg = "global_scale" if profile == "111" else "fp8_scale"
+    arg = "global_scale" if profile == "nvfp4" else "fp8_scale"
     with recording(record_result, program=f"ws2 {dname} {profile}", hidden=world.hidden,
                    hostile=f"{arg}={value}") as info:
         for j, program in enumerate(programs):
