@@ -22,7 +22,7 @@ PARAMS = (
     ("quant_out", "void*", "c_void_p", "[T, H/2] uint8 packed E2M1 (111); [T, H] FP8 E4M3 (fp8_*); else null"),
     ("scale_out", "void*", "c_void_p", "swizzled 128x4 E4M3 scales (111); fp32 group scales (fp8_group128); else null"),
     ("peer_buffers", "void*[8]", "c_void_p*8", "Lamport buffer base of every rank (3 rotating buffers each), by rank"),
-    ("state", "unsigned*", "c_void_p", "this rank's device state words (call counter, extents, done counter)"),
+    ("state", "unsigned*", "c_void_p", "this rank's device state words (call counter, extents, done counter, poisoned, skipped loads)"),
     ("error", "unsigned*", "c_void_p", "host-mapped error words: code, phase, rank, bad-index count"),
     ("buffer_elems", "long long", "c_int64", "elements of dtype in one rotating buffer"),
     ("timeout_ns", "unsigned long long", "c_uint64", "deadline for any wait on a peer, in ns (0 = none)"),

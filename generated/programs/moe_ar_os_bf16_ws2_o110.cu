@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: c59e5af2e8c661d9320faccd7fdbae0183ad7a9d9e9cf6ebea8d927ea76e9cb1
+// inputs sha256: 6713e1b286b71b14020681f20acde29fafefd5fa112f491fb3c4c63b952d5f4a
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_os_bf16_ws2_o110: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
 // dtype bf16, world size 2, output profile 110 (norm_out + residual_out (input dtype))

@@ -1,5 +1,5 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: c59e5af2e8c661d9320faccd7fdbae0183ad7a9d9e9cf6ebea8d927ea76e9cb1
+// inputs sha256: 6713e1b286b71b14020681f20acde29fafefd5fa112f491fb3c4c63b952d5f4a
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_bf16_ws4_fp8_tensor: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // dtype bf16, world size 4, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)
