@@ -56,7 +56,8 @@ from . import registry
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 SENTINEL_WORD = 0x80008000  # two -0.0 halves
 STATE_WORDS = 8
-STATE_BAD_ROWS = 5
+STATE_POISONED = 5  # nonzero after a wait timed out: kernels write the poisoned output until reset()
+STATE_BAD_ROWS = 6  # 64-bit: words 6 (low) and 7 (high)
 ERROR_WORDS = 4
 PHASES = {0: "none", 1: "reduce-scatter (waiting for peers' partials)",
           2: "all-gather (waiting for the owners' residual_out rows)", 3: "one-shot (waiting for peers' partials)"}
@@ -511,6 +512,31 @@ def _split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
     return RowSplit(max_tokens, threads, -(-nvec // threads))
 
 
+# What the kernel's 32-bit counts hold (templates/moe_finalize_allreduce.cuh.j2): T times small factors
+# stays an int (the largest, FP8-group scale offsets: (H / 128 - 1) * roundup(T, 4) < 2^31), and a buffer's
+# extent is kept in 16-byte vectors in a 32-bit state word.
+MAX_TOKENS = 1 << 24
+MAX_HIDDEN = 1 << 14
+MAX_BUFFER_VECTORS = (1 << 32) - 1
+
+
+def check_sizes(world_size: int, max_tokens: int, hidden: int, oneshot_max_tokens: int) -> None:
+    """ValueError naming the argument when a workspace of these sizes needs a count the kernel keeps
+    in 32 bits to hold more than it can."""
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden: {hidden}, more than the kernel's {MAX_HIDDEN}")
+    if max_tokens > MAX_TOKENS:
+        raise ValueError(f"max_tokens: {max_tokens}, more than the kernel's 32-bit counts allow ({MAX_TOKENS})")
+    oneshot = world_size * oneshot_max_tokens * hidden
+    twoshot = buffer_elems_for(world_size, max_tokens, hidden, 0)
+    vectors = max(oneshot, twoshot) // 8
+    if vectors > MAX_BUFFER_VECTORS:
+        name = "oneshot_max_tokens" if oneshot > twoshot else "max_tokens"
+        raise ValueError(f"{name}: {oneshot_max_tokens if oneshot > twoshot else max_tokens} tokens at hidden "
+                         f"{hidden} and world size {world_size} need rotating buffers of {vectors} 16-byte vectors, "
+                         f"more than the kernel's 32-bit extents hold ({MAX_BUFFER_VECTORS})")
+
+
 def buffer_elems_for(world_size: int, max_tokens: int, hidden: int, oneshot_max_tokens: int) -> int:
     """Elements of one rotating buffer: the larger of the one-shot and two-shot layouts."""
     oneshot = world_size * oneshot_max_tokens * hidden
@@ -692,6 +718,7 @@ class _WorkspaceBase:
         self.timeout_ns = _timeout_ns(timeout_s)
         self.oneshot_max_tokens = min(max_tokens, 1024) if oneshot_max_tokens is None else int(oneshot_max_tokens)
         self.vec_per_thread = vec_per_thread
+        check_sizes(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.buffer_elems = buffer_elems_for(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.ranks_on_device = ranks_on_device
         # Geometry: a row of H/8 16-byte vectors is spread over a block's threads, each holding up
@@ -737,9 +764,10 @@ class _WorkspaceBase:
         """Raise RuntimeError if a kernel of this rank timed out; report skipped out-of-range rows."""
         self._check_error_words()
         state = self._memory.read_state()
-        if state[STATE_BAD_ROWS]:
+        bad_rows = int(state[STATE_BAD_ROWS]) | int(state[STATE_BAD_ROWS + 1]) << 32
+        if bad_rows:
             raise RuntimeError(f"moe_finalize_allreduce: rank {self.rank}: routes had an expanded_idx_to_permuted_idx "
-                               f"entry >= allreduce_in.shape[0]; they were skipped ({int(state[STATE_BAD_ROWS])} "
+                               f"entry >= allreduce_in.shape[0]; they were skipped ({bad_rows} "
                                f"16-byte row loads left out since the workspace was made or reset)")
 
     @property

@@ -23,7 +23,7 @@ PARAMS = (
     ("scale_out", "void*", "c_void_p", "swizzled 128x4 E4M3 scales (nvfp4); fp32 group scales (fp8_group128); else null"),
     ("peer_buffers", f"void*[{MAX_WORLD_SIZE}]", f"c_void_p*{MAX_WORLD_SIZE}",
      "Lamport buffer base of every rank (3 rotating buffers each), by rank"),
-    ("state", "unsigned*", "c_void_p", "this rank's device state words (call counter, extents, done counter)"),
+    ("state", "unsigned*", "c_void_p", "this rank's device state words (call counter, extents, done counter, poisoned, skipped loads)"),
     ("error", "unsigned*", "c_void_p", "host-mapped error words: code, phase, rank, bad-index count"),
     ("buffer_elems", "long long", "c_int64", "elements of dtype in one rotating buffer"),
     ("timeout_ns", "unsigned long long", "c_uint64", "deadline for any wait on a peer, in ns (0 = none)"),

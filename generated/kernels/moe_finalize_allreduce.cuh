@@ -22,9 +22,13 @@
 // All state (call counter, extent written into each buffer) lives in this rank's device memory,
 // so a captured CUDA graph replays correctly, and both regimes share it, so T may cross regime
 // boundaries between calls. Every wait on a peer has a deadline (Params.timeout_ns): on expiry
-// the thread records rank and phase in the host-mapped error words, stops waiting, writes NaN
-// where the missing data would have gone and sends nothing further, so its peers time out too
-// rather than reduce what never arrived.
+// the thread records rank and phase in the host-mapped error words, stops waiting and sends
+// nothing further, so its peers time out too rather than reduce what never arrived; every block
+// with a thread that gave up (and any ending after that) writes the poisoned output (poison_row)
+// over all of its rows, and the rank's workspace is poisoned (kPoisoned): every later kernel of it
+// writes the poisoned output for all rows and skips the exchange (sends, waits and clears nothing,
+// keeps the call counter), until reset() zeroes the state words. So queued kernels and CUDA-graph
+// replays after a timeout give NaN, never numbers computed from inconsistent buffers.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -49,8 +53,13 @@ constexpr float kFp8GroupEps = 1e-10f;           // floor of a group's amax
 enum QuantFlag { kScalesColumnMajor = 1, kScalesPow2 = 2 };
 
 // Device state words of one rank (Params.state).
-// kBadRows counts routes skipped because their row was >= R (read by dispatch.check()).
-enum StateWord { kCallCounter = 0, kExtent0 = 1, kDoneBlocks = 4, kBadRows = 5, kStateWords = 8 };
+// kExtent0 + b: the extent the last call wrote into buffer b, in 16-byte vectors (H % 16 == 0 makes
+// it exact; 2^32 vectors are 64 GiB a buffer, and dispatch/workspace.py check_sizes refuses more).
+// kPoisoned: 0, or 1 + the call counter of the call in which a wait of this rank timed out (that
+// call's own reads of it then do not count as poisoned, so the word is block-uniform without a barrier).
+// kBadRows (64-bit, words 6 and 7) counts 16-byte loads of routes skipped because their row was >= R
+// (read by dispatch.check()).
+enum StateWord { kCallCounter = 0, kExtent0 = 1, kDoneBlocks = 4, kPoisoned = 5, kBadRows = 6, kStateWords = 8 };
 // Host-mapped error words (Params.error), read by the host without a synchronization.
 enum ErrorWord { kErrCode = 0, kErrPhase = 1, kErrRank = 2 };
 enum ErrorCode { kErrNone = 0, kErrTimeout = 1 };
@@ -71,7 +80,7 @@ struct Params {
   void* quant_out;  // [T, H/2] uint8 packed E2M1 (nvfp4); [T, H] FP8 E4M3 (fp8_*); else null
   void* scale_out;  // swizzled 128x4 E4M3 scales (nvfp4); fp32 group scales (fp8_group128); else null
   void* peer_buffers[16];  // Lamport buffer base of every rank (3 rotating buffers each), by rank
-  unsigned* state;  // this rank's device state words (call counter, extents, done counter)
+  unsigned* state;  // this rank's device state words (call counter, extents, done counter, poisoned, skipped loads)
   unsigned* error;  // host-mapped error words: code, phase, rank, bad-index count
   long long buffer_elems;  // elements of dtype in one rotating buffer
   unsigned long long timeout_ns;  // deadline for any wait on a peer, in ns (0 = none)
@@ -190,11 +199,13 @@ __device__ __forceinline__ void allow_next_kernel() { asm volatile("griddepcontr
 struct Deadline {
   unsigned long long at;  // 0: no deadline
   bool expired;           // this thread gave up waiting (stays set: no further waits)
+  unsigned call;          // this call's counter (kPoisoned records it)
 };
 
 // Out of line: it runs at most once per thread. It takes scalars, not Params, so that the kernel
-// argument is never copied to local memory.
-__device__ __noinline__ void record_timeout(unsigned* error, int rank, int phase) {
+// argument is never copied to local memory. Also poisons the workspace (kPoisoned) for later kernels.
+__device__ __noinline__ void record_timeout(unsigned* error, unsigned* state, unsigned call, int rank, int phase) {
+  reinterpret_cast<volatile unsigned*>(state)[kPoisoned] = call + 1;
   volatile unsigned* e = error;
   e[kErrPhase] = phase;
   e[kErrRank] = rank;
@@ -262,7 +273,7 @@ __device__ __forceinline__ void wait_and_reduce(const D* base, long long slot_st
     if (arrived) return;
     if (d.expired) break;
     if (d.at != 0 && global_timer_ns() > d.at) {
-      record_timeout(p.error, p.rank, phase);
+      record_timeout(p.error, p.state, d.call, p.rank, phase);
       d.expired = true;
     }
   }
@@ -278,7 +289,7 @@ __device__ __forceinline__ uint4 wait_vector(const uint4* addr, Deadline& d, con
     const uint4 v = load_volatile(addr);
     if (!has_sentinel(v)) return v;
     if (d.at != 0 && global_timer_ns() > d.at) {
-      record_timeout(p.error, p.rank, phase);
+      record_timeout(p.error, p.state, d.call, p.rank, phase);
       d.expired = true;
     }
   }
@@ -832,16 +843,86 @@ __device__ __forceinline__ unsigned count_in(const Params& p) {
   __syncthreads();  // every thread of the block is past its use of the state words
   return threadIdx.x == 0 ? atomicAdd(p.state + kDoneBlocks, 1u) : 0u;
 }
+// The same, at the end of a call: also ORs gave_up over the block (one barrier for both).
+__device__ __forceinline__ unsigned count_in(const Params& p, bool& gave_up) {
+  gave_up = __syncthreads_or(gave_up);
+  return threadIdx.x == 0 ? atomicAdd(p.state + kDoneBlocks, 1u) : 0u;
+}
+// At the end of a two-shot: whether a wait of this call has timed out so far (kPoisoned), surely so in a
+// thread that gave up itself (it wrote the word). ORed over the block, it makes every block that gave up,
+// and any that ends after another one did, write the poisoned output over all of its rows. (In the
+// two-shots, cheaper in registers than keeping the thread's Deadline::expired live to the end.)
+__device__ __forceinline__ bool timed_out_in_this_call(const Params& p, unsigned call) {
+  return load_state(p.state + kPoisoned) == call + 1;
+}
 
+// extent: elements this call wrote into its buffer (a multiple of 8). bad_rows * bad_row_unit: 16-byte
+// loads this thread skipped. The counter wraps at 0xFFFFFFFF, a multiple of 3, so that call % 3 keeps
+// rotating the buffers in order across the wrap.
 __device__ __forceinline__ void finish_call(const Params& p, unsigned counted_before, unsigned call, int cur, int prev,
-                                            long long extent, unsigned bad_rows) {
-  if (bad_rows) atomicAdd(p.state + kBadRows, bad_rows);
+                                            long long extent, unsigned bad_rows, unsigned bad_row_unit = 1) {
+  if (bad_rows)
+    atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows * bad_row_unit);
   if (threadIdx.x == 0 && counted_before == gridDim.x - 1) {  // this block counted in last
-    p.state[kExtent0 + cur] = (unsigned)extent;
+    p.state[kExtent0 + cur] = (unsigned)(extent / kElemsPerVec);
     p.state[kExtent0 + prev] = 0;
-    p.state[kCallCounter] = call + 1;
+    p.state[kCallCounter] = call == 0xFFFFFFFEu ? 0u : call + 1;
     p.state[kDoneBlocks] = 0;
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The poisoned output of row t (after a timeout): NaN in norm_out and residual_out, 0x7F in every byte
+// of quant_out (for FP8 an E4M3 NaN) and in every NVFP4 scale byte of the row (an E4M3 NaN scale), NaN
+// FP8-group scales. Scale padding stays 0.
+// ---------------------------------------------------------------------------------------------
+constexpr unsigned kPoisonQuantWord = 0x7F7F7F7Fu;
+template <Profile P>
+__device__ __forceinline__ void poison_row(void* norm_out, void* residual_out, void* quant_out, void* scale_out, int t,
+                                           int T, int H, int quant_flags) {
+  const uint4 nan = make_uint4(kNanWord, kNanWord, kNanWord, kNanWord);
+  const int nvec = H / kElemsPerVec;
+  uint4* norm_row_out = reinterpret_cast<uint4*>(static_cast<unsigned char*>(norm_out) + (long long)t * H * 2);
+  uint4* residual_row_out = reinterpret_cast<uint4*>(static_cast<unsigned char*>(residual_out) + (long long)t * H * 2);
+  for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+    norm_row_out[v] = nan;
+    residual_row_out[v] = nan;
+  }
+  if (P == Profile::kNvfp4) {  // quant_out rows are H / 2 bytes, 4-byte aligned
+    unsigned* q = reinterpret_cast<unsigned*>(static_cast<unsigned char*>(quant_out) + (long long)t * (H / 2));
+    for (int i = threadIdx.x; i < H / 8; i += blockDim.x) q[i] = kPoisonQuantWord;
+    const int num_k_tiles = (H + 63) / 64;
+    unsigned char* scale_row = static_cast<unsigned char*>(scale_out) + swizzled_scale_row(t, num_k_tiles);
+    for (int k = threadIdx.x; k < H / 16; k += blockDim.x) scale_row[swizzled_scale_column(k)] = 0x7F;
+  }
+  if (P == Profile::kFp8Group128 || P == Profile::kFp8Tensor) {  // rows of H bytes, 16-byte aligned
+    uint4* q = reinterpret_cast<uint4*>(static_cast<unsigned char*>(quant_out) + (long long)t * H);
+    for (int i = threadIdx.x; i < H / 16; i += blockDim.x)
+      q[i] = make_uint4(kPoisonQuantWord, kPoisonQuantWord, kPoisonQuantWord, kPoisonQuantWord);
+  }
+  if (P == Profile::kFp8Group128) {
+    const int groups = H / kFp8Group;
+    const bool column_major = quant_flags & kScalesColumnMajor;
+    float* s = static_cast<float*>(scale_out);
+    for (int g = threadIdx.x; g < groups; g += blockDim.x)
+      s[column_major ? (long long)g * ((T + 3) / 4 * 4) + t : (long long)t * groups + g] = __uint_as_float(0x7FFFFFFFu);
+  }
+}
+
+// The poisoned output of every row this block reduces and normalizes: rows blockIdx.x, + gridDim.x, ...;
+// in the pipelined two-shot (columns) the rows of its columns, token j of each of the two ranks. Over the
+// grid: every row. Out of line, with scalars: it never runs in a healthy call.
+template <Profile P>
+__device__ __noinline__ void poison_block_rows(void* norm_out, void* residual_out, void* quant_out, void* scale_out,
+                                               int T, int H, int quant_flags, bool columns) {
+  const int C = columns ? (T + 1) / 2 : T;  // tokens a rank owns (layout_of, world size 2)
+  for (int j = blockIdx.x; j < C; j += gridDim.x)
+    for (int t = j; t < T; t += C) poison_row<P>(norm_out, residual_out, quant_out, scale_out, t, T, H, quant_flags);
+}
+template <Profile P, Regime R>
+__device__ __forceinline__ void poison_block_rows(const Params& p) {
+  poison_block_rows<P>(p.norm_out, p.residual_out, p.quant_out, p.scale_out, p.tokens, p.hidden, p.quant_flags,
+                       R == Regime::kTwoShotPipelined);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -968,7 +1049,7 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
   for (int k = 0; k < K; ++k) {
     const int row = p.expanded_idx[(long long)t * K + k];
     const bool in_range = row >= 0 && row < p.rows;
-    if (row >= p.rows && threadIdx.x == 0) bad_rows += nvec;  // one a 16-byte vector, as partial_vector counts
+    if (row >= p.rows && threadIdx.x == 0) ++bad_rows;  // a route: nvec 16-byte loads (finish_call's unit)
     float s = 0.f;
     if (in_range) {
       if (p.scale_kind == 0) s = 1.f;
@@ -1050,8 +1131,9 @@ __device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>
 // faster up to 8,192 tokens and 0.5% slower at 16,384 (bench_results/pipelined/cache_policy/).
 // Pulling the next rows toward L2 ahead of use was slower.
 template <typename D, int W, Profile P, int kRoutes, bool kSharedFirst, int kRowStages>
-__device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur, long long prev_extent,
-                                                   Deadline& deadline, unsigned& bad_rows) {
+__device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout& lay, int cur,
+                                                   long long prev_extent_vectors, Deadline& deadline,
+                                                   unsigned& bad_rows) {
   static_assert(W == 2, "the pipelined two-shot is generated for world size 2 only (generator/policy.py)");
   const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, C = lay.tokens_per_owner;
   const int G = gridDim.x, peer = 1 - p.rank;
@@ -1059,7 +1141,7 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
   D* peer_buffer = static_cast<D*>(buffer_of<W>(p, peer)) + cur * p.buffer_elems;
   uint4* prev_buffer = reinterpret_cast<uint4*>(static_cast<D*>(buffer_of<W>(p, p.rank)) +
                                                 ((cur + 2) % 3) * p.buffer_elems);
-  const long long clear_n = prev_extent / kElemsPerVec, clear_per_column = (clear_n + C - 1) / C;
+  const long long clear_n = prev_extent_vectors, clear_per_column = (clear_n + C - 1) / C;
   const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
@@ -1188,9 +1270,9 @@ __device__ __forceinline__ void pipelined_two_shot(const Params& p, const Layout
 // kRoutes and kSharedFirst (partial_vector) come from the program (spec.loads_in_flight): the
 // one-shot and the pipelined two-shot without the row ring set them; the two-shot programs keep four
 // routes at a time, the shared row last. kRowStages: the pipelined two-shot's row ring (0: none).
-template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false,
-          int kRowStages = 0>
-__device__ __forceinline__ void run(const Params& p) {
+// Returns whether this block must write the poisoned output over its rows (run does, at one call site).
+template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes, bool kSharedFirst, int kRowStages>
+__device__ __forceinline__ bool run_call(const Params& p) {
   static_assert(W >= 2 && W <= kMaxWorldSize, "world size");
   const int T = p.tokens, H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   // Whole rows per work unit, or one blockDim-wide slice of a row ("round") per unit.
@@ -1205,8 +1287,10 @@ __device__ __forceinline__ void run(const Params& p) {
   if (P == Profile::kNvfp4 && R == Regime::kTwoShotPipelined) fill_nvfp4_reciprocals(p);
 
   const unsigned call = load_state(p.state + kCallCounter);
+  const unsigned poisoned_at = load_state(p.state + kPoisoned);  // the same sector as the call counter
+  deadline.call = call;
   const int cur = call % 3, prev = (call + 2) % 3;
-  const long long prev_extent = load_state(p.state + kExtent0 + prev);
+  const long long prev_extent_vectors = load_state(p.state + kExtent0 + prev);
   const Layout lay = layout_of<R, W>(T, H);
   D* my_buffer = static_cast<D*>(buffer_of<W>(p, p.rank)) + cur * p.buffer_elems;
 
@@ -1235,11 +1319,22 @@ __device__ __forceinline__ void run(const Params& p) {
     }
   }
 
+  // A wait of an earlier call timed out (kPoisoned): poisoned output, no exchange, no state change.
+  // Checked here, after the prefetches, which hide the latency of its load.
+  if (__builtin_expect(poisoned_at != 0 && poisoned_at != call + 1, 0)) {
+    if (P == Profile::kNvfp4) zero_scale_padding(p);
+    if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
+    return true;
+  }
+
   if constexpr (R == Regime::kTwoShotPipelined) {
     if (!p.fault_stop_after) {  // the injected fault takes the two-shot's path below
-      pipelined_two_shot<D, W, P, kRoutes, kSharedFirst, kRowStages>(p, lay, cur, prev_extent, deadline, bad_rows);
-      finish_call(p, count_in(p), call, cur, prev, 0, bad_rows);  // it leaves its buffer clean: nothing to clear
-      return;
+      pipelined_two_shot<D, W, P, kRoutes, kSharedFirst, kRowStages>(p, lay, cur, prev_extent_vectors, deadline,
+                                                                      bad_rows);
+      bool gave_up = timed_out_in_this_call(p, call);
+      // it leaves its buffer clean: nothing to clear. The ring counts skipped routes (nvec loads each).
+      finish_call(p, count_in(p, gave_up), call, cur, prev, 0, bad_rows, kRowStages > 0 ? nvec : 1);
+      return gave_up;
     }
   }
 
@@ -1270,14 +1365,14 @@ __device__ __forceinline__ void run(const Params& p) {
     }
   }
   allow_next_kernel();
-  if (p.fault_stop_after) return;  // the injected fault: this rank never takes part again in this call
-  if (R == Regime::kTwoShotPipelined) return;  // not reached (it ran above); keeps what follows out of its code
+  if (p.fault_stop_after) return false;  // the injected fault: this rank never takes part again in this call
+  if (R == Regime::kTwoShotPipelined) return false;  // not reached (it ran above); keeps what follows out of its code
   if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's block_sum barriers
 
   // ---- clear the buffer of the previous call (and the quantized outputs' scale padding) -------
   {
     uint4* prev_buffer = reinterpret_cast<uint4*>(static_cast<D*>(buffer_of<W>(p, p.rank)) + prev * p.buffer_elems);
-    const long long n = prev_extent / kElemsPerVec;
+    const long long n = prev_extent_vectors;
     const uint4 sentinel = make_uint4(kSentinelWord, kSentinelWord, kSentinelWord, kSentinelWord);
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
       prev_buffer[i] = sentinel;
@@ -1328,7 +1423,21 @@ __device__ __forceinline__ void run(const Params& p) {
     norm_row<D, P>(p, t, res);
   }
 
-  finish_call(p, R == Regime::kOneShot ? counted_before : count_in(p), call, cur, prev, lay.extent, bad_rows);
+  // The one-shot, the shortest, ORs its threads' own flags (no load at its end).
+  bool gave_up = R == Regime::kOneShot ? deadline.expired : timed_out_in_this_call(p, call);
+  unsigned counted = counted_before;
+  if (R == Regime::kOneShot) gave_up = __syncthreads_or(gave_up);
+  else counted = count_in(p, gave_up);
+  finish_call(p, counted, call, cur, prev, lay.extent, bad_rows);
+  return gave_up;
+}
+
+template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false,
+          int kRowStages = 0>
+__device__ __forceinline__ void run(const Params& p) {
+  // After the call's state changes: nothing stays live across the out-of-line poison_block_rows.
+  if (__builtin_expect(run_call<D, W, P, R, kSharedPrefetch, kRoutes, kSharedFirst, kRowStages>(p), 0))
+    poison_block_rows<P, R>(p);
 }
 
 }  // namespace moe_ar
