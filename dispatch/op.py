@@ -560,14 +560,23 @@ _ALIGN = {"expanded_idx_to_permuted_idx": 4, "expert_scale_factor": 4, "global_s
 
 
 def _signature(ws, kwargs: dict):
-    """The call's signature (hashable), or None when an argument has no cheap one."""
+    """(signature, data pointers of the tensors given, all of them contiguous) in one pass over the
+    arguments; the signature is None when an argument has no cheap one."""
     parts = [ws._fault_stop_after_units]
-    for name, value in kwargs.items():
-        if isinstance(value, torch.Tensor):
-            parts.append((name, value.dtype, value.shape, value.device))
-        else:
-            parts.append((name, type(value), value))
-    return tuple(parts)
+    pointers = {}
+    contiguous = True
+    try:
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                parts.append((name, value.dtype, value.shape, value.device))
+                pointers[name] = value.data_ptr()
+                if not value.is_contiguous():
+                    contiguous = False
+            else:
+                parts.append((name, type(value), value))
+    except (RuntimeError, TypeError):  # a tensor without storage (meta, fake): the full checks name it
+        return None, pointers, False
+    return tuple(parts), pointers, contiguous
 
 
 class _Plan:
@@ -584,21 +593,15 @@ class _Plan:
         self.missing = tuple(name for name in _OUTPUT_NAMES if name not in given or a[name] is None)
         self.kernel = launcher.kernel_call(ws, T, a) if launcher is not None else None  # None: T is 0
 
-    def pointers(self, ws, kwargs: dict):
-        """Data pointers of the tensors given, after the checks a signature does not fix; None when one
-        fails (the caller then runs the full checks, which name the argument)."""
-        ptrs = {}
+    def accepts(self, pointers: dict, contiguous: bool) -> bool:
+        """The checks a signature does not fix: contiguity, alignment, overlap. False: the caller runs
+        the full checks, which name the argument."""
+        if not contiguous:
+            return False
         for name, align, _ in self.tensors:
-            x = kwargs[name]
-            if not x.is_contiguous():
-                return None
-            p = x.data_ptr()
-            if p % align:
-                return None
-            ptrs[name] = p
-        if self.outputs_given and not _spans_apart(ptrs, self.tensors):
-            return None
-        return ptrs
+            if pointers[name] % align:
+                return False
+        return not self.outputs_given or _spans_apart(pointers, self.tensors)
 
 
 def _spans_apart(ptrs: dict, tensors) -> bool:
@@ -663,16 +666,14 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     workspace._ensure_open()
     workspace._check_error_words()
     plans = workspace._plans
+    signature, pointers, contiguous = _signature(workspace, kwargs)
     try:
-        signature = _signature(workspace, kwargs)
-        plan = plans.get(signature)
+        plan = plans.get(signature) if signature is not None else None
     except TypeError:  # an unhashable argument: the full checks name it
         signature = plan = None
-    pointers = plan.pointers(workspace, kwargs) if plan is not None else None
-    if pointers is None:
+    if plan is None or not plan.accepts(pointers, contiguous):
         plan = _full_checks(workspace, kwargs)
-        pointers = plan.pointers(workspace, kwargs)
-        if pointers is None:  # cannot happen after the full checks passed; never launch unchecked
+        if not plan.accepts(pointers, contiguous):  # cannot happen after the full checks passed
             raise RuntimeError("moe_finalize_allreduce: internal error: a checked call failed its fast checks")
         if signature is not None:
             if len(plans) >= _PLANS_PER_WORKSPACE:

@@ -10,7 +10,7 @@ shuffled each round:
     call        dispatch.moe_finalize_allreduce on a rank's workspace, outputs given: the path a real
                 process takes (checks against the call's plan, launch)
     checks      op.prepare_call alone (a plan exists: the per-call checks; nothing launched)
-    first_call  op.prepare_call with the rank's plans dropped first: every check of a new signature
+    first_call  every check of a call whose signature has no plan yet (op._full_checks)
     launch      the launch of a call already prepared (op.prepare_call outside the timing)
     empty_launch  an empty kernel through the same driver call (op's cuLaunchKernelEx), for scale
     custom_op   torch.ops.moe_ar.moe_finalize_allreduce (functional: allocates its outputs)
@@ -86,8 +86,7 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
         op.prepare_call(ranks[r], dict(kws[r]))
 
     def first_call(r):
-        ranks[r]._plans.clear()
-        op.prepare_call(ranks[r], dict(kws[r]))
+        op._full_checks(ranks[r], dict(kws[r]))  # what a new signature costs (its plan is not kept)
 
     prepared = [None, None]
 
