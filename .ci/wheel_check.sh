@@ -104,14 +104,14 @@ step "cu13: gen-programs --out DIR renders the installed tree byte for byte" sam
 step "cu13: plain gen-programs asks for a repository or --out" \
     fails_with "needs a repository or --out DIR" "$V13/bin/gen-programs"
 step "cu13: gen-programs compile, one program, sm_90a and sm_100a" \
-    away "$V13/bin/gen-programs" compile --family oneshot --dtype bf16 --world-size 2 --profile 110 -j 2
+    away "$V13/bin/gen-programs" compile --family oneshot --dtype bf16 --world-size 2 --profile plain -j 2
 
 # ---- CUDA 12 ---------------------------------------------------------------------------------
 V12="$WORK/venv-cu12"
 need "venv (cu12): torch, then the wheel without an extra" \
     bash -c "$(declare -f make_venv); PY='$PY' make_venv '$V12' && '$V12/bin/pip' install --quiet '$WHEEL'"
 step "no extra: gen-programs compile names the extra to install" \
-    fails_with "pip install '.[cu" "$V12/bin/gen-programs" compile --family oneshot --dtype bf16 --world-size 2 --profile 110
+    fails_with "pip install '.[cu" "$V12/bin/gen-programs" compile --family oneshot --dtype bf16 --world-size 2 --profile plain
 need "venv (cu12): the cu12 extra" "$V12/bin/pip" install --quiet "$WHEEL[cu12]"
 step "cu12: dispatch from the installed files, manifest, NVRTC 12 compile for sm_90a and sm_100a" \
     away "$V12/bin/python" "$SRC/.ci/wheel_check.py" "$SRC" 12

@@ -40,8 +40,10 @@ How each argument maps to dispatch.moe_finalize_allreduce:
 
 Anything that cannot be honored raises ValueError naming the argument (a tensor passed as
 workspace_ptrs, a rank or world size that is not the workspace's, a weight_bias other than
-0/1, only one of quant_out/scale_out, quant_out without global_scale, an unknown backend), as do
-all of dispatch.moe_finalize_allreduce's own checks.
+0/1, only one of quant_out/scale_out, quant_out without global_scale, an unknown backend, an eps
+or routed_scaling_factor that is not a finite number (eps > 0), a launch_with_pdl that is not a
+bool), as do all of dispatch.moe_finalize_allreduce's own checks (outputs sharing memory with
+inputs, among others).
 
 Differences from FlashInfer (as read from its source; see dispatch/API.md):
 
@@ -88,11 +90,12 @@ Differences from FlashInfer (as read from its source; see dispatch/API.md):
 """
 from __future__ import annotations
 
+import numbers
 from typing import Optional
 
 import torch
 
-from .op import MoeFinalizeOutputs, moe_finalize_allreduce, scale_out_bytes
+from .op import MoeFinalizeOutputs, check_flag, check_scalar, moe_finalize_allreduce, scale_out_bytes
 from .torch_op import _as_handle, moe_finalize_allreduce_op, workspace_from_handle
 
 BACKENDS = ("trtllm", "cake")
@@ -119,18 +122,24 @@ def _weight_bias(weight_bias) -> int:
     return int(weight_bias)
 
 
-def _as_bytes(name, t, tokens, row_bytes=None, min_bytes=None):
+def _scalar(name, x, positive=False):
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
+        x = float(x)
+    check_scalar(name, x, positive)
+
+
+def _as_bytes(name, buffer, tokens, row_bytes=None, min_bytes=None):
     """A uint8 view of an output buffer FlashInfer would accept: [T, row_bytes] or >= min_bytes flat."""
-    if not isinstance(t, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if not t.is_contiguous():
+    if not isinstance(buffer, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(buffer).__name__}")
+    if not buffer.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
-    nbytes = t.numel() * t.element_size()
-    flat = t.reshape(-1).view(torch.uint8)
+    nbytes = buffer.numel() * buffer.element_size()
+    flat = buffer.reshape(-1).view(torch.uint8)
     if row_bytes is not None:
-        if t.dim() < 1 or t.shape[0] != tokens or nbytes != tokens * row_bytes:
-            raise ValueError(f"{name}: shape {tuple(t.shape)} {t.dtype} ({nbytes} bytes), expected {tokens} rows "
-                             f"of {row_bytes} bytes (e.g. uint8 [{tokens}, {row_bytes}])")
+        if buffer.dim() < 1 or buffer.shape[0] != tokens or nbytes != tokens * row_bytes:
+            raise ValueError(f"{name}: shape {tuple(buffer.shape)} {buffer.dtype} ({nbytes} bytes), expected "
+                             f"{tokens} rows of {row_bytes} bytes (e.g. uint8 [{tokens}, {row_bytes}])")
         return flat.view(tokens, row_bytes)
     if nbytes < min_bytes:
         raise ValueError(f"{name}: {nbytes} bytes, need at least {min_bytes} (scale_out_bytes(T, H))")
@@ -185,6 +194,10 @@ def trtllm_moe_finalize_allreduce_fusion(
         raise ValueError("global_scale: NVFP4 output (quant_out given) needs global_scale=, a [1] float32 tensor on "
                          "the device (FlashInfer's entry has no such argument)")
     rsf = 1.0 if routed_scaling_factor is None else routed_scaling_factor
+    # Numbers pass (a numpy float too: it is converted below); a bool, a string or a NaN does not.
+    _scalar("routed_scaling_factor", rsf)
+    _scalar("eps", eps, positive=True)
+    check_flag("launch_with_pdl", launch_with_pdl)
     wb = _weight_bias(weight_bias)
     if not isinstance(expanded_idx_to_permuted_idx, torch.Tensor) or expanded_idx_to_permuted_idx.dim() != 2:
         raise ValueError("expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
@@ -192,12 +205,12 @@ def trtllm_moe_finalize_allreduce_fusion(
     if not isinstance(residual_in, torch.Tensor) or residual_in.dim() != 2:
         raise ValueError("residual_in: expected a [tokens, hidden] tensor")
     H = residual_in.shape[1]
-    q = s = None
+    quant_bytes = scale_bytes = None  # uint8 views of quant_out and scale_out
     if quant is not None:
         if H % 16:
             raise ValueError(f"residual_in: hidden {H} is not a multiple of 16 (NVFP4 blocks)")
-        q = _as_bytes("quant_out", quant_out, T, row_bytes=H // 2)
-        s = _as_bytes("scale_out", scale_out, T, min_bytes=scale_out_bytes(T, H))
+        quant_bytes = _as_bytes("quant_out", quant_out, T, row_bytes=H // 2)
+        scale_bytes = _as_bytes("scale_out", scale_out, T, min_bytes=scale_out_bytes(T, H))
 
     if compiling:
         # The custom op (no graph break), then its results into the given outputs.
@@ -207,20 +220,20 @@ def trtllm_moe_finalize_allreduce_fusion(
             norm_weight=norm_weight, expert_scale_factor=expert_scale_factor, routed_scaling_factor=rsf,
             shared_expert_output=shared_expert_output, eps=eps, weight_bias=wb, quant=quant,
             global_scale=global_scale, launch_with_pdl=launch_with_pdl)
-        n_out = out.norm_out if norm_out is None else norm_out.copy_(out.norm_out)
-        r_out = out.residual_out if residual_out is None else residual_out.copy_(out.residual_out)
+        norm = out.norm_out if norm_out is None else norm_out.copy_(out.norm_out)
+        residual = out.residual_out if residual_out is None else residual_out.copy_(out.residual_out)
         if quant is None:
-            return MoeFinalizeOutputs(n_out, r_out, None, None)
-        q.copy_(out.quant_out)
-        s[: out.scale_out.shape[0]].copy_(out.scale_out)
-        return MoeFinalizeOutputs(n_out, r_out, quant_out, scale_out)
+            return MoeFinalizeOutputs(norm, residual, None, None)
+        quant_bytes.copy_(out.quant_out)
+        scale_bytes[: out.scale_out.shape[0]].copy_(out.scale_out)
+        return MoeFinalizeOutputs(norm, residual, quant_out, scale_out)
 
     out = moe_finalize_allreduce(
         ws, allreduce_in=allreduce_in, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
         residual_in=residual_in, norm_weight=norm_weight, expert_scale_factor=expert_scale_factor,
         routed_scaling_factor=float(rsf), shared_expert_output=shared_expert_output, eps=float(eps),
-        weight_bias=wb, quant=quant, global_scale=global_scale, launch_with_pdl=bool(launch_with_pdl),
-        norm_out=norm_out, residual_out=residual_out, quant_out=q, scale_out=s)
+        weight_bias=wb, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
+        norm_out=norm_out, residual_out=residual_out, quant_out=quant_bytes, scale_out=scale_bytes)
     if quant is None:
         return out
     return MoeFinalizeOutputs(out.norm_out, out.residual_out, quant_out, scale_out)

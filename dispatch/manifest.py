@@ -18,7 +18,9 @@ import json
 import pathlib
 
 MANIFEST_NAME = "manifest.json"
-FORMAT = 1
+# 2: records of families and output profiles (profiles named by their quant= value), the regime
+# ladder in `selection`, code_sha256 blind to comments.
+FORMAT = 2
 REGENERATE = "run `gen-programs` to regenerate"
 
 

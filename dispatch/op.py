@@ -8,6 +8,7 @@ of each program (or ahead of time with dispatch.warmup).
 from __future__ import annotations
 
 import ctypes
+import struct
 from typing import NamedTuple, Optional
 
 import torch
@@ -51,6 +52,7 @@ def profile_for_quant(quant) -> str:
 # ---- argument checks --------------------------------------------------------------------
 
 def _tensor(name, x, ws, dtypes, shape=None, ndim=None, align=16):
+    """Check one tensor argument; returns (name, x, its data pointer) for the overlap check."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in dtypes:
@@ -63,9 +65,82 @@ def _tensor(name, x, ws, dtypes, shape=None, ndim=None, align=16):
         raise ValueError(f"{name}: on {x.device}, expected the workspace's device {ws.device}")
     if not x.is_contiguous():
         raise ValueError(f"{name}: must be contiguous")
-    if x.data_ptr() % align:
+    ptr = x.data_ptr()
+    if ptr % align:
         raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
-    return x
+    return name, x, ptr
+
+
+# float32 rounding of a Python float: from _F32_INF up it gives inf; up to _F32_ZERO (positive), 0.
+_F32_INF = 2.0 ** 128 - 2.0 ** 103
+_F32_ZERO = 2.0 ** -150
+
+
+def check_scalar(name, x, positive=False):
+    """A Python float or int (not a bool) that stays finite as the kernel's float32, and > 0 there
+    when `positive`."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{name}: expected a Python float, got {type(x).__name__}")
+    if not -_F32_INF < x < _F32_INF:  # NaN too
+        raise ValueError(f"{name}: {x!r} is not finite as a float32 (the kernel takes it as one)")
+    if positive and not x > _F32_ZERO:
+        raise ValueError(f"{name}: {x!r}, expected > 0 (at least the smallest float32, 2**-149)")
+
+
+def check_flag(name, x):
+    if not isinstance(x, bool):
+        raise ValueError(f"{name}: expected a bool, got {type(x).__name__}")
+
+
+def check_weight_bias(x):
+    if isinstance(x, bool) or not isinstance(x, int) or x not in (0, 1):
+        raise ValueError(f"weight_bias: {x!r}, expected the int 0 or 1")
+
+
+def check_unused(quant, global_scale, fp8_scale, quant_out, scale_out, fp8_scale_layout, fp8_pow2_scales):
+    """An argument given with a `quant` that does not read or write it is an error, not ignored."""
+    if global_scale is not None and quant != "nvfp4":
+        raise ValueError(f"global_scale: given with quant={quant!r}, which does not use it (only 'nvfp4' does)")
+    if fp8_scale is not None and quant != "fp8_tensor":
+        raise ValueError(f"fp8_scale: given with quant={quant!r}, which does not use it (only 'fp8_tensor' does)")
+    if quant_out is not None and quant is None:
+        raise ValueError("quant_out: given with quant=None, which writes no quantized output")
+    if scale_out is not None and quant in (None, "fp8_tensor"):
+        raise ValueError(f"scale_out: given with quant={quant!r}, which writes no scales"
+                         + (" (its scale is the fp8_scale input)" if quant else ""))
+    if quant != "fp8_group128":
+        if fp8_scale_layout != "row":
+            raise ValueError(f"fp8_scale_layout: {fp8_scale_layout!r} given with quant={quant!r}, which does not "
+                             f"use it (only 'fp8_group128' does)")
+        if fp8_pow2_scales:
+            raise ValueError(f"fp8_pow2_scales: True given with quant={quant!r}, which does not use it (only "
+                             f"'fp8_group128' does)")
+
+
+_OVERLAP_RULE = ("an output must not share memory with an input or another output; only residual_out may be "
+                 "residual_in itself (in place: the same data pointer, shape and dtype)")
+
+
+def _check_overlaps(outputs, inputs):
+    """outputs, inputs: lists of (name, tensor, data pointer) of checked (contiguous) tensors, whose
+    bytes are exactly [pointer, pointer + nbytes). Raises ValueError naming the output for any
+    shared byte, except residual_out exactly over residual_in."""
+    outputs = [(name, p, p + x.nbytes) for name, x, p in outputs]
+    inputs = [(name, p, p + x.nbytes) for name, x, p in inputs]
+    for j, (name, lo, hi) in enumerate(outputs):
+        if lo == hi:
+            continue
+        for other, olo, ohi in outputs[:j]:
+            if lo < ohi and olo < hi:
+                raise ValueError(f"{other}: overlaps {name} in memory; {_OVERLAP_RULE}")
+        for other, olo, ohi in inputs:
+            if lo < ohi and olo < hi:
+                if name == "residual_out" and other == "residual_in":
+                    if lo == olo and hi == ohi:  # both [T, H] D: residual_in itself
+                        continue
+                    raise ValueError(f"residual_out: overlaps residual_in in memory without being residual_in "
+                                     f"itself; {_OVERLAP_RULE}")
+                raise ValueError(f"{name}: overlaps {other} in memory; {_OVERLAP_RULE}")
 
 
 def _check_args(ws, a):
@@ -76,65 +151,108 @@ def _check_args(ws, a):
     if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
         raise ValueError("expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
     T, K = idx.shape
-    _tensor("expanded_idx_to_permuted_idx", idx, ws, (torch.int32,), ndim=2, align=4)
+    ins = [_tensor("expanded_idx_to_permuted_idx", idx, ws, (torch.int32,), ndim=2, align=4)]  # read
     if T > ws.max_tokens:
         raise ValueError(f"expanded_idx_to_permuted_idx: {T} tokens, more than the workspace's max_tokens "
                          f"{ws.max_tokens}")
     if not 1 <= K <= MAX_TOP_K:
         raise ValueError(f"expanded_idx_to_permuted_idx: top_k {K} out of range 1..{MAX_TOP_K}")
-    x = _tensor("allreduce_in", a["allreduce_in"], ws, (D,), ndim=2)
-    if x.shape[1] != H:
-        raise ValueError(f"allreduce_in: hidden {x.shape[1]}, the workspace was made for hidden {H}")
-    R = x.shape[0]
+    x = a["allreduce_in"]
+    ins.append(_tensor("allreduce_in", x, ws, (D,), ndim=2))
+    R, Hx = x.shape
+    if Hx != H:
+        raise ValueError(f"allreduce_in: hidden {Hx}, the workspace was made for hidden {H}")
     if R < T * K:
         raise ValueError(f"allreduce_in: {R} rows, fewer than tokens * top_k = {T * K}")
     if R >= 2 ** 31:
         raise ValueError(f"allreduce_in: {R} rows, more than int32 indices can address")
-    if a.get("expert_scale_factor") is not None:
-        _tensor("expert_scale_factor", a["expert_scale_factor"], ws, (D, torch.float32), shape=(T, K), align=4)
-    if a.get("shared_expert_output") is not None:
-        _tensor("shared_expert_output", a["shared_expert_output"], ws, (D,), shape=(T, H))
-    _tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H))
-    _tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,))
-    quant = a.get("quant")
+    if a["expert_scale_factor"] is not None:
+        ins.append(_tensor("expert_scale_factor", a["expert_scale_factor"], ws, (D, torch.float32), shape=(T, K),
+                           align=4))
+    if a["shared_expert_output"] is not None:
+        ins.append(_tensor("shared_expert_output", a["shared_expert_output"], ws, (D,), shape=(T, H)))
+    ins.append(_tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H)))
+    ins.append(_tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,)))
+    quant = a["quant"]
     profile = profile_for_quant(quant)
+    layout = a["fp8_scale_layout"]
+    if not isinstance(layout, str) or layout not in FP8_SCALE_LAYOUTS:
+        raise ValueError(f"fp8_scale_layout: {layout!r}, expected 'row' or 'column'")
+    check_flag("fp8_pow2_scales", a["fp8_pow2_scales"])
+    check_unused(quant, a["global_scale"], a["fp8_scale"], a["quant_out"], a["scale_out"], layout,
+                 a["fp8_pow2_scales"])
     if quant == "nvfp4":
-        if a.get("global_scale") is None:
+        if a["global_scale"] is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
-        _tensor("global_scale", a["global_scale"], ws, (torch.float32,), shape=(1,), align=4)
+        ins.append(_tensor("global_scale", a["global_scale"], ws, (torch.float32,), shape=(1,), align=4))
     if quant == "fp8_tensor":
-        if a.get("fp8_scale") is None:
+        if a["fp8_scale"] is None:
             raise ValueError("fp8_scale: required for quant='fp8_tensor' (a [1] float32 device tensor)")
-        _tensor("fp8_scale", a["fp8_scale"], ws, (torch.float32,), shape=(1,), align=4)
+        ins.append(_tensor("fp8_scale", a["fp8_scale"], ws, (torch.float32,), shape=(1,), align=4))
     if quant == "fp8_group128" and H % FP8_GROUP:
         raise ValueError(f"quant: 'fp8_group128' needs hidden to be a multiple of {FP8_GROUP}, the workspace has "
                          f"hidden {H}")
-    if a["fp8_scale_layout"] not in FP8_SCALE_LAYOUTS:
-        raise ValueError(f"fp8_scale_layout: {a['fp8_scale_layout']!r}, expected 'row' or 'column'")
-    if not isinstance(a["fp8_pow2_scales"], bool):
-        raise ValueError(f"fp8_pow2_scales: expected a bool, got {type(a['fp8_pow2_scales']).__name__}")
-    for name in ("eps", "routed_scaling_factor"):
-        if not isinstance(a[name], (int, float)):
-            raise ValueError(f"{name}: expected a Python float, got {type(a[name]).__name__}")
-    if a["weight_bias"] not in (0, 1):
-        raise ValueError(f"weight_bias: {a['weight_bias']!r}, expected 0 or 1")
-    _tensor("norm_out", a["norm_out"], ws, (D,), shape=(T, H)) if a.get("norm_out") is not None else None
-    _tensor("residual_out", a["residual_out"], ws, (D,), shape=(T, H)) if a.get("residual_out") is not None else None
+    check_scalar("eps", a["eps"], positive=True)
+    check_scalar("routed_scaling_factor", a["routed_scaling_factor"])
+    check_weight_bias(a["weight_bias"])
+    check_flag("launch_with_pdl", a["launch_with_pdl"])
+    if a["program"] is not None and not isinstance(a["program"], str):
+        raise ValueError(f"program: expected a program name (str) or None, got {type(a['program']).__name__}")
+    outs = []  # written
+    if a["norm_out"] is not None:
+        outs.append(_tensor("norm_out", a["norm_out"], ws, (D,), shape=(T, H)))
+    if a["residual_out"] is not None:
+        outs.append(_tensor("residual_out", a["residual_out"], ws, (D,), shape=(T, H)))
+    q, s = a["quant_out"], a["scale_out"]  # None unless quant writes them (check_unused)
     if quant == "nvfp4":
-        if a.get("quant_out") is not None:
-            _tensor("quant_out", a["quant_out"], ws, (torch.uint8,), shape=(T, H // 2), align=4)
-        if a.get("scale_out") is not None:
-            s = _tensor("scale_out", a["scale_out"], ws, (torch.uint8,), ndim=1, align=4)
+        if q is not None:
+            outs.append(_tensor("quant_out", q, ws, (torch.uint8,), shape=(T, H // 2), align=4))
+        if s is not None:
+            outs.append(_tensor("scale_out", s, ws, (torch.uint8,), ndim=1, align=4))
             if s.numel() < scale_out_bytes(T, H):
                 raise ValueError(f"scale_out: {s.numel()} bytes, need {scale_out_bytes(T, H)}")
-    if quant in ("fp8_group128", "fp8_tensor") and a.get("quant_out") is not None:
-        _tensor("quant_out", a["quant_out"], ws, (torch.float8_e4m3fn,), shape=(T, H), align=16)
-    if quant == "fp8_group128" and a.get("scale_out") is not None:
-        _tensor("scale_out", a["scale_out"], ws, (torch.float32,), shape=fp8_scale_shape(T, H, a["fp8_scale_layout"]),
-                align=4)
-    if quant == "fp8_tensor" and a.get("scale_out") is not None:
-        raise ValueError("scale_out: quant='fp8_tensor' writes no scales (its scale is the fp8_scale input)")
+    if quant in ("fp8_group128", "fp8_tensor") and q is not None:
+        outs.append(_tensor("quant_out", q, ws, (torch.float8_e4m3fn,), shape=(T, H), align=16))
+    if quant == "fp8_group128" and s is not None:
+        outs.append(_tensor("scale_out", s, ws, (torch.float32,), shape=fp8_scale_shape(T, H, layout), align=4))
+    if outs:
+        _check_overlaps(outs, ins)
     return T, K, R, profile
+
+
+def _spans(a):
+    """(name, first byte, one past the last byte, is an output) of every non-empty tensor a checked
+    call reads or writes (outputs allocated or given)."""
+    out = []
+    for names, is_out in ((_OUTPUT_NAMES, True), (_INPUT_NAMES, False)):
+        for name in names:
+            x = a.get(name)
+            if isinstance(x, torch.Tensor) and x.numel():
+                p = x.data_ptr()
+                out.append((name, p, p + x.numel() * x.element_size(), is_out))
+    return out
+
+
+_OUTPUT_NAMES = ("norm_out", "residual_out", "quant_out", "scale_out")
+_INPUT_NAMES = ("allreduce_in", "expanded_idx_to_permuted_idx", "expert_scale_factor", "shared_expert_output",
+                "residual_in", "norm_weight", "global_scale", "fp8_scale")
+
+
+def check_rank_overlaps(per_rank_args) -> None:
+    """All ranks in one process (EmulatedWorld.run): an output of one rank sharing memory with any
+    tensor of another rank is a ValueError naming per_rank_kwargs[r] and the argument. per_rank_args:
+    each rank's checked arguments (with its outputs); inputs may be shared by ranks."""
+    spans = sorted((lo, hi, r, name, is_out) for r, a in enumerate(per_rank_args)
+                   for name, lo, hi, is_out in _spans(a))
+    active = []  # spans that may still overlap what comes next (sorted by start)
+    for lo, hi, r, name, is_out in spans:
+        active = [s for s in active if s[1] > lo]
+        for _, _, r2, name2, is_out2 in active:
+            if r2 != r and (is_out or is_out2):
+                (ro, no), (ri, ni) = ((r, name), (r2, name2)) if is_out else ((r2, name2), (r, name))
+                raise ValueError(f"per_rank_kwargs[{ro}]: {no} overlaps {ni} of per_rank_kwargs[{ri}] in memory "
+                                 f"(each rank's outputs need memory of their own)")
+        active.append((lo, hi, r, name, is_out))
 
 
 _DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
@@ -183,7 +301,6 @@ class _Launcher:
     with the per-workspace fields filled in, and prebuilt launch configurations."""
 
     def __init__(self, ws, name: str):
-        from cuda.bindings import driver as cu
         info = registry.program_info(name)
         if info["dtype"] != ws.dtype_name or info["world_size"] != ws.world_size:
             raise ValueError(f"program: {name} is for {info['dtype']} world size {info['world_size']}, the workspace "
@@ -194,7 +311,7 @@ class _Launcher:
         self.profile = info["profile"]
         self.sliced_units = info["sliced_units"]  # a work unit is a row slice, not a whole row
         self.column_units = info["column_units"]  # a work unit is a column: a token of each rank
-        self.quant_scale_arg = {"111": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
+        self.quant_scale_arg = {"nvfp4": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
         self.writes_quant = "quant_out" in info["outputs"]
         self.writes_scales = "scale_out" in info["outputs"]
         prog = registry.load(name, ws.device_index)
@@ -221,77 +338,138 @@ class _Launcher:
             if per_sm < 1:
                 raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
             self.max_blocks.append(max(1, per_sm * sms // sharing))
-        self.function = cu.CUfunction(prog.function_ptr)
-        self.args = registry.params_struct()()
-        a = self.args
+        self.function_ptr = prog.function_ptr
+        self.threads = [split.threads for split in ws.row_splits]
+        # The fields every call of this program on this workspace shares.
+        template = self.template = registry.params_struct()()
         for r, ptr in enumerate(ws.peer_buffer_ptrs):
-            a.peer_buffers[r] = ptr or None
-        a.state = ws._memory.state
-        a.error = ws._memory.error_host
-        a.buffer_elems = ws.buffer_elems
-        a.timeout_ns = ws.timeout_ns
-        a.hidden = ws.hidden
-        a.rank = ws.rank
-        self.arg_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(a))
-        self.arg_address = ctypes.addressof(self.arg_pointer)
-        # [row split][pdl]
-        self.configs = [[self._config(cu, split.threads, self.dynamic_smem, pdl) for pdl in (False, True)]
-                        for split in ws.row_splits]
-        self.cu = cu
+            template.peer_buffers[r] = ptr or None
+        template.state = ws._memory.state
+        template.error = ws._memory.error_host
+        template.buffer_elems = ws.buffer_elems
+        template.timeout_ns = ws.timeout_ns
+        template.hidden = ws.hidden
+        template.rank = ws.rank
+        self.pointer_base = type(template).allreduce_in.offset
+        self.device_index = ws.device_index
+        _driver()  # loaded here, not on the launch path
 
-    @staticmethod
-    def _config(cu, threads, dynamic_smem, pdl):
-        config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = 1, 1, 1
-        config.blockDimX, config.blockDimY, config.blockDimZ = threads, 1, 1
-        config.sharedMemBytes = dynamic_smem
-        if pdl:
-            attr = cu.CUlaunchAttribute()
-            attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-            attr.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attr]
-            config.numAttrs = 1
-        else:
-            config.numAttrs = 0
-        return config
-
-    def launch(self, ws, T, K, R, a, pdl):
-        args = self.args
-        args.allreduce_in = a["allreduce_in"].data_ptr()
-        args.expanded_idx = a["expanded_idx_to_permuted_idx"].data_ptr()
+    def kernel_call(self, ws, T, a) -> "_KernelCall":
+        """The launch state of a call signature: the kernel argument with this program's fields and the
+        call's scalars, where each data pointer goes in it, and the launch configuration."""
+        params = type(self.template)()
+        ctypes.memmove(ctypes.addressof(params), ctypes.addressof(self.template), ctypes.sizeof(params))
         scale = a["expert_scale_factor"]
-        args.expert_scale = scale.data_ptr() if scale is not None else None
-        args.scale_kind = 0 if scale is None else (1 if scale.dtype == torch.float32 else 2)
-        shared = a["shared_expert_output"]
-        args.shared_in = shared.data_ptr() if shared is not None else None
-        args.residual_in = a["residual_in"].data_ptr()
-        args.norm_weight = a["norm_weight"].data_ptr()
-        args.quant_scale = a[self.quant_scale_arg].data_ptr() if self.quant_scale_arg else None
-        args.norm_out = a["norm_out"].data_ptr()
-        args.residual_out = a["residual_out"].data_ptr()
-        args.quant_out = a["quant_out"].data_ptr() if self.writes_quant else None
-        args.scale_out = a["scale_out"].data_ptr() if self.writes_scales else None
-        args.quant_flags = ((_QUANT_FLAG_COLUMN_MAJOR if a["fp8_scale_layout"] == "column" else 0)
-                            | (_QUANT_FLAG_POW2 if a["fp8_pow2_scales"] else 0))
-        args.fault_stop_after = ws._fault_stop_after_units
-        args.tokens, args.top_k, args.rows = T, K, R
-        args.routed_scaling_factor = a["routed_scaling_factor"]
-        args.eps = a["eps"]
-        args.weight_bias = float(a["weight_bias"])
+        params.scale_kind = 0 if scale is None else (1 if scale.dtype == torch.float32 else 2)
+        params.quant_flags = ((_QUANT_FLAG_COLUMN_MAJOR if a["fp8_scale_layout"] == "column" else 0)
+                              | (_QUANT_FLAG_POW2 if a["fp8_pow2_scales"] else 0))
+        params.fault_stop_after = ws._fault_stop_after_units
+        params.tokens, params.top_k, params.rows = T, a["expanded_idx_to_permuted_idx"].shape[1], \
+            a["allreduce_in"].shape[0]
+        params.routed_scaling_factor = a["routed_scaling_factor"]
+        params.eps = a["eps"]
+        params.weight_bias = float(a["weight_bias"])
+        params.vec_per_thread = ws.row_splits[ws.row_split_index(T)].vec_per_thread
+        offsets = {field: getattr(type(params), field).offset for field in _POINTER_FIELDS}
+        slots = tuple((name, (offsets[_FIELD_OF[name]] - self.pointer_base) // 8)
+                      for name in self.pointer_arguments(a))
+        return _KernelCall(params, slots, self.config_for(ws, T, a["launch_with_pdl"]))
+
+    def pointer_arguments(self, a) -> tuple:
+        """The call arguments whose data pointers the kernel takes (the rest are null)."""
+        names = ["allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight", "norm_out",
+                 "residual_out"]
+        names += [n for n in ("expert_scale_factor", "shared_expert_output") if a[n] is not None]
+        if self.quant_scale_arg:
+            names.append(self.quant_scale_arg)
+        if self.writes_quant:
+            names.append("quant_out")
+        if self.writes_scales:
+            names.append("scale_out")
+        return tuple(names)
+
+    def config_for(self, ws, T, pdl):
+        """The launch configuration of a call of T tokens (the stream is set at each launch)."""
         i = ws.row_split_index(T)
-        vec_per_thread = ws.row_splits[i].vec_per_thread
-        args.vec_per_thread = vec_per_thread
-        config = self.configs[i][bool(pdl)]
-        if self.sliced_units:
-            config.gridDimX = min(T * vec_per_thread, self.max_blocks[i])  # a unit is one row slice
+        config = _LaunchConfig()
+        if self.sliced_units:  # a unit is one row slice
+            config.gridDimX = min(T * ws.row_splits[i].vec_per_thread, self.max_blocks[i])
         elif self.column_units:  # a unit is one column: a token of each rank
             config.gridDimX = balanced_grid(-(-T // ws.world_size), self.max_blocks[i])
-        else:
-            config.gridDimX = min(T, self.max_blocks[i])  # a unit is one row
-        config.hStream = self.cu.CUstream(torch.cuda.current_stream(ws.device).cuda_stream)
-        err, = self.cu.cuLaunchKernelEx(config, self.function, self.arg_address, 0)
-        if int(err) != 0:
-            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: {err}")
+        else:  # a unit is one row
+            config.gridDimX = min(T, self.max_blocks[i])
+        config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
+        config.blockDimX = self.threads[i]
+        config.sharedMemBytes = self.dynamic_smem
+        if pdl:
+            config.attrs, config.numAttrs = _PDL_ATTRIBUTE, 1
+        return config
+
+    def launch(self, kernel: "_KernelCall", pointers: dict) -> None:
+        values = [0] * len(_POINTER_FIELDS)
+        for name, slot in kernel.pointer_slots:
+            values[slot] = pointers[name]
+        struct.pack_into(_POINTER_FORMAT, kernel.params, self.pointer_base, *values)
+        config = kernel.config
+        config.hStream = _current_stream(self.device_index)
+        err = _cu_launch_kernel_ex(ctypes.byref(config), self.function_ptr, kernel.param_pointer, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: CUresult {err}")
+
+
+class _KernelCall:
+    """A launch of one program for one call signature (everything but the data pointers and stream)."""
+
+    __slots__ = ("params", "param_pointer", "pointer_slots", "config")
+
+    def __init__(self, params, pointer_slots, config):
+        self.params, self.pointer_slots, self.config = params, pointer_slots, config
+        self.param_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(params))  # cuLaunchKernelEx's kernelParams
+
+
+# ---- the driver call -------------------------------------------------------------------------
+# cuLaunchKernelEx straight through ctypes: its configuration is a prebuilt structure per call
+# signature, so a launch sets the stream and makes one foreign call (layouts from cuda.h).
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_PDL_ATTRIBUTE = (_LaunchAttribute * 1)()
+_PDL_ATTRIBUTE[0].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTRIBUTE[0].value.programmaticStreamSerializationAllowed = 1
+_cu_launch_kernel_ex = None
+
+
+def _driver() -> None:
+    """Load the driver's cuLaunchKernelEx (once)."""
+    global _cu_launch_kernel_ex
+    if _cu_launch_kernel_ex is None:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        fn = libcuda.cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        _cu_launch_kernel_ex = fn
+
+
+def _current_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _current_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811  (the same value, without a Stream object)
 
 
 def balanced_grid(units: int, max_blocks: int) -> int:
@@ -336,6 +514,11 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
       "fp8_group128": quant_out [T, H] float8_e4m3fn, scale_out float32 fp8_scale_shape(T, H, layout):
                       [T, H/128] row-major, or [H/128, roundup(T, 4)] column-major (padding written 0);
       "fp8_tensor":   quant_out [T, H] float8_e4m3fn (scale_out is None).
+    eps must be > 0 and routed_scaling_factor finite (as float32s); weight_bias an int, not a bool.
+    An output sharing memory with an input or another output is refused, except residual_out being
+    residual_in itself (in place); so is global_scale, fp8_scale, quant_out or scale_out given with a
+    quant that does not use it. Device scales are not checked: see dispatch/API.md for the bytes any
+    value gives.
     Every rank of the group must make the same sequence of calls with the same T; residual_in and
     norm_weight must hold the same values on every rank (tensor parallelism replicates them).
     `program=` forces a program by name. `launch_with_pdl=True` lets the kernel start while the
@@ -343,45 +526,183 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     Raises ValueError naming the argument for a bad call, RuntimeError if an earlier call of this
     workspace timed out waiting for a peer.
     """
-    call = prepare_call(workspace, dict(kwargs, allreduce_in=allreduce_in,
-                                        expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-                                        residual_in=residual_in, norm_weight=norm_weight))
-    return call.launch()
+    kwargs["allreduce_in"] = allreduce_in
+    kwargs["expanded_idx_to_permuted_idx"] = expanded_idx_to_permuted_idx
+    kwargs["residual_in"] = residual_in
+    kwargs["norm_weight"] = norm_weight
+    return prepare_call(workspace, kwargs).launch()
 
 
-class _Call(NamedTuple):
-    workspace: object
-    launcher: Optional[_Launcher]
-    tokens: int
-    top_k: int
-    rows: int
-    args: dict
-    outputs: MoeFinalizeOutputs
+# ---- the call: a plan per call signature ----------------------------------------------------
+#
+# Everything the checks and the program choice depend on, except the data pointers, is a function
+# of the call's signature: each argument's name and, for a tensor, its dtype, shape and device, for
+# anything else its type and value (plus the workspace's fault-injection setting). The first call
+# of a signature runs every check (_check_args) and keeps a _Plan: the program, the grid, the
+# kernel argument with the call's scalars filled in, the byte size of each tensor. A later call
+# with the same signature only checks what a signature does not fix (contiguity, alignment,
+# overlap) and writes the data pointers. Anything unexpected takes the full path,
+# which raises the ValueError naming the argument.
+
+_TENSOR_ARGS = _OUTPUT_NAMES + _INPUT_NAMES
+_PLANS_PER_WORKSPACE = 1024  # a workspace drops its plans past this many signatures
+_POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
+                   "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
+_POINTER_FORMAT = f"<{len(_POINTER_FIELDS)}Q"  # consecutive in Params (generator/abi.py)
+# The kernel argument fields each call argument's data pointer goes to.
+_FIELD_OF = {"allreduce_in": "allreduce_in", "expanded_idx_to_permuted_idx": "expanded_idx",
+             "expert_scale_factor": "expert_scale", "shared_expert_output": "shared_in", "residual_in": "residual_in",
+             "norm_weight": "norm_weight", "global_scale": "quant_scale", "fp8_scale": "quant_scale",
+             "norm_out": "norm_out", "residual_out": "residual_out", "quant_out": "quant_out", "scale_out": "scale_out"}
+_ALIGN = {"expanded_idx_to_permuted_idx": 4, "expert_scale_factor": 4, "global_scale": 4, "fp8_scale": 4,
+          "scale_out": 4}
+
+
+def _signature(ws, kwargs: dict):
+    """The call's signature (hashable), or None when an argument has no cheap one."""
+    parts = [ws._fault_stop_after_units]
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.shape, value.device))
+        else:
+            parts.append((name, type(value), value))
+    return tuple(parts)
+
+
+class _Plan:
+    """One call signature on one workspace, checked once (see above)."""
+
+    __slots__ = ("launcher", "kernel", "tokens", "tensors", "outputs_given", "missing", "quant")
+
+    def __init__(self, ws, launcher, T, a: dict, given: set):
+        self.launcher, self.tokens, self.quant = launcher, T, a["quant"]
+        # (name, alignment, bytes) of each tensor the call was given
+        self.tensors = tuple((name, _ALIGN.get(name, 16), a[name].numel() * a[name].element_size())
+                             for name in _TENSOR_ARGS if name in given and isinstance(a[name], torch.Tensor))
+        self.outputs_given = any(name in given and a[name] is not None for name in _OUTPUT_NAMES)
+        self.missing = tuple(name for name in _OUTPUT_NAMES if name not in given or a[name] is None)
+        self.kernel = launcher.kernel_call(ws, T, a) if launcher is not None else None  # None: T is 0
+
+    def pointers(self, ws, kwargs: dict):
+        """Data pointers of the tensors given, after the checks a signature does not fix; None when one
+        fails (the caller then runs the full checks, which name the argument)."""
+        ptrs = {}
+        for name, align, _ in self.tensors:
+            x = kwargs[name]
+            if not x.is_contiguous():
+                return None
+            p = x.data_ptr()
+            if p % align:
+                return None
+            ptrs[name] = p
+        if self.outputs_given and not _spans_apart(ptrs, self.tensors):
+            return None
+        return ptrs
+
+
+def _spans_apart(ptrs: dict, tensors) -> bool:
+    """No output shares a byte with an input or another output, except residual_out exactly over
+    residual_in (the rule _check_overlaps enforces and names). One pass over the spans sorted by
+    their start; in place, residual_in stands for both and counts as an output."""
+    in_place = ptrs.get("residual_out") is not None and ptrs.get("residual_out") == ptrs.get("residual_in")
+    spans = sorted((ptrs[name], ptrs[name] + nbytes, name in _OUTPUT_NAMES or (in_place and name == "residual_in"))
+                   for name, _, nbytes in tensors if nbytes and not (in_place and name == "residual_out"))
+    end_any = end_out = 0  # the furthest end of the spans so far, and of the outputs among them
+    for lo, hi, is_out in spans:
+        if lo < (end_any if is_out else end_out):
+            return False
+        end_any = max(end_any, hi)
+        if is_out:
+            end_out = max(end_out, hi)
+    return True
+
+
+class _Call:
+    """A checked call: its outputs, and the launch (nothing when T is 0)."""
+
+    __slots__ = ("plan", "pointers", "outputs", "args")
+
+    def __init__(self, plan, pointers, outputs, args):
+        self.plan, self.pointers, self.outputs, self.args = plan, pointers, outputs, args
 
     def launch(self) -> MoeFinalizeOutputs:
-        if self.launcher is not None:
-            self.launcher.launch(self.workspace, self.tokens, self.top_k, self.rows, self.args,
-                                 self.args["launch_with_pdl"])
+        plan = self.plan
+        if plan.kernel is not None:
+            plan.launcher.launch(plan.kernel, self.pointers)
         return self.outputs
 
 
+def _allocate_missing(ws, plan, kwargs):
+    """Outputs the call did not pass, from torch's caching allocator (as allocate_outputs)."""
+    T, H = plan.tokens, ws.hidden
+    for name in plan.missing:
+        if name == "norm_out" or name == "residual_out":
+            x = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
+        elif name == "quant_out" and plan.quant == "nvfp4":
+            x = torch.empty((T, H // 2), dtype=torch.uint8, device=ws.device)
+        elif name == "quant_out" and plan.quant in ("fp8_group128", "fp8_tensor"):
+            x = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=ws.device)
+        elif name == "scale_out" and plan.quant == "nvfp4":
+            x = torch.empty((scale_out_bytes(T, H),), dtype=torch.uint8, device=ws.device)
+        elif name == "scale_out" and plan.quant == "fp8_group128":
+            x = torch.empty(fp8_scale_shape(T, H, kwargs.get("fp8_scale_layout", "row")), dtype=torch.float32,
+                            device=ws.device)
+        else:
+            continue
+        kwargs[name] = x
+
+
+_REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
+_KNOWN = frozenset(_DEFAULTS) | frozenset(_REQUIRED)
+
+
 def prepare_call(workspace, kwargs: dict) -> _Call:
-    """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use)."""
-    unknown = set(kwargs) - set(_DEFAULTS) - {"allreduce_in", "expanded_idx_to_permuted_idx", "residual_in",
-                                                "norm_weight"}
-    if unknown:
-        raise ValueError(f"{sorted(unknown)[0]}: unknown argument")
-    a = dict(_DEFAULTS)
-    a.update(kwargs)
+    """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use).
+    `kwargs` (the call's keyword arguments) gets the allocated outputs."""
     workspace._ensure_open()
     workspace._check_error_words()
+    plans = workspace._plans
+    try:
+        signature = _signature(workspace, kwargs)
+        plan = plans.get(signature)
+    except TypeError:  # an unhashable argument: the full checks name it
+        signature = plan = None
+    pointers = plan.pointers(workspace, kwargs) if plan is not None else None
+    if pointers is None:
+        plan = _full_checks(workspace, kwargs)
+        pointers = plan.pointers(workspace, kwargs)
+        if pointers is None:  # cannot happen after the full checks passed; never launch unchecked
+            raise RuntimeError("moe_finalize_allreduce: internal error: a checked call failed its fast checks")
+        if signature is not None:
+            if len(plans) >= _PLANS_PER_WORKSPACE:
+                plans.clear()
+            plans[signature] = plan
+    if plan.missing:
+        _allocate_missing(workspace, plan, kwargs)
+        for name in plan.missing:
+            x = kwargs.get(name)
+            if x is not None:
+                pointers[name] = x.data_ptr()
+    quant = plan.quant
+    g = kwargs.get
+    outputs = MoeFinalizeOutputs(kwargs["norm_out"], kwargs["residual_out"], g("quant_out") if quant is not None else None,
+                                 g("scale_out") if quant in ("nvfp4", "fp8_group128") else None)
+    return _Call(plan, pointers, outputs, kwargs)
+
+
+def _full_checks(workspace, kwargs: dict) -> _Plan:
+    """Every check of a call (ValueError naming the argument), and the plan for its signature."""
+    unknown = set(kwargs) - _KNOWN
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: unknown argument")
+    for name in _REQUIRED:
+        if name not in kwargs:
+            raise ValueError(f"{name}: required")
+    a = dict(_DEFAULTS)
+    a.update(kwargs)
     T, K, R, profile = _check_args(workspace, a)
-    allocate_outputs(workspace, a)
-    quant = a["quant"]
-    out = MoeFinalizeOutputs(a["norm_out"], a["residual_out"], a["quant_out"] if quant is not None else None,
-                             a["scale_out"] if quant in ("nvfp4", "fp8_group128") else None)
     if T == 0:
-        return _Call(workspace, None, T, K, R, a, out)
+        return _Plan(workspace, None, T, a, set(kwargs))
     name = a["program"]
     if name is None:
         name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None)
@@ -391,4 +712,4 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     if launcher.regime == "oneshot" and T > workspace.oneshot_max_tokens:
         raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
                          f"{workspace.oneshot_max_tokens}")
-    return _Call(workspace, launcher, T, K, R, a, out)
+    return _Plan(workspace, launcher, T, a, set(kwargs))

@@ -63,13 +63,19 @@ class _ProgramSet:
                       for p in self.manifest["programs"]}
         self.params = [tuple(x) for x in self.manifest["param_plan"]]
         self.limits = self.manifest["limits"]
-        self.selection = {(s["dtype"], s["world_size"], s["profile"]): s
-                          for s in self.manifest["selection"]["boundaries"]}
+        selection = self.manifest["selection"]
+        self.selection = {(s["dtype"], s["world_size"], s["profile"]): s for s in selection["boundaries"]}
+        # The regime ladder: (regime, the boundary field that ends its range, or None for the last).
+        self.ladder = [tuple(rung) for rung in selection["ladder"]]
+        # A boundary of this value bounds nothing: its regime runs every larger T.
+        self.all_tokens = selection["all_tokens"]
+        families = self.manifest["axes"]["families"]
         # (regime, shared_prefetch) -> family
-        self.family_of = {(f["regime"], f["shared_prefetch"]): family
-                          for family, f in self.manifest["axes"]["family_regime"].items()}
+        self.family_of = {(f["regime"], f["shared_prefetch"]): f["name"] for f in families}
+        # family -> the family its holes fall back to (itself for a root family)
+        self.base_family = {f["name"]: f["base"] for f in families}
         # quant argument -> output profile
-        self.profile_of_quant = {q: p for p, q in self.manifest["axes"]["output_profile_quant"].items()}
+        self.profile_of_quant = {p["quant"]: p["name"] for p in self.manifest["axes"]["output_profiles"]}
 
 
 _lock = threading.Lock()
@@ -109,52 +115,51 @@ def params_struct() -> type:
 
 # ---- selection --------------------------------------------------------------------------
 
-# A boundary with no upper bound (the last regime a cell runs takes every larger T); the manifest
-# carries generator/tuning.py's ALL_TOKENS, restated here because the runtime never imports the generator.
-ALL_TOKENS = 2**31 - 1
+# The regime whose range a workspace's one-shot buffer caps (its oneshot_max_tokens).
+ONESHOT_REGIME = "oneshot"
+
 
 def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool,
                   oneshot_capacity: int) -> str:
-    """The family for a call, from the committed regime boundaries.
+    """The family for a call: the first regime of the manifest's ladder whose boundary in this
+    cell's committed boundaries T does not exceed, then its shared-expert variant.
 
     The token regime is chosen from T (the same on every rank); the shared-expert
     variant from a rank-local fact, so it must stay within the protocol class of
-    the regime's base family, which it does by construction (spec.PROTOCOL).
+    the regime's base family, which it does by construction (generator/spec.py).
+    A workspace built with a smaller one-shot buffer than the table's boundary caps
+    the one-shot range.
     """
-    ps = program_set()
-    bounds = ps.selection[(dtype, world_size, profile)]
-    # A workspace built with a smaller one-shot buffer than the table's boundary caps the one-shot range.
-    if tokens <= min(bounds["oneshot_max_tokens"], oneshot_capacity):
-        regime = "oneshot"
-    elif tokens <= bounds["early_max_tokens"]:
-        regime = "twoshot_early"
-    elif tokens <= bounds["twoshot_max_tokens"]:
-        regime = "twoshot"
-    elif tokens <= bounds["loads_max_tokens"]:
-        regime = "twoshot_pipelined_loads"
-    else:
-        regime = "twoshot_pipelined"
-    shared = ps.family_of.get((regime, True))
-    if has_shared and shared is not None and (shared, dtype, world_size, profile) in ps.cells:
+    generated = program_set()
+    bounds = generated.selection[(dtype, world_size, profile)]
+    for regime, max_tokens_field in generated.ladder:
+        if max_tokens_field is None:
+            break
+        max_tokens = bounds[max_tokens_field]
+        if regime == ONESHOT_REGIME:
+            max_tokens = min(max_tokens, oneshot_capacity)
+        if tokens <= max_tokens:
+            break
+    shared = generated.family_of.get((regime, True))
+    if has_shared and shared is not None and (shared, dtype, world_size, profile) in generated.cells:
         return shared
-    return ps.family_of[(regime, False)]
+    return generated.family_of[(regime, False)]
 
 
 def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
     """The program of a cell, falling back explicitly from a hole to the base family."""
-    cells = program_set().cells
-    seen = []
+    generated = program_set()
+    tried = []
     while True:
-        name = cells.get((family, dtype, world_size, profile))
+        name = generated.cells.get((family, dtype, world_size, profile))
         if name is not None:
             return name
-        seen.append(family)
-        base = program_set().manifest["axes"]["base_family"].get(family, family)
+        tried.append(family)
+        base = generated.base_family.get(family, family)
         if base == family:
-            raise ValueError(f"program: no program for {dtype} world size {world_size} profile {profile} "
-                             f"(tried families {seen})")
+            raise ValueError(f"program: no program for {dtype} world size {world_size} output profile {profile} "
+                             f"(tried families {tried})")
         family = base
-
 
 
 # ---- compilation ----------------------------------------------------------------------

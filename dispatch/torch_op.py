@@ -50,8 +50,8 @@ from typing import Optional
 
 import torch
 
-from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, profile_for_quant, fp8_scale_shape, \
-    scale_out_bytes
+from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, check_flag, check_scalar, check_unused, \
+    check_weight_bias, fp8_scale_shape, profile_for_quant, scale_out_bytes
 
 OP_NAME = "moe_ar::moe_finalize_allreduce"
 _HANDLE_ATTR = "_moe_ar_op_handle"
@@ -72,9 +72,9 @@ def workspace_handle(workspace) -> int:
     `workspace`: a dispatch.Workspace, or one rank of an EmulatedWorld (`world.workspaces[r]`).
     Raises ValueError for anything else (an EmulatedWorld itself holds one workspace per rank).
     """
-    h = getattr(workspace, _HANDLE_ATTR, None)
-    if h is not None and _registry.get(h) is workspace:
-        return h
+    handle = getattr(workspace, _HANDLE_ATTR, None)
+    if handle is not None and _registry.get(handle) is workspace:
+        return handle
     if type(workspace).__name__ == "EmulatedWorld":
         raise ValueError("workspace: an EmulatedWorld holds one workspace per rank; pass world.workspaces[r]")
     missing = [a for a in _WORKSPACE_ATTRS if not hasattr(workspace, a)]
@@ -82,10 +82,10 @@ def workspace_handle(workspace) -> int:
         raise ValueError(f"workspace: expected a dispatch.Workspace (or an EmulatedWorld rank), got "
                          f"{type(workspace).__name__} without {', '.join(missing)}")
     with _registry_lock:
-        h = next(_next_handle)
-        _registry[h] = workspace
-        setattr(workspace, _HANDLE_ATTR, h)
-    return h
+        handle = next(_next_handle)
+        _registry[handle] = workspace
+        setattr(workspace, _HANDLE_ATTR, handle)
+    return handle
 
 
 def workspace_from_handle(handle: int):
@@ -103,8 +103,8 @@ def workspace_from_handle(handle: int):
 def _as_handle(workspace) -> int:
     if isinstance(workspace, (int, torch.SymInt)) and not isinstance(workspace, bool):
         return workspace
-    h = getattr(workspace, _HANDLE_ATTR, None)  # a plain attribute read: no graph break under dynamo
-    return h if h is not None else workspace_handle(workspace)
+    handle = getattr(workspace, _HANDLE_ATTR, None)  # a plain attribute read: no graph break under dynamo
+    return handle if handle is not None else workspace_handle(workspace)
 
 
 # ---- the op ---------------------------------------------------------------------------------
@@ -137,12 +137,12 @@ def _moe_finalize_allreduce(
         routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output, eps=eps,
         weight_bias=weight_bias, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
         program=program, fp8_scale=fp8_scale, fp8_scale_layout=fp8_scale_layout, fp8_pow2_scales=fp8_pow2_scales)
-    dev = out.norm_out.device
+    device = out.norm_out.device
     quant_out, scale_out = out.quant_out, out.scale_out
     if quant_out is None:
-        quant_out = torch.empty((0,), dtype=torch.uint8, device=dev)
+        quant_out = torch.empty((0,), dtype=torch.uint8, device=device)
     if scale_out is None:
-        scale_out = torch.empty((0,), dtype=torch.float32 if quant == "fp8_tensor" else torch.uint8, device=dev)
+        scale_out = torch.empty((0,), dtype=torch.float32 if quant == "fp8_tensor" else torch.uint8, device=device)
     return out.norm_out, out.residual_out, quant_out, scale_out
 
 
@@ -159,7 +159,7 @@ def _meta_tensor(name, x, dtypes, ndim, device):
 
 
 def _check_shape(name, x, shape):
-    for i, (got, want) in enumerate(zip(x.shape, shape)):
+    for got, want in zip(x.shape, shape):
         torch._check_with(ValueError, got == want,
                           lambda: f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
 
@@ -169,62 +169,63 @@ def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permut
                                  expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None,
                                  eps=1e-6, weight_bias=0, quant=None, global_scale=None, launch_with_pdl=False,
                                  program=None, fp8_scale=None, fp8_scale_layout="row", fp8_pow2_scales=False):
-    res = _meta_tensor("residual_in", residual_in, (torch.float16, torch.bfloat16), 2, None)
-    D, dev = res.dtype, res.device
-    T, H = res.shape
+    residual = _meta_tensor("residual_in", residual_in, (torch.float16, torch.bfloat16), 2, None)
+    dtype, device = residual.dtype, residual.device
+    T, H = residual.shape
     if isinstance(workspace, int) and not isinstance(workspace, bool):
         ws = workspace_from_handle(workspace)
-        if ws.dtype != D:
-            raise ValueError(f"residual_in: dtype {D}, the workspace was made for {ws.dtype}")
-        if ws.device != dev:
-            raise ValueError(f"residual_in: on {dev}, expected the workspace's device {ws.device}")
+        if ws.dtype != dtype:
+            raise ValueError(f"residual_in: dtype {dtype}, the workspace was made for {ws.dtype}")
+        if ws.device != device:
+            raise ValueError(f"residual_in: on {device}, expected the workspace's device {ws.device}")
         if isinstance(H, int) and H != ws.hidden:
             raise ValueError(f"residual_in: hidden {H}, the workspace was made for hidden {ws.hidden}")
-    idx = _meta_tensor("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx, (torch.int32,), 2, dev)
+    idx = _meta_tensor("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx, (torch.int32,), 2, device)
     torch._check_with(ValueError, idx.shape[0] == T,
                       lambda: f"expanded_idx_to_permuted_idx: {idx.shape[0]} tokens, residual_in has {T}")
     K = idx.shape[1]
     if isinstance(K, int) and not 1 <= K <= MAX_TOP_K:
         raise ValueError(f"expanded_idx_to_permuted_idx: top_k {K} out of range 1..{MAX_TOP_K}")
-    x = _meta_tensor("allreduce_in", allreduce_in, (D,), 2, dev)
-    torch._check_with(ValueError, x.shape[1] == H,
-                      lambda: f"allreduce_in: hidden {x.shape[1]}, residual_in has hidden {H}")
-    torch._check_with(ValueError, x.shape[0] >= T * K,
-                      lambda: f"allreduce_in: {x.shape[0]} rows, fewer than tokens * top_k = {T} * {K}")
-    _check_shape("norm_weight", _meta_tensor("norm_weight", norm_weight, (D,), 1, dev), (H,))
+    routed = _meta_tensor("allreduce_in", allreduce_in, (dtype,), 2, device)
+    torch._check_with(ValueError, routed.shape[1] == H,
+                      lambda: f"allreduce_in: hidden {routed.shape[1]}, residual_in has hidden {H}")
+    torch._check_with(ValueError, routed.shape[0] >= T * K,
+                      lambda: f"allreduce_in: {routed.shape[0]} rows, fewer than tokens * top_k = {T} * {K}")
+    _check_shape("norm_weight", _meta_tensor("norm_weight", norm_weight, (dtype,), 1, device), (H,))
     if expert_scale_factor is not None:
-        s = _meta_tensor("expert_scale_factor", expert_scale_factor, (D, torch.float32), 2, dev)
-        _check_shape("expert_scale_factor", s, (T, K))
+        scale = _meta_tensor("expert_scale_factor", expert_scale_factor, (dtype, torch.float32), 2, device)
+        _check_shape("expert_scale_factor", scale, (T, K))
     if shared_expert_output is not None:
         _check_shape("shared_expert_output",
-                     _meta_tensor("shared_expert_output", shared_expert_output, (D,), 2, dev), (T, H))
+                     _meta_tensor("shared_expert_output", shared_expert_output, (dtype,), 2, device), (T, H))
     profile_for_quant(quant)  # ValueError naming quant unless the manifest has a profile for it
     if weight_bias not in (0, 1):
         raise ValueError(f"weight_bias: {weight_bias!r}, expected 0 or 1")
-    norm_out = res.new_empty((T, H))
-    residual_out = res.new_empty((T, H))
+    check_unused(quant, global_scale, fp8_scale, None, None, fp8_scale_layout, fp8_pow2_scales)
+    norm_out = residual.new_empty((T, H))
+    residual_out = residual.new_empty((T, H))
     if quant == "nvfp4":
         if global_scale is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
-        _check_shape("global_scale", _meta_tensor("global_scale", global_scale, (torch.float32,), 1, dev), (1,))
-        quant_out = res.new_empty((T, H // 2), dtype=torch.uint8)
-        scale_out = res.new_empty((scale_out_bytes(T, H),), dtype=torch.uint8)
+        _check_shape("global_scale", _meta_tensor("global_scale", global_scale, (torch.float32,), 1, device), (1,))
+        quant_out = residual.new_empty((T, H // 2), dtype=torch.uint8)
+        scale_out = residual.new_empty((scale_out_bytes(T, H),), dtype=torch.uint8)
     elif quant in ("fp8_group128", "fp8_tensor"):
         if fp8_scale_layout not in FP8_SCALE_LAYOUTS:
             raise ValueError(f"fp8_scale_layout: {fp8_scale_layout!r}, expected 'row' or 'column'")
-        quant_out = res.new_empty((T, H), dtype=torch.float8_e4m3fn)
+        quant_out = residual.new_empty((T, H), dtype=torch.float8_e4m3fn)
         if quant == "fp8_tensor":
             if fp8_scale is None:
                 raise ValueError("fp8_scale: required for quant='fp8_tensor' (a [1] float32 device tensor)")
-            _check_shape("fp8_scale", _meta_tensor("fp8_scale", fp8_scale, (torch.float32,), 1, dev), (1,))
-            scale_out = res.new_empty((0,), dtype=torch.float32)
+            _check_shape("fp8_scale", _meta_tensor("fp8_scale", fp8_scale, (torch.float32,), 1, device), (1,))
+            scale_out = residual.new_empty((0,), dtype=torch.float32)
         else:
             torch._check_with(ValueError, H % FP8_GROUP == 0,
                               lambda: f"quant: 'fp8_group128' needs hidden to be a multiple of {FP8_GROUP}, got {H}")
-            scale_out = res.new_empty(fp8_scale_shape(T, H, fp8_scale_layout), dtype=torch.float32)
+            scale_out = residual.new_empty(fp8_scale_shape(T, H, fp8_scale_layout), dtype=torch.float32)
     else:
-        quant_out = res.new_empty((0,), dtype=torch.uint8)
-        scale_out = res.new_empty((0,), dtype=torch.uint8)
+        quant_out = residual.new_empty((0,), dtype=torch.uint8)
+        scale_out = residual.new_empty((0,), dtype=torch.uint8)
     return norm_out, residual_out, quant_out, scale_out
 
 
@@ -259,6 +260,12 @@ def moe_finalize_allreduce_op(workspace, *, allreduce_in, expanded_idx_to_permut
     new tensors (no norm_out= etc.). Returns MoeFinalizeOutputs; quant_out and scale_out are
     None when quant is None, scale_out is None for quant="fp8_tensor".
     """
+    # The op's schema converts; a bool, a string or a NaN must be refused here, not converted.
+    check_scalar("routed_scaling_factor", routed_scaling_factor)
+    check_scalar("eps", eps, positive=True)
+    check_weight_bias(weight_bias)
+    check_flag("launch_with_pdl", launch_with_pdl)
+    check_flag("fp8_pow2_scales", fp8_pow2_scales)
     norm_out, residual_out, quant_out, scale_out = moe_finalize_allreduce_custom_op(
         _as_handle(workspace), allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
         expert_scale_factor, float(routed_scaling_factor), shared_expert_output, float(eps), int(weight_bias),

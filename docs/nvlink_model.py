@@ -131,7 +131,7 @@ def committed_oneshot_max_tokens() -> dict:
         return {}
     sel = json.loads(path.read_text()).get("selection", {}).get("boundaries", [])
     return {b["world_size"]: (b["oneshot_max_tokens"], b["source"].split(":")[0]) for b in sel
-            if b["dtype"] == "bf16" and b["profile"] == "110"}
+            if b["dtype"] == "bf16" and b["profile"] == "plain"}
 
 
 def mb(x: float) -> str:

@@ -16,11 +16,11 @@ PARAMS = (
     ("shared_in", "const void*", "c_void_p", "[T, H] dtype shared-expert partial, or null"),
     ("residual_in", "const void*", "c_void_p", "[T, H] dtype"),
     ("norm_weight", "const void*", "c_void_p", "[H] dtype RMSNorm gamma"),
-    ("quant_scale", "const float*", "c_void_p", "[1] fp32: NVFP4 global scale (111), FP8 per-tensor scale (fp8_tensor), else null"),
+    ("quant_scale", "const float*", "c_void_p", "[1] fp32: NVFP4 global scale (nvfp4), FP8 per-tensor scale (fp8_tensor), else null"),
     ("norm_out", "void*", "c_void_p", "[T, H] dtype"),
     ("residual_out", "void*", "c_void_p", "[T, H] dtype"),
-    ("quant_out", "void*", "c_void_p", "[T, H/2] uint8 packed E2M1 (111); [T, H] FP8 E4M3 (fp8_*); else null"),
-    ("scale_out", "void*", "c_void_p", "swizzled 128x4 E4M3 scales (111); fp32 group scales (fp8_group128); else null"),
+    ("quant_out", "void*", "c_void_p", "[T, H/2] uint8 packed E2M1 (nvfp4); [T, H] FP8 E4M3 (fp8_*); else null"),
+    ("scale_out", "void*", "c_void_p", "swizzled 128x4 E4M3 scales (nvfp4); fp32 group scales (fp8_group128); else null"),
     ("peer_buffers", "void*[8]", "c_void_p*8", "Lamport buffer base of every rank (3 rotating buffers each), by rank"),
     ("state", "unsigned*", "c_void_p", "this rank's device state words (call counter, extents, done counter)"),
     ("error", "unsigned*", "c_void_p", "host-mapped error words: code, phase, rank, bad-index count"),
@@ -50,11 +50,8 @@ REGISTERS_PER_SM = 65536  # sm_90 and sm_100
 # The row split the runtime picks per call (a workspace may fix one instead): up to
 # FEW_TOKENS_MAX tokens, FEW_TOKENS_VEC_PER_THREAD vectors a thread (more threads on a row, a
 # shorter critical path), above, MAX_VEC_PER_THREAD (the fewest threads, the most loads in flight a
-# thread: better once the GPU is full). Measured on 2x H200, H 7168, world size 2 (bench_results/
-# latency/), 2 vectors a thread against 4, us: plain 8.8 / 16.4 / 22.7 / 38.6 / 73.5 against
-# 9.4 / 18.0 / 24.2 / 39.7 / 72.0 at 16 / 128 / 256 / 512 / 1024 tokens; NVFP4 28.2 / 53.3 against
-# 29.1 / 52.2 and FP8-group 28.1 / 53.1 against 28.6 / 51.6 at 256 / 512. One boundary for every
-# profile (ranks that mix programs then still split rows alike): 256, where all three gain.
-# Every rank of a call has the same T, so every rank picks the same split.
+# thread: better once the GPU is full). One boundary for every profile, where plain, NVFP4 and
+# FP8-group all gain (bench_results/latency/), so ranks that mix programs still split rows alike;
+# every rank of a call has the same T, so every rank picks the same split.
 FEW_TOKENS_MAX = 256
 FEW_TOKENS_VEC_PER_THREAD = 2

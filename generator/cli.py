@@ -2,8 +2,9 @@
 
     gen-programs                 regenerate generated/
     gen-programs --check         fail (exit 1, with the diff) when generated/ is stale
-    gen-programs list [filters]  programs: name, protocol class, file
-    gen-programs tables          every family as a grid, holes and fallbacks shown
+    gen-programs list [filters]  programs: name, family, profile, protocol class, file
+    gen-programs tables          how program names spell families and profiles; every family
+                                 as a grid, holes and fallbacks shown; the selection boundaries
     gen-programs diff REV        table cells changed since git revision REV
     gen-programs compile [filters] [--arch A ...] [--jobs N]
                                  NVRTC-compile programs, print registers/spills
@@ -21,7 +22,7 @@ import time
 
 import click
 
-from . import locations, spec, tuning, verify
+from . import locations, spec, verify
 
 
 def _no_sources() -> click.ClickException:
@@ -60,7 +61,7 @@ def _manifest(generated: pathlib.Path) -> dict:
 
 def _filters(fn):
     fn = click.option("--profile", "profiles", multiple=True, type=click.Choice(spec.OUTPUT_PROFILES),
-                      help="Output profile (repeatable).")(fn)
+                      help=f"Output profile: the call's quant= value, {spec.PLAIN} for none (repeatable).")(fn)
     fn = click.option("--world-size", "world_sizes", multiple=True,
                       type=click.Choice([str(w) for w in spec.WORLD_SIZES]), help="World size (repeatable).")(fn)
     fn = click.option("--dtype", "dtypes", multiple=True, type=click.Choice(spec.DTYPES),
@@ -73,9 +74,9 @@ def _filters(fn):
 def _select(manifest: dict, families, dtypes, world_sizes, profiles) -> list[dict]:
     def keep(values, value):
         return not values or value in values
-    return [p for p in manifest["programs"]
-            if keep(families, p["family"]) and keep(dtypes, p["dtype"])
-            and keep(world_sizes, str(p["world_size"])) and keep(profiles, p["profile"])]
+    return [entry for entry in manifest["programs"]
+            if keep(families, entry["family"]) and keep(dtypes, entry["dtype"])
+            and keep(world_sizes, str(entry["world_size"])) and keep(profiles, entry["profile"])]
 
 
 def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> str:
@@ -94,11 +95,12 @@ def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> s
     lines = []
     for (family, reason, fallback), cells in groups.items():
         where = []  # the axes the filters named, and those on which these holes are a part of the cells asked for
-        for axis, label, given in (("dtype", "dtype", dtypes), ("world_size", "world size", world_sizes),
-                                   ("profile", "profile", profiles)):
-            values = sorted({str(c[axis]) for c in cells}, key=lambda v: (len(v), v))
-            asked = set(given) or {str(v) for v in manifest["axes"][f"{axis}s" if axis != "profile" else "output_profiles"]}
-            if given or set(values) != asked:
+        for axis, label, given, every in (("dtype", "dtype", dtypes, spec.DTYPES),
+                                          ("world_size", "world size", world_sizes, spec.WORLD_SIZES),
+                                          ("profile", "profile", profiles, spec.OUTPUT_PROFILES)):
+            order = [str(v) for v in every]
+            values = sorted({str(c[axis]) for c in cells}, key=order.index)
+            if given or set(values) != (set(given) or set(order)):
                 where.append(f"{label}{'s' if len(values) > 1 else ''} {'/'.join(values)}")
         at = f" at {', '.join(where)}" if where else ""
         lines.append(f"{family} has no program{at} (hole: {reason}); calls there run {fallback}")
@@ -106,10 +108,10 @@ def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> s
 
 
 def _print_rows(rows: list[tuple], header: tuple) -> None:
-    rows = [tuple(str(c) for c in header)] + [tuple(str(c) for c in r) for r in rows]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    rows = [tuple(str(cell) for cell in header)] + [tuple(str(cell) for cell in row) for row in rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -164,33 +166,43 @@ def main(ctx: click.Context, check: bool, out: pathlib.Path | None) -> None:
 @_filters
 @click.pass_context
 def list_programs(ctx, families, dtypes, world_sizes, profiles):
-    """List programs: name, protocol class, file (from generated/manifest.json)."""
+    """List programs: name, family, profile, protocol class, file (from generated/manifest.json)."""
     manifest = _manifest(_generated(ctx))
     programs = _select(manifest, families, dtypes, world_sizes, profiles)
     if not programs:
         raise click.ClickException(_none_selected(manifest, families, dtypes, world_sizes, profiles))
-    _print_rows([(p["name"], p["protocol_class"], f"generated/{p['file']}") for p in programs],
-                ("name", "protocol class", "file"))
+    _print_rows([(entry["name"], entry["family"], entry["profile"], entry["protocol_class"],
+                  f"generated/{entry['file']}") for entry in programs],
+                ("name", "family", "profile", "protocol class", "file"))
 
 
 @main.command()
 @click.pass_context
 def tables(ctx):
-    """Every family as a grid: rows dtype x world size, columns output profiles."""
+    """How names spell families and profiles; every family as a grid (rows dtype x world size,
+    columns output profiles); the selection boundaries."""
     manifest = _manifest(_generated(ctx))
     axes = manifest["axes"]
-    programs = {(p["family"], p["dtype"], p["world_size"], p["profile"]): p for p in manifest["programs"]}
-    holes = {(h["family"], h["dtype"], h["world_size"], h["profile"]): h for h in manifest["holes"]}
-    for family in axes["families"]:
-        click.echo(f"{family}  (tables/{family}.h, base {axes['base_family'][family]}, "
-                   f"protocol {axes['protocol'][family]})")
-        click.echo(f"  {axes['family_meaning'][family]}")
+    families, profiles = axes["families"], axes["output_profiles"]
+    profile_names = [profile["name"] for profile in profiles]
+    click.echo("program names: moe_ar_<family code>_<dtype>_ws<world size>_<profile code>")
+    _print_rows([("  " + family["code"], family["name"], family["title"]) for family in families],
+                ("  family code", "family", "what it is"))
+    _print_rows([("  " + profile["code"], profile["name"], "None" if profile["quant"] is None else profile["quant"])
+                 for profile in profiles], ("  profile code", "output profile", "quant="))
+    click.echo()
+    programs = {_cell(entry): entry for entry in manifest["programs"]}
+    holes = {_cell(hole): hole for hole in manifest["holes"]}
+    for family in families:
+        name = family["name"]
+        click.echo(f"{name}  (tables/{name}.h, base {family['base']}, protocol {family['protocol']})")
+        click.echo(f"  {family['meaning']}")
         rows, reasons = [], {}
         for dtype in axes["dtypes"]:
-            for ws in axes["world_sizes"]:
-                row = [f"{dtype} ws{ws}"]
-                for profile in axes["output_profiles"]:
-                    key = (family, dtype, ws, profile)
+            for world_size in axes["world_sizes"]:
+                row = [f"  {dtype} ws{world_size}"]
+                for profile in profile_names:
+                    key = (name, dtype, world_size, profile)
                     if key in programs:
                         row.append(programs[key]["name"])
                     else:
@@ -198,30 +210,32 @@ def tables(ctx):
                         mark = reasons.setdefault(hole["reason"], f"[{len(reasons) + 1}]")
                         row.append(f"-- hole{mark} -> {hole['fallback_family']}")
                 rows.append(row)
-        header = ["  "] + [spec.profile_tag(p) for p in axes["output_profiles"]]
-        rows = [["  " + r[0], *r[1:]] for r in rows]
-        _print_rows(rows, tuple(header))
+        _print_rows(rows, ("  ", *profile_names))
         for reason, mark in reasons.items():
             click.echo(f"  hole{mark}: {reason}")
         click.echo()
-    sel = manifest["selection"]
-    click.echo(f"selection ({sel['table']}, source: {sel['source']}): "
-               "oneshot_max_tokens / early_max_tokens / twoshot_max_tokens / loads_max_tokens (all: no bound)")
-    click.echo(f"  {sel['rule']}")
-    bounds = {(b["dtype"], b["world_size"], b["profile"]): b for b in sel["boundaries"]}
+    selection = manifest["selection"]
+    fields = [field for _regime, field in selection["ladder"] if field is not None]
+    click.echo(f"selection ({selection['table']}, source: {selection['source']}): "
+               f"{' / '.join(fields)} (all: no bound)")
+    click.echo(f"  {selection['rule']}")
+    bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in selection["boundaries"]}
     rows = []
     for dtype in axes["dtypes"]:
-        for ws in axes["world_sizes"]:
-            row = [f"  {dtype} ws{ws}"]
-            for profile in axes["output_profiles"]:
-                b = bounds[(dtype, ws, profile)]
-                mark = "" if b["source"].startswith("measured") else " (model)"
-                shown = ["all" if b[k] == tuning.ALL_TOKENS else str(b[k])
-                         for k in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens")]
+        for world_size in axes["world_sizes"]:
+            row = [f"  {dtype} ws{world_size}"]
+            for profile in profile_names:
+                cell = bounds[(dtype, world_size, profile)]
+                mark = "" if cell["source"].startswith("measured") else " (model)"
+                shown = ["all" if cell[field] == selection["all_tokens"] else str(cell[field]) for field in fields]
                 row.append(" / ".join(shown) + mark)
             rows.append(row)
-    _print_rows(rows, tuple(["  "] + [spec.profile_tag(p) for p in axes["output_profiles"]]))
+    _print_rows(rows, ("  ", *profile_names))
     click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
+
+
+def _cell(entry: dict) -> tuple:
+    return (entry["family"], entry["dtype"], entry["world_size"], entry["profile"])
 
 
 @main.command()
@@ -272,42 +286,43 @@ def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs):
         cuda_env.include_dir(cuda_env.load_nvrtc()[1][0])
     except cuda_env.MissingToolchain as e:
         raise click.ClickException(str(e)) from None
-    symbols = {p["name"]: p["symbol"] for p in programs}
-    budgets = {p["name"]: nvrtc_build.spill_budget(p["register_cap"]) for p in programs}
+    symbols = {entry["name"]: entry["symbol"] for entry in programs}
+    budgets = {entry["name"]: nvrtc_build.spill_budget(entry["register_cap"]) for entry in programs}
     total = len(programs) * len(archs)
     start = time.perf_counter()
     with click.progressbar(length=total, label=f"compiling {total} (program, arch) with {jobs} jobs",
                            file=sys.stderr) as bar:
-        results = nvrtc_build.compile_programs(generated, [p["name"] for p in programs], archs, jobs,
+        results = nvrtc_build.compile_programs(generated, [entry["name"] for entry in programs], archs, jobs,
                                                progress=lambda _key: bar.update(1))
     wall = time.perf_counter() - start
     failed, warned = [], []
     rows = []
-    for r in results:
-        budget = budgets[r.program]
-        issues = nvrtc_build.problems(r, symbols[r.program], budget)
+    for result in results:
+        budget = budgets[result.program]
+        issues = nvrtc_build.problems(result, symbols[result.program], budget)
         if issues:
-            failed.append((r, issues))
-        elif nvrtc_build.warnings(r, budget):
-            warned.append(r)
-        entry = next((e for e in r.entries if e.function == symbols[r.program]), None)
-        rows.append((r.program, r.arch, entry.registers if entry else "-",
-                     entry.spill_store_bytes if entry else "-", entry.spill_load_bytes if entry else "-",
-                     entry.stack_bytes if entry else "-", r.cubin_bytes or "-", f"{r.seconds:.2f}",
-                     "FAIL" if issues else f"ok, {len(nvrtc_build.warnings(r, budget))} warnings" if r in warned else "ok"))
+            failed.append((result, issues))
+        elif nvrtc_build.warnings(result, budget):
+            warned.append(result)
+        kernel = next((e for e in result.entries if e.function == symbols[result.program]), None)
+        status = ("FAIL" if issues else f"ok, {len(nvrtc_build.warnings(result, budget))} warnings"
+                  if result in warned else "ok")
+        rows.append((result.program, result.arch, kernel.registers if kernel else "-",
+                     kernel.spill_store_bytes if kernel else "-", kernel.spill_load_bytes if kernel else "-",
+                     kernel.stack_bytes if kernel else "-", result.cubin_bytes or "-", f"{result.seconds:.2f}",
+                     status))
     _print_rows(rows, ("program", "arch", "registers", "spill st", "spill ld", "stack", "cubin bytes",
                        "seconds", "status"))
-    for r in warned:
-        click.echo(f"\n==== {r.program} {r.arch}: warnings", err=True)
-        click.echo("\n".join(nvrtc_build.warnings(r, budgets[r.program])), err=True)
-    for r, issues in failed:
-        click.echo(f"\n==== {r.program} {r.arch}: {'; '.join(issues)}", err=True)
-        click.echo(r.log.rstrip(), err=True)
+    for result in warned:
+        click.echo(f"\n==== {result.program} {result.arch}: warnings", err=True)
+        click.echo("\n".join(nvrtc_build.warnings(result, budgets[result.program])), err=True)
+    for result, issues in failed:
+        click.echo(f"\n==== {result.program} {result.arch}: {'; '.join(issues)}", err=True)
+        click.echo(result.log.rstrip(), err=True)
     click.echo(f"{len(results) - len(failed)}/{len(results)} compiled clean in {wall:.1f} s "
-               f"({sum(r.seconds for r in results):.1f} s of compile time, {jobs} jobs)")
+               f"({sum(result.seconds for result in results):.1f} s of compile time, {jobs} jobs)")
     if failed:
         ctx.exit(1)
-
 
 if __name__ == "__main__":
     main()

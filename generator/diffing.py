@@ -2,8 +2,10 @@
 
 Compares two manifests cell by cell (family x dtype x world size x profile):
 a program that appeared or vanished, a program whose compiled code changed
-(code_sha256, or the file's sha256 for manifests without it), and selection
-boundaries that moved. Also whole-table facts: body, parameter plan, targets.
+(code_sha256: its tokens and the body's, comments and layout aside), and
+selection boundaries that moved. Also whole-table facts: body, parameter plan,
+targets. The revision's code hashes are computed afresh from its files, so a
+change in how the hash is defined never shows as a code change.
 """
 from __future__ import annotations
 
@@ -11,10 +13,61 @@ import json
 import subprocess
 
 from . import spec, tuning
+from .code_hash import code_sha256
+
+# Manifests of format 1 called the first two profiles by their numeric codes.
+_FORMAT1_PROFILES = {"110": spec.PLAIN, "111": "nvfp4"}
+
+
+def _git_files(rev: str, root, paths: list[str]) -> dict[str, bytes]:
+    """{path: bytes} of the files at rev (one `git cat-file --batch`); a missing one is left out."""
+    batch = "".join(f"{rev}:{path}\n" for path in paths).encode()
+    out = subprocess.run(["git", "cat-file", "--batch"], cwd=root, input=batch, capture_output=True, check=True).stdout
+    files, offset = {}, 0
+    for path in paths:
+        end = out.index(b"\n", offset)
+        header = out[offset:end].split()
+        offset = end + 1
+        if header[-1] == b"missing":
+            continue
+        size = int(header[2])
+        files[path] = out[offset:offset + size]
+        offset += size + 1
+    return files
+
+
+def _with_todays_code_hashes(manifest: dict, rev: str, root, generated: str) -> dict:
+    """The manifest with every code_sha256 computed from rev's files as generator/render.py does today."""
+    body = manifest.get("body")
+    if body is None:
+        return manifest
+    entries = manifest["programs"]
+    files = _git_files(rev, root, [f"{generated}/{rel}" for rel in [body["file"], *(e["file"] for e in entries)]])
+    body_text = files.get(f"{generated}/{body['file']}")
+    if body_text is None:
+        return manifest
+    body_text = body_text.decode("utf-8")
+    body["code_sha256"] = code_sha256(body_text)
+    for entry in entries:
+        text = files.get(f"{generated}/{entry['file']}")
+        if text is not None:
+            entry["code_sha256"] = code_sha256(text.decode("utf-8"), body_text)
+    return manifest
+
+
+def _with_profile_names(manifest: dict) -> dict:
+    """A format-1 manifest with its profiles called by name, as today's are."""
+    if manifest.get("format", 1) >= 2:
+        return manifest
+    for entry in [*manifest.get("programs", []), *manifest.get("holes", []),
+                  *manifest.get("selection", {}).get("boundaries", [])]:
+        entry["profile"] = _FORMAT1_PROFILES.get(entry["profile"], entry["profile"])
+    return manifest
 
 
 def manifest_at(rev: str, root, path: str = "generated/manifest.json") -> dict | None:
-    """The manifest committed at `rev`, or None where that revision has none."""
+    """The manifest committed at `rev` (code hashes recomputed, profiles by name), or None where
+    that revision has none."""
     try:
         subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=root,
                        check=True, capture_output=True)
@@ -23,7 +76,8 @@ def manifest_at(rev: str, root, path: str = "generated/manifest.json") -> dict |
     shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True)
     if shown.returncode != 0:
         return None
-    return json.loads(shown.stdout)
+    manifest = _with_profile_names(json.loads(shown.stdout))
+    return _with_todays_code_hashes(manifest, rev, root, path.rsplit("/", 1)[0])
 
 
 def _cell_key(entry: dict) -> tuple:
@@ -31,12 +85,17 @@ def _cell_key(entry: dict) -> tuple:
 
 
 def _label(key: tuple) -> str:
-    family, dtype, ws, profile = key
-    return f"{family} {dtype} ws{ws} {spec.profile_tag(profile)}"
+    family, dtype, world_size, profile = key
+    return f"{family} {dtype} ws{world_size} {profile}"
 
 
 def _code_hash(entry: dict) -> str:
     return entry.get("code_sha256", entry["sha256"])
+
+
+def _shown_bound(value) -> str:
+    """A boundary as `tables` prints it; a manifest from before a field existed has none."""
+    return "absent" if value is None else "all" if value == tuning.ALL_TOKENS else str(value)
 
 
 def diff_manifests(old: dict | None, new: dict) -> list[str]:
@@ -61,29 +120,31 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             lines.append(f"~ {_label(key)}: program changed, {after['name']} "
                          f"code sha256 {_code_hash(before)[:12]} -> {_code_hash(after)[:12]}")
     for key in sorted(set(old_holes) & set(new_holes)):
-        a, b = old_holes[key], new_holes[key]
-        if (a["reason"], a["fallback_family"]) != (b["reason"], b["fallback_family"]):
-            lines.append(f"~ {_label(key)}: hole now falls back to {b['fallback_family']} ({b['reason']}), "
-                         f"was {a['fallback_family']} ({a['reason']})")
+        before, after = old_holes[key], new_holes[key]
+        if (before["reason"], before["fallback_family"]) != (after["reason"], after["fallback_family"]):
+            lines.append(f"~ {_label(key)}: hole now falls back to {after['fallback_family']} ({after['reason']}), "
+                         f"was {before['fallback_family']} ({before['reason']})")
 
-    def bounds(m):
-        return {(b["dtype"], b["world_size"], b["profile"]): b for b in m["selection"]["boundaries"]}
+    def boundaries(manifest):
+        return {(b["dtype"], b["world_size"], b["profile"]): b for b in manifest["selection"]["boundaries"]}
 
-    old_b, new_b = bounds(old), bounds(new)
-    for key in sorted(set(old_b) | set(new_b)):
-        dtype, ws, profile = key
-        label = f"selection {dtype} ws{ws} {spec.profile_tag(profile)}"
-        a, b = old_b.get(key), new_b.get(key)
-        if a is None or b is None:
-            lines.append(f"{'+' if a is None else '-'} {label}: {'added' if a is None else 'removed'}")
+    old_bounds, new_bounds = boundaries(old), boundaries(new)
+    for key in sorted(set(old_bounds) | set(new_bounds)):
+        dtype, world_size, profile = key
+        label = f"selection {dtype} ws{world_size} {profile}"
+        before, after = old_bounds.get(key), new_bounds.get(key)
+        if before is None or after is None:
+            lines.append(f"{'+' if before is None else '-'} {label}: {'added' if before is None else 'removed'}")
             continue
-        def shown(value):  # a manifest from before a field existed has none
-            return "absent" if value is None else "all" if value == tuning.ALL_TOKENS else value
-        for field in ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens"):
-            if a.get(field) != b.get(field):
-                lines.append(f"~ {label}: {field} {shown(a.get(field))} -> {shown(b.get(field))}")
+        for field in spec.BOUNDARY_FIELDS:
+            if before.get(field) != after.get(field):
+                lines.append(f"~ {label}: {field} {_shown_bound(before.get(field))} -> "
+                             f"{_shown_bound(after.get(field))}")
     if old.get("selection", {}).get("source") not in (None, new["selection"]["source"]):
         lines.append(f"~ selection source: {old['selection']['source']} -> {new['selection']['source']}")
+    if old.get("selection", {}).get("ladder") not in (None, new["selection"]["ladder"]):
+        lines.append(f"~ regime ladder: {json.dumps(old['selection']['ladder'])} -> "
+                     f"{json.dumps(new['selection']['ladder'])}")
     if "body" in old and _code_hash(old["body"]) != _code_hash(new["body"]):
         lines.append(f"~ kernel body {new['body']['file']} changed "
                      f"(code sha256 {_code_hash(old['body'])[:12]} -> {_code_hash(new['body'])[:12]})")

@@ -19,8 +19,8 @@ from .spec import ProgramSpec
 class Hole:
     spec: ProgramSpec
     reason: str
-    # The family whose program runs in this cell instead: the first family along
-    # spec.BASE_FAMILY that has this cell. Same protocol class by construction.
+    # The family whose program runs in this cell instead: the first family along the chain of
+    # base families that has this cell. Same protocol class by construction.
     fallback_family: str
 
 
@@ -41,17 +41,18 @@ class Enumeration:
 
 def _fallback(cell: ProgramSpec, is_supported: Callable[[ProgramSpec], bool]) -> str:
     family = cell.family
+    protocol = spec.FAMILY_BY_NAME[family].protocol
     seen = [family]
     while True:
-        base = spec.BASE_FAMILY[family]
+        base = spec.FAMILY_BY_NAME[family].base
         if base == family:
             raise ValueError(
                 f"policy: {cell.name} is a hole in root family {family!r}, so selection has nothing "
                 f"to fall back to (tried {' -> '.join(seen)}); a root family must cover every cell")
-        if spec.PROTOCOL[base] != spec.PROTOCOL[cell.family]:
+        if spec.FAMILY_BY_NAME[base].protocol != protocol:
             raise ValueError(
-                f"spec: family {cell.family!r} ({spec.PROTOCOL[cell.family]}) falls back to {base!r} "
-                f"({spec.PROTOCOL[base]}); a fallback must run the same exchange protocol")
+                f"spec: family {cell.family!r} ({protocol}) falls back to {base!r} "
+                f"({spec.FAMILY_BY_NAME[base].protocol}); a fallback must run the same exchange protocol")
         seen.append(base)
         family = base
         if is_supported(dataclasses.replace(cell, family=base)):

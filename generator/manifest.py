@@ -10,7 +10,7 @@ import json
 
 from . import abi, spec
 from .enumeration import Enumeration
-from .tuning import Selection
+from .tuning import ALL_TOKENS, Selection
 from .verify import FORMAT, sha256_bytes
 
 # How a program is launched; the runtime computes the numbers from H, T and the
@@ -25,11 +25,12 @@ LAUNCH = {
     "dynamic_smem": "row_stages * H * (bytes of the dtype) + 128 where row_stages > 0 (the row ring), else 0",
 }
 
-SELECTION_RULE = ("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; "
-                  "T <= twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads; "
-                  "else twoshot_pipelined; "
-                  "then the shared-expert variant where the rank has a shared operand; a hole falls back "
-                  "to its fallback_family")
+
+def selection_rule() -> str:
+    """The ladder in words (the manifest's `selection.rule`, the selection table's comment)."""
+    rungs = [f"T <= {regime.max_tokens_field}: {regime.name}" for regime in spec.LADDER[:-1]]
+    return ("; ".join(rungs) + f"; else {spec.LADDER[-1].name}; then the shared-expert variant where the rank "
+            "has a shared operand; a hole falls back to its fallback_family")
 
 
 def dumps(obj) -> str:
@@ -44,10 +45,12 @@ def _file_entry(rel: str, data: bytes) -> dict:
 def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha256: dict,
           generated_info: dict, body_file: str, table_files: dict, selection_file: str) -> dict:
     """files: relative path -> bytes of every other generated file.
-    code_sha256: program name (and body_file) -> sha256 of its text without the generated header,
-    for a program the program text plus the body: it changes exactly when compiled code may."""
+    code_sha256: program name (and body_file) -> generator.code_hash.code_sha256 of what it
+    compiles (for a program, its text and the body's): it changes exactly when compiled code may."""
     programs = []
     for program in sorted(enumeration.programs, key=lambda s: s.name):
+        family = spec.FAMILY_BY_NAME[program.family]
+        regime = spec.REGIME_BY_NAME[family.regime]
         programs.append({
             **_file_entry(program.file_name, files[program.file_name]),
             "name": program.name,
@@ -58,14 +61,14 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
             "profile": program.profile,
             "protocol_class": program.protocol_class,
             "base_family": program.base_family,
-            "regime": spec.FAMILY_REGIME[program.family][0],
-            "shared_prefetch": spec.FAMILY_REGIME[program.family][1],
-            "sliced_units": spec.FAMILY_REGIME[program.family][0] in spec.SLICED_REGIMES,
-            "column_units": spec.FAMILY_REGIME[program.family][0] in spec.COLUMN_REGIMES,
-            "outputs": ["norm_out", "residual_out", *spec.PROFILE_EXTRA_OUTPUTS[program.profile]],
+            "regime": regime.name,
+            "shared_prefetch": family.shared_prefetch,
+            "sliced_units": regime.work_unit == "slice",
+            "column_units": regime.work_unit == "column",
+            "outputs": ["norm_out", "residual_out", *spec.PROFILE_BY_NAME[program.profile].extra_outputs],
             "launch": LAUNCH,
-            "register_cap": spec.register_cap(program.family, program.world_size, program.profile),
-            "row_stages": spec.row_stages(program.family, program.profile),
+            "register_cap": spec.register_cap(program.family, program.world_size),
+            "row_stages": spec.row_stages(program.family),
             "params": "param_plan",
             "code_sha256": code_sha256[program.name],
         })
@@ -73,26 +76,23 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
         "family": h.spec.family, "dtype": h.spec.dtype, "world_size": h.spec.world_size,
         "profile": h.spec.profile, "reason": h.reason, "fallback_family": h.fallback_family,
     } for h in enumeration.holes]
-    boundaries = [{
-        "dtype": dtype, "world_size": ws, "profile": profile,
-        "oneshot_max_tokens": b.oneshot_max_tokens, "early_max_tokens": b.early_max_tokens,
-        "twoshot_max_tokens": b.twoshot_max_tokens, "loads_max_tokens": b.loads_max_tokens, "source": b.source,
-    } for (dtype, ws, profile), b in selection.boundaries.items()]
+    boundaries = [{"dtype": dtype, "world_size": world_size, "profile": profile, **cell.by_field(),
+                   "source": cell.source}
+                  for (dtype, world_size, profile), cell in selection.boundaries.items()]
     return {
         "_generated": generated_info,
         "format": FORMAT,
         "axes": {
             "dtypes": list(spec.DTYPES),
             "world_sizes": list(spec.WORLD_SIZES),
-            "output_profiles": list(spec.OUTPUT_PROFILES),
-            "families": list(spec.FAMILIES),
             "table_index": ["dtype", "world_size", "profile"],
-            "output_profile_meaning": dict(spec.OUTPUT_PROFILE_MEANING),
-            "output_profile_quant": dict(spec.PROFILE_QUANT),
-            "family_meaning": dict(spec.FAMILY_MEANING),
-            "base_family": dict(spec.BASE_FAMILY),
-            "family_regime": {f: {"regime": r, "shared_prefetch": sp} for f, (r, sp) in spec.FAMILY_REGIME.items()},
-            "protocol": dict(spec.PROTOCOL),
+            # Records in table order; program names spell a family and a profile by its `code`.
+            "output_profiles": [{"name": p.name, "quant": p.quant, "code": p.code, "meaning": p.meaning,
+                                 "outputs": ["norm_out", "residual_out", *p.extra_outputs]}
+                                for p in spec.PROFILE_BY_NAME.values()],
+            "families": [{"name": f.name, "code": f.code, "title": f.title, "meaning": f.meaning, "base": f.base,
+                          "protocol": f.protocol, "regime": f.regime, "shared_prefetch": f.shared_prefetch}
+                         for f in spec.FAMILY_BY_NAME.values()],
         },
         "body": {**_file_entry(body_file, files[body_file]), "code_sha256": code_sha256[body_file]},
         "param_plan": [[name, ctype, ctypes] for name, ctype, ctypes, _ in abi.PARAMS],
@@ -108,7 +108,11 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
         "compile_options": list(spec.COMPILE_OPTIONS),
         "selection": {
             "source": selection.source,
-            "rule": SELECTION_RULE,
+            "rule": selection_rule(),
+            # The regime ladder: a call runs the first regime whose boundary field's value T does
+            # not exceed (null: the last rung, every larger T).
+            "ladder": [[regime.name, regime.max_tokens_field] for regime in spec.LADDER],
+            "all_tokens": ALL_TOKENS,
             "table": selection_file,
             "boundaries": boundaries,
         },

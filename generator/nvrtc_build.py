@@ -58,19 +58,19 @@ def parse_ptxas_log(log: str) -> tuple[EntryStats, ...]:
                                       current.get("st", 0), current.get("ld", 0)))
 
     for line in log.splitlines():
-        m = _ENTRY_RE.search(line)
-        if m:
+        match = _ENTRY_RE.search(line)
+        if match:
             flush()
-            current = {"name": m.group(1)}
+            current = {"name": match.group(1)}
             continue
         if current is None:
             continue
-        m = _FRAME_RE.search(line)
-        if m and "stack" not in current:
-            current["stack"], current["st"], current["ld"] = (int(g) for g in m.groups())
-        m = _REGS_RE.search(line)
-        if m and "regs" not in current:
-            current["regs"] = int(m.group(1))
+        match = _FRAME_RE.search(line)
+        if match and "stack" not in current:
+            current["stack"], current["st"], current["ld"] = (int(g) for g in match.groups())
+        match = _REGS_RE.search(line)
+        if match and "regs" not in current:
+            current["regs"] = int(match.group(1))
     flush()
     return tuple(entries)
 

@@ -2,13 +2,13 @@
 
 A cell (family, dtype, world size, profile) is generated unless a rule below
 makes it a hole. Selection falls back from a hole to the family's base family
-(spec.BASE_FAMILY). A later step drives this from committed benchmark results.
+(its Family record's `base`).
 """
 from __future__ import annotations
 
-from .spec import PIPELINED_LOADS, ProgramSpec
+from .spec import PROFILE_BY_NAME, ProgramSpec
 
-# (family, reason it is not generated) -> predicate over the other axes.
+# (family, reason it is not generated, predicate over the cell).
 # Reasons are printed by `gen-programs tables` next to each hole.
 HOLE_RULES = (
     ("twoshot_shared", "no shared-expert prefetch at world size 2 (one-shot covers most of its range)",
@@ -23,16 +23,16 @@ HOLE_RULES = (
      lambda s: s.world_size != 2),
     ("twoshot_pipelined_loads", "the row ring (twoshot_pipelined) was faster at every measured T "
                                 "(bench_results/pipelined/row_ring/)",
-     lambda s: s.profile not in PIPELINED_LOADS),
+     lambda s: PROFILE_BY_NAME[s.profile].pipelined_loads is None),
 )
 
 
-def hole_reason(spec: ProgramSpec) -> str | None:
+def hole_reason(cell: ProgramSpec) -> str | None:
     for family, reason, rule in HOLE_RULES:
-        if spec.family == family and rule(spec):
+        if cell.family == family and rule(cell):
             return reason
     return None
 
 
-def is_supported(spec: ProgramSpec) -> bool:
-    return hole_reason(spec) is None
+def is_supported(cell: ProgramSpec) -> bool:
+    return hole_reason(cell) is None

@@ -5,8 +5,10 @@ written. `write_tree` writes only files whose bytes changed and removes stale
 ones; `compare_tree` is the `--check` gate.
 
 Every file starts with a do-not-edit header naming its template, the generator
-and `inputs sha256`: a hash over the relative paths and contents of
-generator/*.py and templates/* (never absolute paths, never timestamps).
+and how to regenerate it. Only the manifest carries `inputs_sha256` (a hash over
+the relative paths and contents of every input: generator/*.py, templates/*, the
+benchmark results; never absolute paths, never timestamps), so an input change
+that renders the same text rewrites the manifest alone.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import tempfile
 import jinja2
 
 from . import abi, manifest, spec, tuning
+from .code_hash import code_sha256
 from .enumeration import Enumeration, enumerate_programs
 from .verify import MANIFEST_NAME, REGENERATE
 
@@ -42,11 +45,12 @@ def table_file(family: str) -> str:
 # ---- inputs -------------------------------------------------------------------------
 
 def _inputs(root: pathlib.Path) -> dict[str, pathlib.Path]:
-    """Repo-relative POSIX path -> file, of everything that decides the output. The code is this
-    generator's own (a checkout's generator/, or an installed wheel's, with the same files); the
-    templates and the benchmark are under root (a checkout, or the installed moe_ar_data)."""
+    """Repo-relative POSIX path -> file, of everything that decides the output: the code (root's
+    generator/; under an installed wheel's moe_ar_data, which has none, this generator's own files,
+    the same ones), the templates and the benchmark under root."""
     root = pathlib.Path(root)
-    found = {f"generator/{p.name}": p for p in pathlib.Path(__file__).resolve().parent.glob("*.py") if p.is_file()}
+    code = root / "generator" if (root / "generator").is_dir() else pathlib.Path(__file__).resolve().parent
+    found = {f"generator/{p.name}": p for p in code.glob("*.py") if p.is_file()}
     found.update((p.relative_to(root).as_posix(), p) for p in (root / "templates").rglob("*")
                  if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
                                             for part in p.relative_to(root).parts))
@@ -70,9 +74,8 @@ def inputs_sha256(root: pathlib.Path) -> str:
     return h.hexdigest()
 
 
-def cpp_header(template: str, inputs: str) -> str:
+def cpp_header(template: str) -> str:
     return (f"// GENERATED FILE, DO NOT EDIT: written by {GENERATOR} from templates/{template}.\n"
-            f"// inputs sha256: {inputs}\n"
             f"// To change it, edit the template or generator/ and run `gen-programs`.\n")
 
 
@@ -139,8 +142,8 @@ class Result:
     inputs_sha256: str
 
 
-def _cell_label(dtype: str, ws: int, profile: str) -> str:
-    return f"{dtype} ws{ws} {spec.profile_tag(profile)}"
+def _cell_label(dtype: str, world_size: int, profile: str) -> str:
+    return f"{dtype} ws{world_size} {profile}"
 
 
 def _index_comment() -> str:
@@ -149,28 +152,28 @@ def _index_comment() -> str:
             f"[output profile: {', '.join(spec.OUTPUT_PROFILES)}]")
 
 
-def _family_table_context(family: str, enumeration: Enumeration) -> dict:
+def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict:
     rows = []
     for dtype in spec.DTYPES:
         worlds = []
-        for ws in spec.WORLD_SIZES:
+        for world_size in spec.WORLD_SIZES:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
-                cell = enumeration.cell(spec.ProgramSpec(family, dtype, ws, profile))
-                label = _cell_label(dtype, ws, profile)
+                cell = enumeration.cell(spec.ProgramSpec(family.name, dtype, world_size, profile))
+                label = _cell_label(dtype, world_size, profile)
                 if isinstance(cell, spec.ProgramSpec):
                     entries.append({"value": f'"{cell.symbol}"', "comment": label})
                 else:
                     entries.append({"value": "nullptr",
                                     "comment": f"{label} hole -> {cell.fallback_family}: {cell.reason}"})
-            worlds.append({"label": f"{dtype} ws{ws}", "entries": entries})
+            worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
     return {
-        "family": family,
-        "array": f"k{spec.FAMILY_CAMEL[family]}Kernels",
-        "meaning": spec.FAMILY_MEANING[family],
-        "base_family": spec.BASE_FAMILY[family],
-        "protocol": spec.PROTOCOL[family],
+        "family": family.name,
+        "array": f"k{family.cpp_name}Kernels",
+        "meaning": family.meaning,
+        "base_family": family.base,
+        "protocol": family.protocol,
         "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
         "index_comment": _index_comment(),
         "rows": rows,
@@ -181,19 +184,20 @@ def _selection_context(selection: tuning.Selection) -> dict:
     rows = []
     for dtype in spec.DTYPES:
         worlds = []
-        for ws in spec.WORLD_SIZES:
+        for world_size in spec.WORLD_SIZES:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
-                b = selection.boundaries[(dtype, ws, profile)]
-                bounds = [b.oneshot_max_tokens, b.early_max_tokens, b.twoshot_max_tokens, b.loads_max_tokens]
-                shown = ", ".join("kAllTokens" if x == tuning.ALL_TOKENS else str(x) for x in bounds)
+                cell = selection.boundaries[(dtype, world_size, profile)]
+                shown = ", ".join("kAllTokens" if bound == tuning.ALL_TOKENS else str(bound)
+                                  for bound in cell.max_tokens)
                 entries.append({"value": f"{{{shown}}}",
-                                "comment": f"{_cell_label(dtype, ws, profile)}: {b.source}"})
-            worlds.append({"label": f"{dtype} ws{ws}", "entries": entries})
+                                "comment": f"{_cell_label(dtype, world_size, profile)}: {cell.source}"})
+            worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
     return {
         "source": selection.source,
-        "rule": manifest.SELECTION_RULE,
+        "rule": manifest.selection_rule(),
+        "fields": spec.BOUNDARY_FIELDS,
         "all_tokens": tuning.ALL_TOKENS,
         "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
         "index_comment": _index_comment(),
@@ -203,7 +207,7 @@ def _selection_context(selection: tuning.Selection) -> dict:
 
 def register_bound(program: spec.ProgramSpec) -> str:
     """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP)."""
-    cap = spec.register_cap(program.family, program.world_size, program.profile)
+    cap = spec.register_cap(program.family, program.world_size)
     if cap is None:
         return f"__launch_bounds__({abi.MAX_THREADS})"
     # __maxnreg__ and __launch_bounds__ exclude each other; the cap must still let a block of
@@ -230,41 +234,42 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                   max_world_size=abi.MAX_WORLD_SIZE,
                   max_vec_per_thread=abi.MAX_VEC_PER_THREAD,
                   max_threads=abi.MAX_THREADS)
-    out.add(BODY_FILE, cpp_header(BODY_TEMPLATE, inputs) + body)
-    code_sha256 = {BODY_FILE: hashlib.sha256(body.encode("utf-8")).hexdigest()}
+    out.add(BODY_FILE, cpp_header(BODY_TEMPLATE) + body)
+    # What the compiled code depends on, comments and layout aside: the body, and for a program
+    # its own text and the body's.
+    code_hashes = {BODY_FILE: code_sha256(body)}
 
     body_name = pathlib.PurePosixPath(BODY_FILE).name
     for program in enumeration.programs:
-        regime, prefetch = spec.FAMILY_REGIME[program.family]
-        regime_cpp, shared_prefetch = spec.REGIME_CPP[regime], "true" if prefetch else "false"
+        family = spec.FAMILY_BY_NAME[program.family]
+        profile = spec.PROFILE_BY_NAME[program.profile]
         text = render(PROGRAM_TEMPLATE,
                       spec=program,
                       name=program.name,
                       symbol=program.symbol,
                       dtype_cpp=spec.DTYPE_CPP[program.dtype],
-                      profile_cpp=spec.PROFILE_CPP[program.profile],
-                      regime_cpp=regime_cpp,
-                      shared_prefetch=shared_prefetch,
+                      profile_cpp=profile.cpp,
+                      regime_cpp=spec.REGIME_BY_NAME[family.regime].cpp,
+                      shared_prefetch="true" if family.shared_prefetch else "false",
                       loads=spec.loads_in_flight(program.family, program.profile),
-                      row_stages=spec.row_stages(program.family, program.profile),
+                      row_stages=spec.row_stages(program.family),
                       body_file=body_name,
                       register_bound=register_bound(program),
-                      family_meaning=spec.FAMILY_MEANING[program.family],
-                      profile_meaning=spec.OUTPUT_PROFILE_MEANING[program.profile])
-        out.add(program.file_name, cpp_header(PROGRAM_TEMPLATE, inputs) + text)
-        # What the compiled code depends on, headers aside: program.cu + body.
-        code_sha256[program.name] = hashlib.sha256(
-            f"{len(text)}\0{text}{len(body)}\0{body}".encode("utf-8")).hexdigest()
+                      family_meaning=family.meaning,
+                      profile_quant="None" if profile.quant is None else f'"{profile.quant}"',
+                      profile_meaning=profile.meaning)
+        out.add(program.file_name, cpp_header(PROGRAM_TEMPLATE) + text)
+        code_hashes[program.name] = code_sha256(text, body)
 
     table_files = {}
-    for family in spec.FAMILIES:
-        table_files[family] = table_file(family)
-        out.add(table_file(family), cpp_header(FAMILY_TABLE_TEMPLATE, inputs)
+    for family in spec.FAMILY_BY_NAME.values():
+        table_files[family.name] = table_file(family.name)
+        out.add(table_file(family.name), cpp_header(FAMILY_TABLE_TEMPLATE)
                 + render(FAMILY_TABLE_TEMPLATE, **_family_table_context(family, enumeration)))
-    out.add(SELECTION_FILE, cpp_header(SELECTION_TEMPLATE, inputs)
+    out.add(SELECTION_FILE, cpp_header(SELECTION_TEMPLATE)
             + render(SELECTION_TEMPLATE, **_selection_context(selection)))
 
-    doc = manifest.build(enumeration, selection, out.as_dict(), code_sha256, json_header(inputs),
+    doc = manifest.build(enumeration, selection, out.as_dict(), code_hashes, json_header(inputs),
                          BODY_FILE, table_files, SELECTION_FILE)
     out.add(MANIFEST_NAME, manifest.dumps(doc))
     return Result(out, enumeration, inputs)

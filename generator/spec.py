@@ -1,40 +1,179 @@
-"""The space of programs: axes, the frozen spec of one program, names.
+"""The space of programs: one record per family, output profile and token regime; the frozen
+spec of one program; its names.
 
-Every name a program has (program name, kernel symbol, file name, cache name)
-is derived from its ProgramSpec, and `parse(name)` gives the spec back.
-Adding a value to an axis is a change to the tuples below (and, for a new
-output profile, to the template where its math lives); nothing else.
+Every table of the generator, the manifest and (through the manifest) the runtime derives from
+the records below. Every name a program has (program name = kernel symbol, file name) is derived
+from its ProgramSpec, and `parse(name)` gives the spec back. Adding a value to an axis is one new
+record (and, for a new output profile or regime, its math in the template); nothing else.
 """
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import re
+import types
 
-# ---- the axes, in table-index order -------------------------------------------------
+def _by_name(*records) -> dict:
+    """Records keyed by name, in the given (table) order; a name may be used once."""
+    by_name = {r.name: r for r in records}
+    if len(by_name) != len(records):
+        raise ValueError("spec: two records of one name")
+    return by_name
 
-DTYPES = ("fp16", "bf16")
+
+# ---- dtypes and world sizes ---------------------------------------------------------
+
+# Input dtype -> its C++ type in the kernel body.
+DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
+DTYPES = tuple(DTYPE_CPP)
 WORLD_SIZES = (2, 4, 8)
-# Output profiles: what is written besides norm_out and residual_out (input dtype). The numeric
-# codes flag which of norm_out, residual_out, quant_out are written (docs/operation.md); later
-# profiles are named.
-#   110:          nothing more
-#   111:          NVFP4 quant_out (packed E2M1) + swizzled 128x4 E4M3 scale_out
-#   fp8_group128: FP8 E4M3 quant_out + float32 scale per 128-element group of a token
-#   fp8_tensor:   FP8 E4M3 quant_out with one per-tensor scale read from the device
-OUTPUT_PROFILES = ("110", "111", "fp8_group128", "fp8_tensor")
-OUTPUT_PROFILE_MEANING = {
-    "110": "norm_out + residual_out (input dtype)",
-    "111": "norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)",
-    "fp8_group128": "norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group "
-                    "(row- or column-major, optionally power-of-two)",
-    "fp8_tensor": "norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device",
-}
-# The value of the call's `quant=` argument that asks for each profile.
-PROFILE_QUANT = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
-# Families: the token regime plus how the shared-expert row is loaded.
-FAMILIES = ("oneshot", "twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared", "twoshot_pipelined",
-            "twoshot_pipelined_loads")
+
+
+# ---- output profiles ----------------------------------------------------------------
+
+# The profile of quant=None (only norm_out and residual_out) is called "plain"; every other
+# profile is called by its quant= value.
+PLAIN = "plain"
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputProfile:
+    """What a program writes besides norm_out and residual_out (both in the input dtype)."""
+    name: str                   # the call's quant= value; PLAIN for quant=None
+    code: str                   # its part of program names (o110, o111: which of norm_out, residual_out,
+                                # quant_out are written, docs/operation.md; else the name)
+    meaning: str
+    cpp: str                    # template argument of the kernel body
+    extra_outputs: tuple[str, ...]
+    # (routes at a time, shared row first) of the pipelined two-shot with register loads; None:
+    # that family is a hole for this profile, where the row ring was faster at every measured T
+    # (bench_results/pipelined/row_ring/).
+    pipelined_loads: tuple[int, bool] | None
+
+    @property
+    def quant(self) -> str | None:
+        return None if self.name == PLAIN else self.name
+
+
+PROFILE_BY_NAME = _by_name(
+    OutputProfile(PLAIN, code="o110", meaning="norm_out + residual_out (input dtype)",
+                  cpp="moe_ar::Profile::kPlain", extra_outputs=(), pipelined_loads=None),
+    OutputProfile("nvfp4", code="o111",
+                  meaning="norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)",
+                  cpp="moe_ar::Profile::kNvfp4", extra_outputs=("quant_out", "scale_out"), pipelined_loads=(4, True)),
+    OutputProfile("fp8_group128", code="fp8_group128",
+                  meaning="norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token "
+                          "group (row- or column-major, optionally power-of-two)",
+                  cpp="moe_ar::Profile::kFp8Group128", extra_outputs=("quant_out", "scale_out"),
+                  pipelined_loads=(4, True)),
+    OutputProfile("fp8_tensor", code="fp8_tensor",
+                  meaning="norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device",
+                  cpp="moe_ar::Profile::kFp8Tensor", extra_outputs=("quant_out",), pipelined_loads=None),
+)
+OUTPUT_PROFILES = tuple(PROFILE_BY_NAME)
+# Profile name -> the call's quant= argument (a view of the records, for the tests that draw calls).
+PROFILE_QUANT = types.MappingProxyType({p.name: p.quant for p in PROFILE_BY_NAME.values()})
+
+
+# ---- token regimes: the selection ladder --------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Regime:
+    """One rung of the selection ladder: the exchange that serves a range of token counts T."""
+    name: str
+    # The selection boundary (a field of each cell's boundaries) that ends this regime's range:
+    # it serves T <= that bound, past the rungs before it; None: every larger T (the last rung).
+    max_tokens_field: str | None
+    cpp: str                    # template argument of the kernel body
+    # A work unit of the exchange: "row" (a token row), "slice" (a blockDim-wide slice of a row)
+    # or "column" (token j of each rank).
+    work_unit: str
+
+
+# In the order the regimes take over as T grows. Of the two pipelined two-shots (one kernel
+# regime; they differ in how the partials' rows arrive), the one with register loads comes first:
+# more blocks a multiprocessor, for the profiles whose norm step is heavy while each block has
+# few columns; where it is a hole or slower, loads_max_tokens == twoshot_max_tokens.
+LADDER = (
+    Regime("oneshot", max_tokens_field="oneshot_max_tokens", cpp="moe_ar::Regime::kOneShot", work_unit="slice"),
+    Regime("twoshot_early", max_tokens_field="early_max_tokens", cpp="moe_ar::Regime::kTwoShotEarly",
+           work_unit="slice"),
+    Regime("twoshot", max_tokens_field="twoshot_max_tokens", cpp="moe_ar::Regime::kTwoShot", work_unit="row"),
+    Regime("twoshot_pipelined_loads", max_tokens_field="loads_max_tokens", cpp="moe_ar::Regime::kTwoShotPipelined",
+           work_unit="column"),
+    Regime("twoshot_pipelined", max_tokens_field=None, cpp="moe_ar::Regime::kTwoShotPipelined", work_unit="column"),
+)
+REGIME_BY_NAME = {r.name: r for r in LADDER}
+# The selection boundaries of a cell, in ladder order (one per rung but the last).
+BOUNDARY_FIELDS = tuple(r.max_tokens_field for r in LADDER[:-1])
+
+
+# ---- families -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A token regime plus how the shared-expert row is loaded: one table of programs."""
+    name: str
+    code: str                   # its part of program names (moe_ar_<code>_...)
+    title: str                  # a readable short name
+    meaning: str
+    base: str                   # the family a hole of this one falls back to (itself for a root)
+    # Programs of one protocol class run the same exchange (same buffers, same Lamport sequence);
+    # ranks may mix programs of one class in one call.
+    protocol: str
+    regime: str                 # a REGIME_BY_NAME name
+    shared_prefetch: bool       # the shared-expert row is prefetched into L2 and loaded read-only
+    cpp_name: str               # tables/<name>.h declares k<cpp_name>Kernels
+
+
+_SHARED_MEANING = "+ shared-expert row prefetched into L2 before the exchange and loaded read-only"
+FAMILY_BY_NAME = _by_name(
+    Family("oneshot", code="os", title="one-shot",
+           meaning="Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself "
+                   "(small T)",
+           base="oneshot", protocol="lamport1", regime="oneshot", shared_prefetch=False, cpp_name="OneShot"),
+    Family("twoshot", code="ts", title="two-shot",
+           meaning="Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather "
+                   "residual_out; one block per token row in every phase (large T)",
+           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=False, cpp_name="TwoShot"),
+    Family("twoshot_early", code="tse", title="two-shot, early",
+           meaning="two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill "
+                   "the GPU (lower two-shot range)",
+           base="twoshot", protocol="lamport2", regime="twoshot_early", shared_prefetch=False,
+           cpp_name="TwoShotEarly"),
+    Family("twoshot_shared", code="tss", title="two-shot, shared prefetch", meaning=f"twoshot {_SHARED_MEANING}",
+           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=True, cpp_name="TwoShotShared"),
+    Family("twoshot_early_shared", code="tses", title="two-shot, early, shared prefetch",
+           meaning=f"twoshot_early {_SHARED_MEANING}",
+           base="twoshot_early", protocol="lamport2", regime="twoshot_early", shared_prefetch=True,
+           cpp_name="TwoShotEarlyShared"),
+    Family("twoshot_pipelined", code="tsp", title="pipelined two-shot, row ring",
+           meaning="two-shot with its phases pipelined over token columns, so one column's reads overlap the "
+                   "exchange of the columns before; no self-traffic through its own buffer, every received vector "
+                   "cleared as it is read; the partials' rows come through a ring in shared memory (largest T; "
+                   "world size 2)",
+           base="twoshot", protocol="lamport2", regime="twoshot_pipelined", shared_prefetch=False,
+           cpp_name="TwoShotPipelined"),
+    Family("twoshot_pipelined_loads", code="tspl", title="pipelined two-shot, register loads",
+           meaning="twoshot_pipelined with the partials' rows loaded into registers instead of the ring: more "
+                   "blocks a multiprocessor, for the profiles whose norm step is heavy, below the T where the ring "
+                   "takes over (world size 2)",
+           base="twoshot_pipelined", protocol="lamport2", regime="twoshot_pipelined_loads", shared_prefetch=False,
+           cpp_name="TwoShotPipelinedLoads"),
+)
+FAMILIES = tuple(FAMILY_BY_NAME)
+# Family name -> protocol (a view of the records, for the tests that mix programs of one class).
+PROTOCOL = types.MappingProxyType({f.name: f.protocol for f in FAMILY_BY_NAME.values()})
+
+
+def family_for(regime: str, shared_prefetch: bool) -> str | None:
+    """The family of a regime, with or without the shared-expert prefetch; None where there is none."""
+    return next((family.name for family in FAMILY_BY_NAME.values()
+                 if (family.regime, family.shared_prefetch) == (regime, shared_prefetch)), None)
+
+
+# ---- compilation --------------------------------------------------------------------
+
 # Compile targets: every program compiles for each of these.
 ARCH_TARGETS = ("sm_90a", "sm_100a")
 # NVRTC options every program is compiled with (besides --gpu-architecture and
@@ -42,179 +181,77 @@ ARCH_TARGETS = ("sm_90a", "sm_100a")
 # IEEE fp32 (denormals kept, correctly rounded division): the NVFP4 rule depends on it.
 COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true", "--fmad=true")
 
-FAMILY_MEANING = {
-    "oneshot": "Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)",
-    "twoshot": "Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)",
-    "twoshot_early": "two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)",
-    "twoshot_shared": "twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only",
-    "twoshot_early_shared": "twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only",
-    "twoshot_pipelined": "two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read; the partials' rows come through a ring in shared memory (largest T; world size 2)",
-    "twoshot_pipelined_loads": "twoshot_pipelined with the partials' rows loaded into registers instead of the ring: more blocks a multiprocessor, for the profiles whose norm step is heavy, below the T where the ring takes over (world size 2)",
-}
-# The base family each variant falls back to when its cell is a hole.
-BASE_FAMILY = {
-    "oneshot": "oneshot",
-    "twoshot": "twoshot",
-    "twoshot_early": "twoshot",
-    "twoshot_shared": "twoshot",
-    "twoshot_early_shared": "twoshot_early",
-    "twoshot_pipelined": "twoshot",
-    "twoshot_pipelined_loads": "twoshot_pipelined",
-}
-# Programs of one protocol class run the same exchange (same buffers, same
-# Lamport sequence); ranks may mix programs of one class in one call.
-PROTOCOL = {
-    "oneshot": "lamport1",
-    "twoshot": "lamport2",
-    "twoshot_early": "lamport2",
-    "twoshot_shared": "lamport2",
-    "twoshot_early_shared": "lamport2",
-    "twoshot_pipelined": "lamport2",
-    "twoshot_pipelined_loads": "lamport2",
-}
-
-FAMILY_SHORT = {
-    "oneshot": "os",
-    "twoshot": "ts",
-    "twoshot_early": "tse",
-    "twoshot_shared": "tss",
-    "twoshot_early_shared": "tses",
-    "twoshot_pipelined": "tsp",
-    "twoshot_pipelined_loads": "tspl",
-}
-# C++ spelling of each family: the table generated/tables/<family>.h declares
-# k<FAMILY_CAMEL>Kernels.
-FAMILY_CAMEL = {
-    "oneshot": "OneShot",
-    "twoshot": "TwoShot",
-    "twoshot_early": "TwoShotEarly",
-    "twoshot_shared": "TwoShotShared",
-    "twoshot_early_shared": "TwoShotEarlyShared",
-    "twoshot_pipelined": "TwoShotPipelined",
-    "twoshot_pipelined_loads": "TwoShotPipelinedLoads",
-}
-
-# How each axis value reaches the C++ body (templates/moe_finalize_allreduce.cuh.j2).
-DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
-PROFILE_CPP = {"110": "moe_ar::Profile::kPlain", "111": "moe_ar::Profile::kNvfp4",
-               "fp8_group128": "moe_ar::Profile::kFp8Group128", "fp8_tensor": "moe_ar::Profile::kFp8Tensor"}
-# Outputs each profile writes, besides norm_out and residual_out.
-PROFILE_EXTRA_OUTPUTS = {"110": (), "111": ("quant_out", "scale_out"), "fp8_group128": ("quant_out", "scale_out"),
-                         "fp8_tensor": ("quant_out",)}
-# Each family is a token regime plus whether it prefetches the shared-expert row. The manifest
-# carries both, so the runtime never reads them out of family names.
-FAMILY_REGIME = {
-    "oneshot": ("oneshot", False),
-    "twoshot": ("twoshot", False),
-    "twoshot_early": ("twoshot_early", False),
-    "twoshot_shared": ("twoshot", True),
-    "twoshot_early_shared": ("twoshot_early", True),
-    "twoshot_pipelined": ("twoshot_pipelined", False),
-    "twoshot_pipelined_loads": ("twoshot_pipelined_loads", False),
-}
-# The two pipelined regimes are one kernel regime; they differ in how the rows arrive (row_stages).
-REGIME_CPP = {"oneshot": "moe_ar::Regime::kOneShot", "twoshot": "moe_ar::Regime::kTwoShot",
-              "twoshot_early": "moe_ar::Regime::kTwoShotEarly", "twoshot_pipelined": "moe_ar::Regime::kTwoShotPipelined",
-              "twoshot_pipelined_loads": "moe_ar::Regime::kTwoShotPipelined"}
-# Register caps, per (regime, world size); absent: None, compiled with __launch_bounds__(MAX_THREADS)
-# and ptxas chooses. A cap compiles with __maxnreg__(cap). 72 keeps four 224-thread blocks (H 7168)
-# on a multiprocessor. Measured on 2x H200 (bench_results/registers/): from 1,024 tokens up the
-# world-size-2 two-shot programs gain 5-16% with the cap (NVFP4 and FP8-group the most; the plain
-# early two-shot, already at 64 registers, neither gains nor loses), though they spill 36-204 bytes;
-# the one-shot programs, which serve the small-T latency range, lose 5-20% and stay uncapped.
-# World sizes 4 and 8 have no hardware to measure on and keep ptxas's choice (capped, they would
-# spill 116-560 bytes). The pipelined two-shot (world size 2 only) with register loads measured
-# fastest at 72 too: at 8,192 tokens 557 us against 611 at a cap of 80 and 749 uncapped (127
-# registers), though it spills 64-124 bytes (bench_results/pipelined/); with the row ring it has
-# its own cap (below).
+# Register caps per (regime, world size); absent: compiled with __launch_bounds__(MAX_THREADS) and
+# ptxas chooses. A cap compiles with __maxnreg__(cap); 72 keeps four 224-thread blocks (H 7168) on
+# a multiprocessor. The world-size-2 two-shots measured faster capped, spills included; the
+# one-shots (the latency range) slower, and world sizes 4 and 8 have no hardware here to measure
+# on (bench_results/registers/, bench_results/pipelined/).
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72}
 
-# The pipelined two-shot's partials, two ways (two families, one kernel regime):
-#   twoshot_pipelined: their rows come through a ring of PIPELINED_ROW_STAGES rows in shared
-#     memory, filled by bulk copies (the template's RowRing). Its dynamic shared memory is stages x
-#     H x the dtype's bytes + 128 (the barriers). A block holds no loads in flight in registers, so it
-#     compiles under PIPELINED_RING_CAP: two 224-thread blocks a multiprocessor (H 7168), no spills.
-#   twoshot_pipelined_loads: 16-byte register loads, PIPELINED_LOADS at a time, under the cap of 72
-#     (four blocks a multiprocessor), for the profiles listed there; a hole for the others
-#     (policy.py), where the ring was faster at every measured T.
-# Same-run A/Bs on 2x H200, H 7168 top_k 8 + shared, 1,024 (NVFP4: 512) to 16,384 tokens, ring
-# against the register loads (bench_results/pipelined/row_ring/): plain 2-9% faster, FP8-tensor 3-8%, FP8-group
-# 4.5% slower at 1,024, 0.7% at 2,048 and 1.5-7% faster from 4,096; NVFP4, whose norm step is the
-# heaviest, 3-5.5% slower at 512-1,024 tokens, 0.7% at 2,048-4,096, 0.7% faster at 8,192 and 3.5% at
-# 16,384 (with the fewest-instructions E2M1 coding, which the ring's registers allow). Fewer blocks
-# with more columns each suit the ring at large T; more blocks hide the heavy norm step better at
-# few columns a block. The selection table (tuning.py) says which serves which T, per cell. Three rows
-# and two blocks were the fastest ring: five rows up to 5% slower from 4,096 tokens, three blocks (cap
-# 96) up to 4% slower (NVFP4 2-9%), four (cap 72, spilling) 4-19% slower, one block 30-90% slower.
+# The pipelined two-shot with the row ring reads its partials' rows through a ring of this many
+# rows in shared memory, filled by bulk copies (dynamic shared memory: stages x H x the dtype's
+# bytes + 128 for the barriers). No loads in flight in registers, so it compiles under its own cap:
+# two 224-thread blocks a multiprocessor (H 7168), no spills. Three rows and two blocks were the
+# fastest ring (bench_results/pipelined/row_ring/).
 PIPELINED_ROW_STAGES = 3
 PIPELINED_RING_CAP = 128
-PIPELINED_LOADS = {"111": (4, True), "fp8_group128": (4, True)}
 
-# The one-shot, every profile: four routes, the shared row first. Same registers as the shared row
-# last (61-64), 2-4.5% faster from 16 to 128 tokens (128: 16.3 -> 15.8 us plain), unchanged at
-# 1,024; eight routes (80-85 registers, one block of 448 threads a multiprocessor) were 5-7% faster
-# at 128 tokens but 6-27% slower from 256, and under a cap of 72 slower everywhere (2x H200, H 7168
-# top_k 8 + shared, bench_results/oneshot/loads/).
+# The one-shot, every profile: four routes at a time, the shared row first
+# (bench_results/oneshot/, "Loads in flight").
 ONESHOT_LOADS = (4, True)
 
 
-def row_stages(family: str, profile: str) -> int:
+def row_stages(family: str) -> int:
     """Rows in the shared-memory ring of a program's partials; 0: it loads them into registers."""
-    return PIPELINED_ROW_STAGES if FAMILY_REGIME[family][0] == "twoshot_pipelined" else 0
+    return PIPELINED_ROW_STAGES if FAMILY_BY_NAME[family].regime == "twoshot_pipelined" else 0
 
 
 def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
     """(routes at a time, shared row first) of partial_vector, for a one-shot program or a pipelined
     two-shot with register loads; None for the others, which load four routes at a time, the shared
     row last (also the pipelined two-shots' fault-injection path, the two-shot's)."""
-    regime = FAMILY_REGIME[family][0]
+    regime = FAMILY_BY_NAME[family].regime
     if regime == "oneshot":
         return ONESHOT_LOADS
     if regime == "twoshot_pipelined_loads":
-        return PIPELINED_LOADS[profile]
+        return PROFILE_BY_NAME[profile].pipelined_loads
     return None
 
 
-def register_cap(family: str, world_size: int, profile: str) -> int | None:
-    if row_stages(family, profile):
+def register_cap(family: str, world_size: int) -> int | None:
+    if row_stages(family):
         return PIPELINED_RING_CAP
-    return REGISTER_CAP.get((FAMILY_REGIME[family][0], world_size))
+    return REGISTER_CAP.get((FAMILY_BY_NAME[family].regime, world_size))
 
 
-# Regimes whose exchange phases split a row into blockDim-wide slices (one work unit per slice).
-SLICED_REGIMES = ("oneshot", "twoshot_early")
-# Regimes whose work unit is a column: token j of each rank (the pipelined two-shots).
-COLUMN_REGIMES = ("twoshot_pipelined", "twoshot_pipelined_loads")
+# ---- one program and its names ------------------------------------------------------
 
 PREFIX = "moe_ar"
 
 
-def profile_tag(profile: str) -> str:
-    """How a profile appears in names: o110, o111 (docs/operation.md's codes), fp8_group128, fp8_tensor."""
-    return f"o{profile}" if profile.isdigit() else profile
-
-
 @dataclasses.dataclass(frozen=True, order=True)
 class ProgramSpec:
+    """One cell of the program space: family, dtype, world size and output profile (by name)."""
     family: str
     dtype: str
     world_size: int
     profile: str
 
     def __post_init__(self):
-        if self.family not in FAMILIES:
+        if self.family not in FAMILY_BY_NAME:
             raise ValueError(f"family: unknown {self.family!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: unknown {self.dtype!r}")
         if self.world_size not in WORLD_SIZES:
             raise ValueError(f"world_size: unknown {self.world_size!r}")
-        if self.profile not in OUTPUT_PROFILES:
-            raise ValueError(f"profile: unknown {self.profile!r}")
+        if self.profile not in PROFILE_BY_NAME:
+            raise ValueError(f"profile: unknown {self.profile!r} (one of {', '.join(OUTPUT_PROFILES)})")
 
     @property
     def name(self) -> str:
         """e.g. moe_ar_tss_bf16_ws4_o111, moe_ar_os_bf16_ws2_fp8_group128; also the kernel symbol."""
-        return f"{PREFIX}_{FAMILY_SHORT[self.family]}_{self.dtype}_ws{self.world_size}_{profile_tag(self.profile)}"
+        return (f"{PREFIX}_{FAMILY_BY_NAME[self.family].code}_{self.dtype}_ws{self.world_size}_"
+                f"{PROFILE_BY_NAME[self.profile].code}")
 
     @property
     def symbol(self) -> str:
@@ -225,31 +262,28 @@ class ProgramSpec:
         return f"programs/{self.name}.cu"
 
     @property
-    def cache_name(self) -> str:
-        return f"{self.name}.cubin"
-
-    @property
     def protocol_class(self) -> str:
-        return f"{PROTOCOL[self.family]}_{self.dtype}_ws{self.world_size}"
+        return f"{FAMILY_BY_NAME[self.family].protocol}_{self.dtype}_ws{self.world_size}"
 
     @property
     def base_family(self) -> str:
-        return BASE_FAMILY[self.family]
+        return FAMILY_BY_NAME[self.family].base
 
 
-_SHORT_TO_FAMILY = {v: k for k, v in FAMILY_SHORT.items()}
-_TAG_TO_PROFILE = {profile_tag(p): p for p in OUTPUT_PROFILES}
+_FAMILY_BY_CODE = {f.code: f.name for f in FAMILY_BY_NAME.values()}
+_PROFILE_BY_CODE = {p.code: p.name for p in PROFILE_BY_NAME.values()}
 _NAME_RE = re.compile(rf"^{PREFIX}_([a-z]+)_([a-z0-9]+)_ws(\d+)_([a-z0-9_]+)$")
 
 
 def parse(name: str) -> ProgramSpec:
-    m = _NAME_RE.match(name)
-    if not m or m.group(1) not in _SHORT_TO_FAMILY or m.group(4) not in _TAG_TO_PROFILE:
+    match = _NAME_RE.match(name)
+    if not match or match.group(1) not in _FAMILY_BY_CODE or match.group(4) not in _PROFILE_BY_CODE:
         raise ValueError(f"name: {name!r} is not a program name like {PREFIX}_ts_bf16_ws2_o110")
-    return ProgramSpec(_SHORT_TO_FAMILY[m.group(1)], m.group(2), int(m.group(3)), _TAG_TO_PROFILE[m.group(4)])
+    return ProgramSpec(_FAMILY_BY_CODE[match.group(1)], match.group(2), int(match.group(3)),
+                       _PROFILE_BY_CODE[match.group(4)])
 
 
 def all_cells():
     """Every (family, dtype, world_size, profile) in fixed table order."""
-    for family, dtype, ws, prof in itertools.product(FAMILIES, DTYPES, WORLD_SIZES, OUTPUT_PROFILES):
-        yield ProgramSpec(family, dtype, ws, prof)
+    for family, dtype, world_size, profile in itertools.product(FAMILIES, DTYPES, WORLD_SIZES, OUTPUT_PROFILES):
+        yield ProgramSpec(family, dtype, world_size, profile)

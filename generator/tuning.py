@@ -1,12 +1,11 @@
 """Selection boundaries: which regime serves a token count T, per table cell.
 
-For a call with T tokens in cell (dtype, world size, profile):
+A call with T tokens in cell (dtype, world size, profile) runs the first regime of the ladder
+(spec.LADDER) whose boundary T does not exceed:
 
-    T <= oneshot_max_tokens                       -> oneshot
-    oneshot_max_tokens < T <= early_max_tokens    -> twoshot_early
-    early_max_tokens < T <= twoshot_max_tokens    -> twoshot
-    twoshot_max_tokens < T <= loads_max_tokens    -> twoshot_pipelined_loads
-    T > loads_max_tokens                          -> twoshot_pipelined
+    T <= oneshot_max_tokens -> oneshot, else T <= early_max_tokens -> twoshot_early, else
+    T <= twoshot_max_tokens -> twoshot, else T <= loads_max_tokens -> twoshot_pipelined_loads,
+    else twoshot_pipelined
 
 (each then swapped for its shared-expert variant where the rank has a shared
 operand and the variant's cell is not a hole).
@@ -48,33 +47,35 @@ MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048}
 ALL_TOKENS = 2**31 - 1  # "no upper bound": the last regime a cell runs takes every larger T
 MODEL_SOURCE = "written model"
 
-# The regimes in the order they take over as T grows. Of the two pipelined two-shots, the one with
-# register loads (more blocks a multiprocessor) comes first: it serves the profiles whose norm step is
-# heavy while each block has few columns (spec.py, PIPELINED_LOADS); where it is a hole or slower,
-# loads_max_tokens == twoshot_max_tokens and no T runs it.
-BASE_FAMILIES = ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined_loads", "twoshot_pipelined")
+# The family that runs each rung of the ladder where the rank has no shared operand: the programs
+# whose measurements decide the boundaries.
+LADDER_FAMILIES = tuple(spec.family_for(regime.name, False) for regime in spec.LADDER)
 # A profile no benchmark measured takes the plain profile's boundaries: the exchange is the same,
 # only the per-row work of the last phase differs.
-BORROW_PROFILE = "110"
+BORROW_PROFILE = spec.PLAIN
 
 
 @dataclasses.dataclass(frozen=True)
 class Boundaries:
-    oneshot_max_tokens: int
-    early_max_tokens: int
-    twoshot_max_tokens: int
-    loads_max_tokens: int
+    # The upper bound of each rung's T range but the last, in ladder order (spec.BOUNDARY_FIELDS);
+    # ALL_TOKENS: no bound.
+    max_tokens: tuple[int, ...]
     source: str
 
+    def __post_init__(self):
+        if len(self.max_tokens) != len(spec.BOUNDARY_FIELDS):
+            raise ValueError(f"max_tokens: {self.max_tokens}, need one per field of {spec.BOUNDARY_FIELDS}")
+
+    def by_field(self) -> dict[str, int]:
+        """{oneshot_max_tokens: ..., early_max_tokens: ..., ...}: the manifest's fields."""
+        return dict(zip(spec.BOUNDARY_FIELDS, self.max_tokens))
+
     def family(self, tokens: int) -> str:
-        """The base family for T tokens (before the shared-expert variant and hole fallback)."""
-        if tokens <= self.oneshot_max_tokens:
-            return "oneshot"
-        if tokens <= self.early_max_tokens:
-            return "twoshot_early"
-        if tokens <= self.twoshot_max_tokens:
-            return "twoshot"
-        return "twoshot_pipelined_loads" if tokens <= self.loads_max_tokens else "twoshot_pipelined"
+        """The ladder's family for T tokens (before the shared-expert variant and hole fallback)."""
+        for family, max_tokens in zip(LADDER_FAMILIES, self.max_tokens):
+            if tokens <= max_tokens:
+                return family
+        return LADDER_FAMILIES[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,25 +93,28 @@ def bench_files(root: pathlib.Path) -> list[pathlib.Path]:
     return [path]
 
 
-def _family_of(system: str) -> str | None:
+def _program_of(system: str) -> spec.ProgramSpec | None:
     try:
-        return spec.parse(system).family
+        return spec.parse(system)
     except ValueError:
         return None  # a baseline or "auto"
 
 
 def measured_times(paths) -> dict:
     """(dtype, world size, profile) -> {(hidden, top_k, shared, T): {family: median us}}, from the
-    valid, non-emulated records of forced base-family programs."""
+    valid, non-emulated records of forced programs of the ladder's families. The cell is the
+    program's (from its name), whatever the record calls its profile."""
     out = collections.defaultdict(lambda: collections.defaultdict(dict))
     for path in paths:
         doc = json.loads(pathlib.Path(path).read_text())
-        for r in doc.get("records", []):
-            family = _family_of(r["system"])
-            if family not in BASE_FAMILIES or r.get("emulated") or not r.get("valid", True):
+        for record in doc.get("records", []):
+            program = _program_of(record["system"])
+            if (program is None or program.family not in LADDER_FAMILIES or record.get("emulated")
+                    or not record.get("valid", True)):
                 continue
-            point = (r["hidden"], r["top_k"], bool(r["shared"]), r["tokens"])
-            out[(r["dtype"], r["world_size"], r["profile"])][point][family] = r["median_us"]
+            point = (record["hidden"], record["top_k"], bool(record["shared"]), record["tokens"])
+            cell = (program.dtype, program.world_size, program.profile)
+            out[cell][point][program.family] = record["median_us"]
     return out
 
 
@@ -119,27 +123,32 @@ AUTO_TARGET_SLOWDOWN = 1.05
 # (hidden, top_k, shared expert) of the issue's targets (#4: H 7168, top_k 8 with the shared expert),
 # where that target is the contract. A point over the target there weighs more than any number of
 # points over it at the other shapes, which are served as well as the boundaries allow: one boundary
-# per cell cannot suit every shape (at eed9067 the plain one-shot was still 6% faster at 1,024 tokens
-# at this shape, the pipelined two-shot 14-17% faster at 512-1,024 without the shared expert).
+# per cell cannot suit every shape.
 TARGET_SHAPE = (7168, 8, True)
 
 
 def fit_boundaries(points: dict) -> tuple[int, int, int, int, float, float, int, int]:
-    """The (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens, loads_max_tokens) on the
+    """The boundaries (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens, loads_max_tokens) on the
     measured token grid (the last two may also be ALL_TOKENS) with the fewest measured points
     slower than AUTO_TARGET_SLOWDOWN x the best base program there, counting those at TARGET_SHAPE
     first, the mean log slowdown breaking ties; also the worst and the mean slowdown, as ratios, and
     the number of points over the target, everywhere and at TARGET_SHAPE. A rule may pick a family
     only where that family was measured at every shape it serves."""
+    # Per point: (T, at the target shape, {family: slowdown against the best program there}).
+    slowdown_at = [(point[3], point[:3] == TARGET_SHAPE,
+                    {family: us / min(times.values()) for family, us in times.items()})
+                   for point, times in points.items()]
+    token_counts = sorted({point[3] for point in points})
     best = None
     for rule in _candidate_rules(points):
+        family_at = {tokens: rule.family(tokens) for tokens in token_counts}
         slowdowns, over_at_target = [], 0
-        for point, times in points.items():
-            family = rule.family(point[3])
-            if family not in times:
+        for tokens, at_target, slowdown in slowdown_at:
+            family = family_at[tokens]
+            if family not in slowdown:
                 break
-            slowdowns.append(times[family] / min(times.values()))
-            over_at_target += point[:3] == TARGET_SHAPE and slowdowns[-1] > AUTO_TARGET_SLOWDOWN
+            slowdowns.append(slowdown[family])
+            over_at_target += at_target and slowdowns[-1] > AUTO_TARGET_SLOWDOWN
         else:
             over = sum(x > AUTO_TARGET_SLOWDOWN for x in slowdowns)
             mean_log = sum(math.log(x) for x in slowdowns) / max(len(slowdowns), 1)
@@ -149,8 +158,7 @@ def fit_boundaries(points: dict) -> tuple[int, int, int, int, float, float, int,
     if best is None:
         raise ValueError("tuning: no set of boundaries is feasible for the measured points")
     rule, (over_at_target, over, mean_log), worst = best
-    return (rule.oneshot_max_tokens, rule.early_max_tokens, rule.twoshot_max_tokens, rule.loads_max_tokens,
-            worst, math.exp(mean_log), over, over_at_target)
+    return (*rule.max_tokens, worst, math.exp(mean_log), over, over_at_target)
 
 
 def _candidate_rules(points: dict):
@@ -158,14 +166,15 @@ def _candidate_rules(points: dict):
     at equal cost the first one found stays, so a tie keeps the two-shot (ALL_TOKENS first) and
     runs no T on the pipelined two-shot with register loads (loads_max_tokens == twoshot_max_tokens
     first). Where that program was not measured, only the latter."""
-    candidates = [0] + sorted({p[3] for p in points})
+    candidates = [0] + sorted({point[3] for point in points})
     with_loads = any("twoshot_pipelined_loads" in times for times in points.values())
-    for a in candidates:
-        for b in (x for x in candidates if x >= a):
-            for c in [ALL_TOKENS] + [x for x in candidates if x >= b]:
-                loads = [x for x in candidates if x > c] + [ALL_TOKENS] if with_loads and c < ALL_TOKENS else []
-                for d in [c] + loads:
-                    yield Boundaries(a, b, c, d, "")
+    for oneshot in candidates:
+        for early in (x for x in candidates if x >= oneshot):
+            for twoshot in [ALL_TOKENS] + [x for x in candidates if x >= early]:
+                loads = ([x for x in candidates if x > twoshot] + [ALL_TOKENS]
+                         if with_loads and twoshot < ALL_TOKENS else [])
+                for loads_max in [twoshot] + loads:
+                    yield Boundaries((oneshot, early, twoshot, loads_max), "")
 
 
 def selection(root: pathlib.Path | None = None) -> Selection:
@@ -178,26 +187,28 @@ def selection(root: pathlib.Path | None = None) -> Selection:
     names = ", ".join(p.relative_to(root).as_posix() for p in paths)
     boundaries = {}
     for dtype in spec.DTYPES:
-        for ws in spec.WORLD_SIZES:
+        for world_size in spec.WORLD_SIZES:
             for profile in spec.OUTPUT_PROFILES:
                 # Own measurements first, then the other dtype's, then the plain profile's.
-                donors = [(d, pr) for pr in (profile, BORROW_PROFILE) for d in (dtype, *spec.DTYPES)]
-                donor = next((k for k in ((d, ws, pr) for d, pr in donors) if k in measured), None)
+                donors = [(donor_dtype, world_size, donor_profile) for donor_profile in (profile, BORROW_PROFILE)
+                          for donor_dtype in (dtype, *spec.DTYPES)]
+                donor = next((cell for cell in donors if cell in measured), None)
                 if donor is not None:
                     *fitted, worst, mean, over, over_at_target = fit_boundaries(measured[donor])
-                    n = len(measured[donor])
                     borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
                     borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
                     borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
-                    b_ = Boundaries(*fitted, f"measured{borrowed}: {over} of {n} points over "
-                                             f"{AUTO_TARGET_SLOWDOWN}x the best program ({over_at_target} at the "
-                                             f"target shape), at most {worst:.3f}x, mean {mean:.3f}x")
+                    cell_boundaries = Boundaries(
+                        tuple(fitted), f"measured{borrowed}: {over} of {len(measured[donor])} points over "
+                                       f"{AUTO_TARGET_SLOWDOWN}x the best program ({over_at_target} at the "
+                                       f"target shape), at most {worst:.3f}x, mean {mean:.3f}x")
                 else:
-                    b_ = Boundaries(MODEL_ONESHOT_MAX_TOKENS[ws], MODEL_EARLY_MAX_TOKENS[ws], ALL_TOKENS, ALL_TOKENS,
-                                    MODEL_SOURCE)
-                if not (0 <= b_.oneshot_max_tokens <= b_.early_max_tokens <= b_.twoshot_max_tokens
-                        <= b_.loads_max_tokens):
-                    raise ValueError(f"tuning: {dtype} ws{ws} {spec.profile_tag(profile)}: need 0 <= oneshot_max_tokens "
-                                     f"<= early_max_tokens <= twoshot_max_tokens <= loads_max_tokens, got {b_}")
-                boundaries[(dtype, ws, profile)] = b_
+                    cell_boundaries = Boundaries((MODEL_ONESHOT_MAX_TOKENS[world_size],
+                                                  MODEL_EARLY_MAX_TOKENS[world_size], ALL_TOKENS, ALL_TOKENS),
+                                                 MODEL_SOURCE)
+                bounds = cell_boundaries.max_tokens
+                if not (0 <= bounds[0] and all(low <= high for low, high in zip(bounds, bounds[1:]))):
+                    raise ValueError(f"tuning: {dtype} ws{world_size} {profile}: need 0 <= "
+                                     f"{' <= '.join(spec.BOUNDARY_FIELDS)}, got {cell_boundaries}")
+                boundaries[(dtype, world_size, profile)] = cell_boundaries
     return Selection(f"cells measured in {names}, the rest from the written model", boundaries)

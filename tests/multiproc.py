@@ -42,3 +42,25 @@ def read_rank_rows(out_dir) -> list:
     for p in sorted(pathlib.Path(out_dir).glob("rank*.json")):
         rows.extend(json.loads(p.read_text()))
     return rows
+
+
+def expect_raise(fn, exc: type, starts: str, contains=(), bound_s: float = 20.0) -> tuple:
+    """Call fn(), which must raise `exc` whose message starts with `starts` and holds every string of
+    `contains`, within bound_s seconds. Returns (message or None, list of failures, seconds)."""
+    t0 = time.monotonic()
+    try:
+        made = fn()
+    except exc as e:
+        msg, seconds = str(e), time.monotonic() - t0
+        fails = [] if msg.startswith(starts) else [f"{msg!r} does not start with {starts!r}"]
+        fails += [f"{msg!r} does not name {c!r}" for c in contains if c not in msg]
+        if seconds > bound_s:
+            fails.append(f"took {seconds:.1f} s to raise (bound {bound_s} s)")
+        return msg, fails, seconds
+    except Exception as e:
+        got = f"expected {exc.__name__}({starts}...), got {type(e).__name__}: {e}"
+        return None, [got[:1500]], time.monotonic() - t0
+    seconds = time.monotonic() - t0
+    if hasattr(made, "close"):  # a workspace built by mistake (on every rank alike): release it
+        made.close()
+    return None, [f"expected {exc.__name__}({starts}...), nothing raised"], seconds

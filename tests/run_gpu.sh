@@ -9,8 +9,8 @@
 #   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
 #   autobench the automatic choice under the committed tables against every forced program
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
-#   soak      long randomized runs (dispatch/soak.py): world size 2 on two GPUs, 4 and 8 emulated
-#             on one GPU each; tests/reliability_summary.py turns the results into the summary
+#   soak      long randomized runs (moe_ar_tools/soak.py): world size 2 on two GPUs, 4 and 8 emulated
+#             on one GPU each; moe_ar_tools/reliability_summary.py turns the results into the summary
 #   example   the two-process example, plain and NVFP4
 # Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
 set -uo pipefail
@@ -51,11 +51,11 @@ if step tests; then
     MOE_AR_RESULTS="$FINAL_OUT/gpu-tests.jsonl" timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q \
         -p no:cacheprovider tests "$@" 2>&1 | tee "$FINAL_OUT/gpu-tests.log" | tail -15 || status=1
 fi
-BENCH="timeout 300 python3 -m dispatch.bench"
+BENCH="timeout 300 python3 -m moe_ar_tools.bench"
 if step bench && [ "$GPUS" -ge 2 ]; then
     # every profile, so that each profile's cells get boundaries fitted to their own programs
     # (a profile not measured borrows the plain profile's); about 300 s on 2x H200
-    timeout 580 python3 -m dispatch.bench --cold-start --profiles 110,111,fp8_group128,fp8_tensor \
+    timeout 580 python3 -m moe_ar_tools.bench --cold-start --profiles 110,111,fp8_group128,fp8_tensor \
         --time-budget-s "${BENCH_BUDGET:-420}" --out "$OUT/bench.json" 2>&1 | grep -v "it/s]" | tail -40 || status=1
 fi
 if step fp8bench && [ "$GPUS" -ge 2 ]; then
@@ -82,7 +82,7 @@ if step soak; then
     CALLS=${SOAK_CALLS:-100000} BUDGET=${SOAK_BUDGET_S:-200}
     soak() {  # soak NAME CUDA_VISIBLE_DEVICES ARGS...
         local name=$1 vis=$2; shift 2
-        CUDA_VISIBLE_DEVICES=$vis timeout $((BUDGET + 120)) python3 -m dispatch.soak --calls "$CALLS" \
+        CUDA_VISIBLE_DEVICES=$vis timeout $((BUDGET + 120)) python3 -m moe_ar_tools.soak --calls "$CALLS" \
             --time-budget-s "$BUDGET" --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1
         local rc=$?; echo "$name: exit $rc; $(tail -1 "$OUT/$name.log")"; return $rc
     }
@@ -97,7 +97,7 @@ if step soak; then
 fi
 if step example && [ "$GPUS" -ge 2 ]; then
     for q in none nvfp4; do
-        timeout 180 torchrun --nproc-per-node 2 -m dispatch.example_moe_tail --quant "$q" 2>&1 \
+        timeout 180 torchrun --nproc-per-node 2 examples/moe_tail.py --quant "$q" 2>&1 \
             | tail -8 | tee -a "$OUT/example.log" || status=1
     done
 fi

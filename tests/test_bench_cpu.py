@@ -1,10 +1,10 @@
 """The benchmark's pure-Python parts, on CPU: roofline byte counts, statistics, the record schema,
 the summary, option parsing, and the torch pieces that run the same on CPU (the unfused
-baseline's math, NVFP4 dequantization, the scale layout). The GPU sweep itself is not run here."""
+baseline's math, the float64 contract outputs it checks against). The GPU sweep itself is not run
+here."""
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 
@@ -13,7 +13,8 @@ import torch
 from click.testing import CliRunner
 
 import dispatch
-from dispatch import bench
+from moe_ar_tools import bench
+from moe_ar_tools import reference as ref
 
 
 # ---- roofline byte counts, by hand --------------------------------------------------------------
@@ -46,11 +47,10 @@ def test_hbm_bytes_deepseek_shape():
     assert b["total"] == T * K * H * 2 + T * K * 8 + T * H * 2 * 4 + H * 2
 
 
-def test_scale_out_bytes_matches_dispatch():
-    for T, H in [(1, 16), (1, 7168), (127, 4096), (128, 64), (129, 80), (16384, 7168)]:
-        assert bench.scale_out_bytes(T, H) == dispatch.scale_out_bytes(T, H)
-    assert bench.scale_out_bytes(1, 16) == 128 * 4
-    assert bench.scale_out_bytes(129, 7168) == 256 * 448
+def test_hbm_bytes_nvfp4_scales_are_the_runtimes_scale_out_bytes():
+    for T, H in [(1, 16), (129, 7168), (16384, 7168)]:
+        b = bench.hbm_bytes(T, H, 8, False, "111")
+        assert b["nvfp4"] == T * H // 2 + dispatch.scale_out_bytes(T, H)
 
 
 def test_nvlink_bytes_by_regime():
@@ -78,45 +78,6 @@ def test_regime_of_family():
     assert bench.regime_of_family("oneshot") == "one_shot"
     for fam in ("twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared"):
         assert bench.regime_of_family(fam) == "two_shot"
-
-
-# ---- NVFP4 scale layout and dequantization -------------------------------------------------------
-
-def test_swizzle_offsets_by_hand():
-    H = 7168  # 112 k-tiles of 64 elements
-    assert bench.swizzle_offset(0, 0, H) == 0
-    assert bench.swizzle_offset(0, 1, H) == 1
-    assert bench.swizzle_offset(1, 0, H) == 16
-    assert bench.swizzle_offset(32, 0, H) == 4
-    assert bench.swizzle_offset(0, 4, H) == 512
-    assert bench.swizzle_offset(128, 0, H) == 112 * 512
-
-
-def test_swizzle_is_the_documented_decoder_inverse():
-    T, H = 256, 128  # 2 row tiles, 8 scale columns
-    rows, cols = T, H // 16
-    buf = torch.zeros(bench.scale_out_bytes(T, H), dtype=torch.int64)
-    for m in range(rows):
-        for k in range(cols):
-            buf[bench.swizzle_offset(m, k, H)] = m * 1000 + k
-    decoded = buf.reshape(rows // 128, cols // 4, 32, 4, 4).permute(0, 3, 2, 1, 4).reshape(rows, cols)
-    expect = torch.arange(rows)[:, None] * 1000 + torch.arange(cols)[None, :]
-    assert torch.equal(decoded, expect)
-
-
-def test_nvfp4_dequant_nibble_order_sign_and_scale():
-    T, H = 1, 16
-    # elements 0..15: low nibble is the even element, bit 3 the sign
-    codes = [1, 0x9, 2, 0xA, 7, 0xF, 0, 0x8, 3, 4, 5, 6, 0xB, 0xC, 0xD, 0xE]
-    quant = torch.tensor([codes[2 * i] | (codes[2 * i + 1] << 4) for i in range(8)], dtype=torch.uint8)
-    scale = torch.zeros(bench.scale_out_bytes(T, H), dtype=torch.uint8)
-    scale[0] = torch.tensor([2.0]).to(torch.float8_e4m3fn).view(torch.uint8)[0]
-    out = bench.nvfp4_dequant(quant, scale, 0.5, T, H)  # value * sf / gs = value * 4
-    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-    expect = [(-1 if c & 8 else 1) * e2m1[c & 7] * 4.0 for c in codes]
-    assert out.shape == (1, 16)
-    assert out[0].tolist() == expect
-    assert math.copysign(1.0, float(out[0, 7])) == -1.0  # nibble 0x8 is -0.0
 
 
 # ---- statistics ----------------------------------------------------------------------------------
@@ -285,7 +246,7 @@ def test_default_out_path():
 
 
 def test_import_works_without_a_gpu_and_plots_lazily():
-    code = "import sys, dispatch.bench; assert 'matplotlib' not in sys.modules"
+    code = "import sys, moe_ar_tools.bench; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -302,17 +263,17 @@ def test_torch_baseline_matches_float64_on_cpu():
         for k in range(4):
             exact[t] += float(x.scale[t, k]) * x.allreduce_in[int(x.idx[t, k])].double()
     exact = exact * bench.ROUTED_SCALING_FACTOR + x.shared.double()
-    assert bench.rel_err(partial, exact.float()) < 4 * bench.UNIT_ROUNDOFF["bf16"]
+    assert bench.rel_err(partial, exact.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
 
     out = {"residual_out": torch.empty(T, 64, dtype=torch.bfloat16), "norm_out": torch.empty(T, 64, dtype=torch.bfloat16)}
     bench.torch_epilogue(partial, x, out)
     res = partial.double() + x.residual.double()
     norm = res / torch.sqrt(res.square().mean(-1, keepdim=True) + bench.EPS) * x.norm_weight.double()
-    assert bench.rel_err(out["residual_out"], res.float()) < 4 * bench.UNIT_ROUNDOFF["bf16"]
-    assert bench.rel_err(out["norm_out"], norm.float()) < 4 * bench.UNIT_ROUNDOFF["bf16"]
+    assert bench.rel_err(out["residual_out"], res.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
+    assert bench.rel_err(out["norm_out"], norm.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
     # the check that voids a leg does see a wrong result
     assert bench.rel_err(torch.zeros_like(out["norm_out"]), norm.float()) > bench.TOLERANCE_U * \
-        bench.UNIT_ROUNDOFF["bf16"]
+        ref.UNIT_ROUNDOFF[torch.bfloat16]
 
 
 def test_inputs_share_routing_across_ranks_but_not_partials():
@@ -325,3 +286,20 @@ def test_inputs_share_routing_across_ranks_but_not_partials():
         assert not torch.equal(x.allreduce_in, y.allreduce_in)
         assert sorted(x.idx.reshape(-1).tolist()) == list(range(6))  # every row used once, none dropped
     assert not torch.equal(a[0].residual, a[1].residual)  # the rotated sets differ
+
+
+def test_contract_outputs_are_the_references_on_one_rank(tmp_path):
+    """The bench's float64 check values (gloo, world size 1) are moe_ar_tools.reference's."""
+    import torch.distributed as dist
+    shape = bench.Shape(64, 4, True)
+    x = bench.make_input_sets(shape, 5, 1, torch.bfloat16, rank=0, seed=4, device="cpu")[0]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        residual, norm = bench.contract_outputs(x, torch.bfloat16, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+    want = ref.reference([dict(allreduce_in=x.allreduce_in, expanded_idx_to_permuted_idx=x.idx,
+                               expert_scale_factor=x.scale, shared_expert_output=x.shared, residual_in=x.residual,
+                               norm_weight=x.norm_weight)], bench.EPS, 0, bench.ROUTED_SCALING_FACTOR, torch.bfloat16)
+    assert torch.equal(residual, want["residual_out"].float())
+    assert torch.equal(norm, want["norm_out_f64"].float())

@@ -15,17 +15,100 @@ def test_runtime_manifest_reader_is_the_generators_verbatim():
     assert (ROOT / "dispatch" / "manifest.py").read_bytes() == (ROOT / "generator" / "verify.py").read_bytes()
 
 
-def test_all_tokens_is_the_generators():
-    from generator import tuning
-    assert registry.ALL_TOKENS == tuning.ALL_TOKENS
+def test_the_ladder_and_all_tokens_are_the_generators():
+    """The runtime reads the regime ladder and the "no bound" value from the manifest; both are the
+    generator's, written once there."""
+    from generator import spec, tuning
+    generated = registry.program_set()
+    assert generated.all_tokens == tuning.ALL_TOKENS
+    assert generated.ladder == [(regime.name, regime.max_tokens_field) for regime in spec.LADDER]
+    assert not hasattr(registry, "ALL_TOKENS")
 
 
 def _bounds(dtype, ws, profile):
     return registry.program_set().selection[(dtype, ws, profile)]
 
 
+BIG = 10 ** 6  # a one-shot buffer larger than any boundary
+
+
+def _old_select_family(dtype, ws, profile, tokens, has_shared, oneshot_capacity):
+    """The selection rule as the runtime wrote it out before the manifest carried the ladder."""
+    bounds = _bounds(dtype, ws, profile)
+    if tokens <= min(bounds["oneshot_max_tokens"], oneshot_capacity):
+        regime = "oneshot"
+    elif tokens <= bounds["early_max_tokens"]:
+        regime = "twoshot_early"
+    elif tokens <= bounds["twoshot_max_tokens"]:
+        regime = "twoshot"
+    elif tokens <= bounds["loads_max_tokens"]:
+        regime = "twoshot_pipelined_loads"
+    else:
+        regime = "twoshot_pipelined"
+    shared = {"twoshot": "twoshot_shared", "twoshot_early": "twoshot_early_shared"}.get(regime)
+    if has_shared and shared is not None and (shared, dtype, ws, profile) in registry.program_set().cells:
+        return shared
+    return regime
+
+
+def _dense_tokens(bounds, every_up_to=2100):
+    """Every T up to every_up_to (by default past every measured boundary), both sides of every
+    boundary, powers of two (and three times them) up to the largest T a boundary can take."""
+    tokens = set(range(1, every_up_to + 1))
+    for bound in bounds:
+        tokens |= {t for t in (bound - 2, bound - 1, bound, bound + 1, bound + 2) if t >= 1}
+    tokens |= {2 ** k for k in range(31)} | {3 * 2 ** k for k in range(29)}
+    return sorted(t for t in tokens if t <= registry.program_set().all_tokens)
+
+
+def _capacities(bounds):
+    """One-shot buffers (tokens) smaller than, equal to and larger than the one-shot boundary."""
+    oneshot = bounds[0]
+    return sorted({1, max(oneshot - 1, 0), oneshot, oneshot + 1, BIG})
+
+
+def test_select_family_is_the_old_rule_for_every_cell():
+    """The ladder loop chooses what the old written-out rule chose: every cell of the committed
+    table, a dense set of T, with and without a shared operand, one-shot buffers smaller, equal and
+    larger than the one-shot boundary."""
+    generated = registry.program_set()
+    fields = [field for _regime, field in generated.ladder if field is not None]
+    checked = 0
+    for (dtype, ws, profile), row in generated.selection.items():
+        bounds = [row[field] for field in fields]
+        for capacity in _capacities(bounds):
+            for tokens in _dense_tokens(bounds):
+                for has_shared in (False, True):
+                    got = registry.select_family(dtype, ws, profile, tokens, has_shared, capacity)
+                    assert got == _old_select_family(dtype, ws, profile, tokens, has_shared, capacity), (
+                        dtype, ws, profile, tokens, has_shared, capacity)
+                    checked += 1
+    assert checked > 400_000
+
+
+NO_BOUND = 2 ** 31 - 1
+
+
+@pytest.mark.parametrize("bounds", [(0, 0, 0, 0), (1, 2, 3, 4), (64, 512, 2048, 8192), (16, 16, NO_BOUND, NO_BOUND),
+                                    (100, 200, 200, NO_BOUND), (0, 300, 300, 300), (7, 7, 7, 900)])
+def test_select_family_is_the_old_rule_for_other_boundaries(bounds, monkeypatch):
+    """The same with boundaries that give every regime a range somewhere (the committed table
+    leaves some empty)."""
+    generated = registry.program_set()
+    fields = [field for _regime, field in generated.ladder if field is not None]
+    for key, row in list(generated.selection.items()):
+        monkeypatch.setitem(generated.selection, key, {**row, **dict(zip(fields, bounds))})
+    for (dtype, ws, profile) in generated.selection:
+        for capacity in _capacities(bounds):
+            for tokens in _dense_tokens(bounds, every_up_to=600):
+                for has_shared in (False, True):
+                    assert registry.select_family(dtype, ws, profile, tokens, has_shared, capacity) == \
+                        _old_select_family(dtype, ws, profile, tokens, has_shared, capacity), (
+                            dtype, ws, profile, tokens, has_shared, capacity, bounds)
+
+
 @pytest.mark.parametrize("ws", [2, 4, 8])
-@pytest.mark.parametrize("profile", ["110", "111", "fp8_group128"])
+@pytest.mark.parametrize("profile", ["plain", "nvfp4", "fp8_group128"])
 def test_select_family_follows_the_committed_boundaries(ws, profile):
     b = _bounds("bf16", ws, profile)
     fields = ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens")
@@ -35,33 +118,43 @@ def test_select_family_follows_the_committed_boundaries(ws, profile):
     def expected(T):  # the first regime whose upper bound T does not exceed, written out independently
         return next((r for r, upper in zip(regimes, bounds) if T <= upper), regimes[-1])
 
-    big = 10 ** 6
-    a = bounds[0]
-    assert registry.select_family("bf16", ws, profile, a, False, big) == "oneshot"
+    oneshot = bounds[0]
+    assert registry.select_family("bf16", ws, profile, oneshot, False, BIG) == "oneshot"
     for edge in bounds:
         for T in (edge, edge + 1):
-            if 1 <= T < registry.ALL_TOKENS:
-                assert registry.select_family("bf16", ws, profile, T, False, big) == expected(T), (T, bounds)
+            if 1 <= T < registry.program_set().all_tokens:
+                assert registry.select_family("bf16", ws, profile, T, False, BIG) == expected(T), (T, bounds)
     # the register-load pipelined program, where a hole, falls back to the ring one, then the two-shot
-    assert registry.program_for("twoshot_pipelined_loads", "bf16", 2, "110") == "moe_ar_tsp_bf16_ws2_o110"
-    assert registry.program_for("twoshot_pipelined_loads", "bf16", 4, "111") == "moe_ar_ts_bf16_ws4_o111"
+    assert registry.program_for("twoshot_pipelined_loads", "bf16", 2, "plain") == "moe_ar_tsp_bf16_ws2_o110"
+    assert registry.program_for("twoshot_pipelined_loads", "bf16", 4, "nvfp4") == "moe_ar_ts_bf16_ws4_o111"
     # where the pipelined two-shot is a hole, the two-shot runs (named explicitly)
-    assert registry.program_for("twoshot_pipelined", "bf16", 4, profile) == f"moe_ar_ts_bf16_ws4_{'o' + profile if profile in ('110', '111') else profile}"
+    code = {"plain": "o110", "nvfp4": "o111"}.get(profile, profile)
+    assert registry.program_for("twoshot_pipelined", "bf16", 4, profile) == f"moe_ar_ts_bf16_ws4_{code}"
     # a workspace whose one-shot buffer is smaller than the boundary caps the one-shot range
-    if a > 1:
-        assert registry.select_family("bf16", ws, profile, a, False, a - 1) != "oneshot"
+    if oneshot > 1:
+        assert registry.select_family("bf16", ws, profile, oneshot, False, oneshot - 1) != "oneshot"
 
 
 def test_shared_variant_only_where_generated_and_holes_fall_back():
     # world size 2 has no shared variants (holes): the base family runs, named explicitly.
-    b2 = _bounds("bf16", 2, "110")
+    b2 = _bounds("bf16", 2, "plain")
     e2 = b2["early_max_tokens"]
-    assert registry.select_family("bf16", 2, "110", e2 + 1, True, 10 ** 6) == (
+    assert registry.select_family("bf16", 2, "plain", e2 + 1, True, BIG) == (
         "twoshot" if b2["twoshot_max_tokens"] > e2 else "twoshot_pipelined")
-    e4 = _bounds("bf16", 4, "110")["early_max_tokens"]
-    assert registry.select_family("bf16", 4, "110", e4 + 1, True, 10 ** 6) == "twoshot_shared"
-    assert registry.program_for("twoshot_shared", "bf16", 2, "110") == "moe_ar_ts_bf16_ws2_o110"
-    assert registry.program_for("twoshot_early_shared", "fp16", 8, "111") == "moe_ar_tse_fp16_ws8_o111"
+    e4 = _bounds("bf16", 4, "plain")["early_max_tokens"]
+    assert registry.select_family("bf16", 4, "plain", e4 + 1, True, BIG) == "twoshot_shared"
+    assert registry.program_for("twoshot_shared", "bf16", 2, "plain") == "moe_ar_ts_bf16_ws2_o110"
+    assert registry.program_for("twoshot_early_shared", "fp16", 8, "nvfp4") == "moe_ar_tse_fp16_ws8_o111"
+    with pytest.raises(ValueError, match="^program: no program for bf16 world size 2 output profile o110"):
+        registry.program_for("twoshot", "bf16", 2, "o110")
+
+
+def test_profiles_are_named_by_their_quant_value():
+    from dispatch.op import profile_for_quant
+    assert registry.program_set().profile_of_quant == {None: "plain", "nvfp4": "nvfp4",
+                                                       "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
+    assert profile_for_quant(None) == "plain" and profile_for_quant("nvfp4") == "nvfp4"
+    assert registry.program_info("moe_ar_tss_bf16_ws4_o111")["profile"] == "nvfp4"
 
 
 @pytest.mark.parametrize("hidden", [1024, 4096, 7168, 8192, 16384])

@@ -16,8 +16,8 @@ import time
 import pytest
 
 from generator import manifest as manifest_mod
-from generator import policy, render, spec, tuning, verify
-from generator.diffing import diff_manifests
+from generator import code_hash, policy, render, spec, tuning, verify
+from generator.diffing import diff_manifests, manifest_at
 from generator.enumeration import enumerate_programs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def test_enumeration_is_product_minus_holes():
         assert hole.reason == policy.hole_reason(hole.spec)
         fallback = spec.ProgramSpec(hole.fallback_family, hole.spec.dtype, hole.spec.world_size, hole.spec.profile)
         assert policy.is_supported(fallback)
-        assert spec.PROTOCOL[hole.fallback_family] == spec.PROTOCOL[hole.spec.family]
+        assert spec.FAMILY_BY_NAME[hole.fallback_family].protocol == spec.FAMILY_BY_NAME[hole.spec.family].protocol
 
 
 def test_root_family_hole_is_refused():
@@ -88,39 +88,69 @@ def test_parse_rejects(bad):
         spec.parse(bad)
 
 
-def test_every_family_has_all_its_tables():
-    for table in (spec.FAMILY_MEANING, spec.BASE_FAMILY, spec.PROTOCOL, spec.FAMILY_SHORT, spec.FAMILY_CAMEL,
-                  spec.FAMILY_REGIME):
-        assert set(table) == set(spec.FAMILIES)
-    assert len(set(spec.FAMILY_SHORT.values())) == len(spec.FAMILIES)
+def test_family_records_are_consistent():
+    """One record per family; everything else derives from the records."""
+    families = spec.FAMILY_BY_NAME.values()
+    assert spec.FAMILIES == tuple(f.name for f in families)
+    for field in ("code", "title", "cpp_name"):
+        assert len({getattr(f, field) for f in families}) == len(spec.FAMILIES), field
+    for family in families:
+        assert family.base in spec.FAMILY_BY_NAME and family.regime in spec.REGIME_BY_NAME
+        assert spec.FAMILY_BY_NAME[family.base].protocol == family.protocol
+        assert re.fullmatch(r"[a-z]+", family.code) and re.fullmatch(r"[A-Z][A-Za-z]*", family.cpp_name)
+        assert spec.family_for(family.regime, family.shared_prefetch) == family.name
+    # every rung of the ladder has a family of its own name, without the shared-expert prefetch
+    for regime in spec.LADDER:
+        assert spec.family_for(regime.name, False) == regime.name
+        assert regime.work_unit in ("row", "slice", "column")
+    assert [r.max_tokens_field for r in spec.LADDER] == [*spec.BOUNDARY_FIELDS, None]
+    assert dict(spec.PROTOCOL) == {f.name: f.protocol for f in families}
 
 
-def test_every_profile_has_all_its_tables():
-    """Adding an output profile is one place: the tuples and tables of spec.py (plus its math in
-    the template); every name derived from it parses back."""
-    for table in (spec.OUTPUT_PROFILE_MEANING, spec.PROFILE_QUANT, spec.PROFILE_CPP, spec.PROFILE_EXTRA_OUTPUTS):
-        assert set(table) == set(spec.OUTPUT_PROFILES)
+def test_profile_records_are_consistent():
+    """Adding an output profile is one record in spec.py (plus its math in the template); profiles
+    are named by their quant= value, plain for None; every name derived from one parses back."""
+    profiles = spec.PROFILE_BY_NAME.values()
+    assert spec.OUTPUT_PROFILES == ("plain", "nvfp4", "fp8_group128", "fp8_tensor")
+    assert [p.quant for p in profiles] == [None, "nvfp4", "fp8_group128", "fp8_tensor"]
+    assert dict(spec.PROFILE_QUANT) == {p.name: p.quant for p in profiles}
+    assert len({p.code for p in profiles}) == len(spec.OUTPUT_PROFILES)
+    # program names keep their numeric codes: o110 (plain), o111 (nvfp4)
+    assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_tss_bf16_ws4_o111"
+    assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_os_bf16_ws2_o110"
     # the pipelined two-shot with register loads is generated for the profiles with loads, a hole elsewhere
-    assert set(spec.PIPELINED_LOADS) <= set(spec.OUTPUT_PROFILES)
-    for profile in spec.OUTPUT_PROFILES:
-        cell = spec.ProgramSpec("twoshot_pipelined_loads", "bf16", 2, profile)
-        assert policy.is_supported(cell) == (profile in spec.PIPELINED_LOADS), profile
-    assert len(set(spec.PROFILE_QUANT.values())) == len(spec.OUTPUT_PROFILES)
+    for profile in profiles:
+        cell = spec.ProgramSpec("twoshot_pipelined_loads", "bf16", 2, profile.name)
+        assert policy.is_supported(cell) == (profile.pipelined_loads is not None), profile.name
     for cell in spec.all_cells():
         assert spec.parse(cell.name) == cell
         assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", cell.symbol), cell.symbol  # a C identifier
+    with pytest.raises(ValueError, match="profile: unknown '110'"):
+        spec.ProgramSpec("twoshot", "bf16", 2, "110")
 
 
 def test_selection_covers_every_cell():
     selection = tuning.selection()
     assert set(selection.boundaries) == set(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
     # World size 8 has no machine here: the written model, and the table says so.
-    assert selection.boundaries[("bf16", 8, "111")] == tuning.Boundaries(
-        tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS, tuning.ALL_TOKENS,
+    assert selection.boundaries[("bf16", 8, "nvfp4")] == tuning.Boundaries(
+        (tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS, tuning.ALL_TOKENS),
         tuning.MODEL_SOURCE)
     # World size 2 was measured (bench_results/), and fp16 borrows the bf16 measurement.
-    assert selection.boundaries[("bf16", 2, "110")].source.startswith("measured")
-    assert selection.boundaries[("fp16", 2, "110")].source.startswith("measured (bf16 data")
+    assert selection.boundaries[("bf16", 2, "plain")].source.startswith("measured")
+    assert selection.boundaries[("fp16", 2, "plain")].source.startswith("measured (bf16 data")
+    assert selection.boundaries[("bf16", 8, "nvfp4")].by_field() == {
+        "oneshot_max_tokens": 16, "early_max_tokens": 2048, "twoshot_max_tokens": tuning.ALL_TOKENS,
+        "loads_max_tokens": tuning.ALL_TOKENS}
+
+
+def test_boundaries_follow_the_ladder():
+    cell = tuning.Boundaries((4, 8, 16, 32), "test")
+    expected = {1: "oneshot", 4: "oneshot", 5: "twoshot_early", 8: "twoshot_early", 9: "twoshot", 16: "twoshot",
+                17: "twoshot_pipelined_loads", 32: "twoshot_pipelined_loads", 33: "twoshot_pipelined"}
+    assert {tokens: cell.family(tokens) for tokens in expected} == expected
+    with pytest.raises(ValueError, match="max_tokens"):
+        tuning.Boundaries((4, 8, 16), "test")
 
 
 def _times(**families):
@@ -137,9 +167,9 @@ def test_fit_boundaries_follows_the_measurements():
     points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
                     twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200},
                     twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150})
-    a, b, c, d, worst, ratio, over, over_at_target = tuning.fit_boundaries(points)
+    *bounds, worst, ratio, over, over_at_target = tuning.fit_boundaries(points)
     # the pipelined two-shots were not measured: never chosen, not even above the measured range
-    assert (a, b, c, d) == (64, 256, tuning.ALL_TOKENS, tuning.ALL_TOKENS) and ratio == pytest.approx(1.0)
+    assert bounds == [64, 256, tuning.ALL_TOKENS, tuning.ALL_TOKENS] and ratio == pytest.approx(1.0)
     assert worst == 1.0
     assert over == over_at_target == 0
     # never picks one-shot where one-shot was not measured (a workspace cap)
@@ -173,8 +203,8 @@ def test_fit_boundaries_counts_points_over_the_target_first():
     points = {(4096, 8, False, 1): {"oneshot": 100, "twoshot_early": 115},
               (7168, 8, True, 1): {"oneshot": 106, "twoshot_early": 100},
               (7168, 4, True, 1): {"oneshot": 106, "twoshot_early": 100}}
-    a, b, c, d, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
-    assert (a, b, c, d) == (0, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS)  # the early two-shot: one point over, not two
+    *bounds, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
+    assert bounds == [0, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS]  # the early two-shot: one point over, not two
     assert over == 1 and over_at_target == 0 and worst == pytest.approx(1.15)
     assert mean == pytest.approx(1.15 ** (1 / 3))
 
@@ -185,8 +215,8 @@ def test_fit_boundaries_counts_the_target_shape_before_the_others():
     points = {(7168, 8, True, 1): {"oneshot": 100, "twoshot_early": 106},
               (7168, 8, False, 1): {"oneshot": 110, "twoshot_early": 100},
               (4096, 8, False, 1): {"oneshot": 110, "twoshot_early": 100}}
-    a, b, c, d, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
-    assert (a, b, c, d) == (1, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS)  # the one-shot: two over, none at the target shape
+    *bounds, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
+    assert bounds == [1, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS]  # the one-shot: two over, none at the target shape
     assert over == 2 and over_at_target == 0 and worst == pytest.approx(1.1)
     # the same points with the shapes swapped: the early two-shot, one point over, at another shape
     points = {(4096, 8, False, 1): points[(7168, 8, True, 1)], (7168, 8, True, 1): points[(7168, 8, False, 1)],
@@ -211,14 +241,18 @@ def test_generation_is_deterministic_across_runs_dirs_cwd_and_hash_seed(rendered
 
 
 def test_outputs_name_no_absolute_path_and_carry_header(rendered):
+    """Every file says it is generated, from which template, and how to regenerate it; only the
+    manifest carries the inputs hash."""
     for rel, data in rendered.outputs.items():
         text = data.decode("utf-8")
         assert str(ROOT) not in text and "/tmp" not in text and "/home" not in text, rel
         assert text.endswith("\n"), rel
         if rel.endswith((".cu", ".cuh", ".h")):
-            assert text.startswith("// GENERATED FILE, DO NOT EDIT"), rel
-            assert f"// inputs sha256: {rendered.inputs_sha256}\n" in text, rel
-            assert "gen-programs, generator/" in text.splitlines()[0], rel
+            first, second = text.splitlines()[:2]
+            assert first.startswith("// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from "
+                                    "templates/") and first.endswith(".j2."), rel
+            assert second == "// To change it, edit the template or generator/ and run `gen-programs`.", rel
+            assert rendered.inputs_sha256 not in text and "inputs sha256" not in text, rel
     header = json.loads(rendered.outputs["manifest.json"])["_generated"]
     assert header["inputs_sha256"] == rendered.inputs_sha256 and header["generator"] == "gen-programs, generator/"
 
@@ -253,6 +287,16 @@ def test_manifest_contents(rendered, manifest):
     assert set(manifest["files"]) == {rel for rel, _ in rendered.outputs.items()} - {"manifest.json"}
     assert len(manifest["selection"]["boundaries"]) == len(spec.DTYPES) * len(spec.WORLD_SIZES) * len(
         spec.OUTPUT_PROFILES)
+    # the records and the ladder, as the runtime reads them
+    assert [f["name"] for f in manifest["axes"]["families"]] == list(spec.FAMILIES)
+    assert [p["name"] for p in manifest["axes"]["output_profiles"]] == list(spec.OUTPUT_PROFILES)
+    assert {p["name"]: p["quant"] for p in manifest["axes"]["output_profiles"]} == dict(spec.PROFILE_QUANT)
+    assert manifest["selection"]["ladder"] == [
+        ["oneshot", "oneshot_max_tokens"], ["twoshot_early", "early_max_tokens"], ["twoshot", "twoshot_max_tokens"],
+        ["twoshot_pipelined_loads", "loads_max_tokens"], ["twoshot_pipelined", None]]
+    assert manifest["selection"]["all_tokens"] == tuning.ALL_TOKENS
+    assert manifest["selection"]["rule"].startswith("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: "
+                                                    "twoshot_early; T <= twoshot_max_tokens: twoshot; ")
 
 
 def test_register_bound_follows_the_cap(rendered, manifest):
@@ -260,7 +304,7 @@ def test_register_bound_follows_the_cap(rendered, manifest):
     and a capped block of MAX_THREADS threads still fits the register file."""
     capped = 0
     for p in manifest["programs"]:
-        cap = spec.register_cap(p["family"], p["world_size"], p["profile"])
+        cap = spec.register_cap(p["family"], p["world_size"])
         assert p["register_cap"] == cap
         text = rendered.outputs[p["file"]].decode()
         want = f"__maxnreg__({cap})" if cap else f"__launch_bounds__({render.abi.MAX_THREADS})"
@@ -268,14 +312,15 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         assert ("__maxnreg__" in text) == bool(cap) and ("__launch_bounds__" in text) != bool(cap)
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
-                         if (spec.FAMILY_REGIME[p["family"]][0], p["world_size"]) in spec.REGISTER_CAP or p["row_stages"])
+                         if (spec.FAMILY_BY_NAME[p["family"]].regime, p["world_size"]) in spec.REGISTER_CAP
+                         or p["row_stages"])
     # the one-shot and the pipelined two-shot with register loads pass their loads to the kernel
     # body; the pipelined two-shot with the ring passes its stages, under the ring's cap; no other
     # program passes either
     passing = ringed = 0
     for p in manifest["programs"]:
         loads = spec.loads_in_flight(p["family"], p["profile"])
-        stages = spec.row_stages(p["family"], p["profile"])
+        stages = spec.row_stages(p["family"])
         text = rendered.outputs[p["file"]].decode()
         assert p["row_stages"] == stages
         if stages:
@@ -291,7 +336,7 @@ def test_register_bound_follows_the_cap(rendered, manifest):
             continue
         passing += 1
         if p["family"] == "twoshot_pipelined_loads":
-            assert loads == spec.PIPELINED_LOADS[p["profile"]] and p["register_cap"] == 72
+            assert loads == spec.PROFILE_BY_NAME[p["profile"]].pipelined_loads and p["register_cap"] == 72
         else:
             assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"
@@ -299,7 +344,7 @@ def test_register_bound_follows_the_cap(rendered, manifest):
     assert passing + ringed == sum(p["family"] in ("oneshot", "twoshot_pipelined", "twoshot_pipelined_loads")
                                    for p in manifest["programs"])
     assert passing > 0 and ringed > 0
-    too_many = spec.ProgramSpec("twoshot", "bf16", 2, "110")
+    too_many = spec.ProgramSpec("twoshot", "bf16", 2, "plain")
     original = dict(spec.REGISTER_CAP)
     try:
         spec.REGISTER_CAP[("twoshot", 2)] = 129  # 129 x 512 threads > 65,536 registers
@@ -349,10 +394,110 @@ def test_full_regeneration_is_fast(tmp_path):
                     r.stdout.strip()), r.stdout
 
 
+# ---- reviewable diffs: code_sha256 and what an input change rewrites -----------------
+
+def test_code_hash_ignores_comments_and_layout_only():
+    source = ('#include "x.h"  // the header\n'
+              '#define TWICE(a) \\\n  ((a) + (a))\n'
+              'int f(int a) { /* one\n two */ return 1\'000 + TWICE(a) - -a; }\n'
+              'const char* s = "not // a comment /* nor this */"; char c = \'/\';\n')
+    same = ('#include "x.h"\n#define TWICE(a) ((a) + (a))  /* a comment */\n'
+            'int f(int a)\n{\n    return 1\'000 + TWICE(a) - -a;  // reflowed\n}\n'
+            'const char* s = "not // a comment /* nor this */";\nchar c = \'/\';\n')
+    assert code_hash.code_sha256(source) == code_hash.code_sha256(same)
+    # a changed token, a changed string or char literal, a changed directive line: another hash
+    for changed in (source.replace("1\'000", "1\'001"), source.replace("- -a", "--a"),
+                    source.replace("nor this", "nor that"), source.replace("\'/\'", "\'*\'"),
+                    source.replace("  ((a) + (a))", "\n  ((a) + (a))"), source.replace('"x.h"', '"y.h"')):
+        assert code_hash.code_sha256(changed) != code_hash.code_sha256(source), changed
+    # comment markers inside literals stay code
+    assert code_hash.code_tokens('s = "a//b"; t = "/*"; u = \'"\'; // gone') == [
+        "s", "=", '"a//b"', ";", "t", "=", '"/*"', ";", "u", "=", "\'\"\'", ";"]
+    assert code_hash.code_tokens("a>>=b->c...d") == ["a", ">>=", "b", "->", "c", "...", "d"]
+    # the boundary between two texts is part of the hash
+    assert code_hash.code_sha256("int a;", "int b;") != code_hash.code_sha256("int a; int b;", "")
+    with pytest.raises(ValueError, match="not closed"):
+        code_hash.code_tokens("int a; /* open")
+
+
+def test_code_sha256_of_the_committed_programs_ignores_their_comments(rendered, manifest):
+    body = rendered.outputs[manifest["body"]["file"]].decode()
+    assert manifest["body"]["code_sha256"] == code_hash.code_sha256(body)  # the header is a comment
+    for entry in manifest["programs"][:5]:
+        assert entry["code_sha256"] == code_hash.code_sha256(rendered.outputs[entry["file"]].decode(), body)
+
+
+def _changed(before: render.Outputs, after: render.Outputs) -> set[str]:
+    paths = {rel for rel, _ in before.items()} | {rel for rel, _ in after.items()}
+    return {rel for rel in paths if (rel in before and before[rel]) != (rel in after and after[rel])}
+
+
+def _edit(path: pathlib.Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert text.count(old) == 1, old
+    path.write_text(text.replace(old, new))
+
+
+def test_a_comment_change_rewrites_at_most_the_manifest_and_the_body(rendered, manifest, tmp_path):
+    """A comment-only (or whitespace-only) change of the body template rewrites the body and the
+    manifest, nothing else, and no code_sha256 moves; a generator .py change that renders the same
+    text rewrites the manifest alone; a real code change moves the body's and every program's
+    code_sha256."""
+    repo = copy_repo(tmp_path / "repo")
+    body_template = repo / "templates" / render.BODY_TEMPLATE
+    _edit(body_template, "#pragma once\n", "#pragma once\n// a comment added by the test\n\n")
+    text = body_template.read_text()
+    indented = next(line for line in text.splitlines() if line.startswith("  ") and line.strip().endswith(";"))
+    body_template.write_text(text.replace(indented + "\n", "  " + indented + "\n", 1))  # whitespace only
+    commented = render.render_all(repo)
+    assert _changed(rendered.outputs, commented.outputs) == {"manifest.json", render.BODY_FILE}
+    new = json.loads(commented.outputs["manifest.json"])
+    assert new["_generated"]["inputs_sha256"] != manifest["_generated"]["inputs_sha256"]
+    assert new["body"]["code_sha256"] == manifest["body"]["code_sha256"]
+    assert [p["code_sha256"] for p in new["programs"]] == [p["code_sha256"] for p in manifest["programs"]]
+    assert diff_manifests(manifest, new) == []
+
+    shutil.copy(ROOT / "templates" / render.BODY_TEMPLATE, body_template)
+    _edit(repo / "generator" / "spec.py", "# ---- dtypes and world sizes", "# ---- dtypes and world sizes (edited)")
+    assert _changed(rendered.outputs, render.render_all(repo).outputs) == {"manifest.json"}
+
+    _edit(body_template, "kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u")
+    new = json.loads(render.render_all(repo).outputs["manifest.json"])
+    assert new["body"]["code_sha256"] != manifest["body"]["code_sha256"]
+    assert all(a["code_sha256"] != b["code_sha256"] for a, b in zip(manifest["programs"], new["programs"]))
+    lines = diff_manifests(manifest, new)
+    assert sum(" program changed, " in line for line in lines) == len(manifest["programs"])
+    assert any(line.startswith("~ kernel body kernels/moe_finalize_allreduce.cuh changed") for line in lines)
+
+
+def test_diff_recomputes_the_revisions_code_hashes_and_profile_names(tmp_path):
+    """`gen-programs diff REV` hashes REV's files as today's generator does, so a manifest written
+    with another definition of code_sha256 (or before profiles were named) shows no false change."""
+    repo = copy_repo(tmp_path / "repo")
+    old = json.loads((repo / "generated" / "manifest.json").read_text())
+    old["format"] = 1
+    for entry in [*old["programs"], old["body"]]:
+        entry["code_sha256"] = "0" * 64  # another definition
+    codes = {"plain": "110", "nvfp4": "111"}
+    for entry in [*old["programs"], *old["holes"], *old["selection"]["boundaries"]]:
+        entry["profile"] = codes.get(entry["profile"], entry["profile"])
+    (repo / "generated" / "manifest.json").write_text(json.dumps(old))
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "base")
+    assert run_cli([], cwd=repo).returncode == 0
+    at_rev = manifest_at("HEAD", repo)
+    new = json.loads((repo / "generated" / "manifest.json").read_text())
+    assert at_rev["body"]["code_sha256"] == new["body"]["code_sha256"]
+    assert {p["profile"] for p in at_rev["programs"]} == set(spec.OUTPUT_PROFILES)
+    r = run_cli(["diff", "HEAD"], cwd=repo)
+    assert r.returncode == 0 and r.stdout.strip() == "no changes", r.stdout + r.stderr
+
+
 # ---- the emitted C++ tables ---------------------------------------------------------
 
 _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
-                       r'(?P<tag>\w+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
+                       r'(?P<profile>\w+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
 _BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+|kAllTokens), (\d+|kAllTokens)\},\s*// (\w+) ws(\d+) (\w+): \S.*$")
 
 
@@ -366,14 +511,13 @@ def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
     dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}]"
     for family, rel in manifest["tables"].items():
         text = rendered.outputs[rel].decode()
-        assert f"static const char* const k{spec.FAMILY_CAMEL[family]}Kernels{dims} = {{" in text
+        assert f"static const char* const k{spec.FAMILY_BY_NAME[family].cpp_name}Kernels{dims} = {{" in text
         assert f"// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: {', '.join(spec.OUTPUT_PROFILES)}]" in text
         entries = [m for m in map(_ENTRY_RE.match, text.splitlines()) if m]
-        tag_to_profile = {spec.profile_tag(p): p for p in spec.OUTPUT_PROFILES}
         # one entry a line, in index order
-        assert [(m["dtype"], int(m["ws"]), tag_to_profile[m["tag"]]) for m in entries] == _cells()
+        assert [(m["dtype"], int(m["ws"]), m["profile"]) for m in entries] == _cells()
         for m in entries:
-            key = (family, m["dtype"], int(m["ws"]), tag_to_profile[m["tag"]])
+            key = (family, m["dtype"], int(m["ws"]), m["profile"])
             if m["null"]:
                 assert key in holes and key not in programs
                 assert (m["fallback"], m["reason"]) == (holes[key]["fallback_family"], holes[key]["reason"])
@@ -387,12 +531,10 @@ def test_selection_table_parses_back_to_the_manifest(rendered, manifest):
     dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}][4]"
     assert f"static const int kRegimeBoundaries{dims} = {{" in text
     assert f"constexpr int kAllTokens = {tuning.ALL_TOKENS};" in text
-    tag_to_profile = {spec.profile_tag(p): p for p in spec.OUTPUT_PROFILES}
-    rows = [(bounds, dtype, ws, tag_to_profile[tag]) for *bounds, dtype, ws, tag in
+    rows = [(bounds, dtype, ws, profile) for *bounds, dtype, ws, profile in
             (m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m)]
     assert [(dtype, int(ws), p) for _, dtype, ws, p in rows] == _cells()
-    fields = ("oneshot_max_tokens", "early_max_tokens", "twoshot_max_tokens", "loads_max_tokens")
-    expected = {(b["dtype"], b["world_size"], b["profile"]): tuple(b[f] for f in fields)
+    expected = {(b["dtype"], b["world_size"], b["profile"]): tuple(b[f] for f in spec.BOUNDARY_FIELDS)
                 for b in manifest["selection"]["boundaries"]}
     parsed = {(dtype, int(ws), p): tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds)
               for bounds, dtype, ws, p in rows}
@@ -478,8 +620,8 @@ def test_check_catches_a_tampered_and_a_stale_file(tmp_path):
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 1
     assert "--- generated/tables/twoshot.h" in r.stdout
-    assert '-            nullptr,  // bf16 ws4 o110' in r.stdout
-    assert '+            "moe_ar_ts_bf16_ws4_o110",  // bf16 ws4 o110' in r.stdout
+    assert '-            nullptr,  // bf16 ws4 plain' in r.stdout
+    assert '+            "moe_ar_ts_bf16_ws4_o110",  // bf16 ws4 plain' in r.stdout
     assert "programs/moe_ar_ts_bf16_ws16_o110.cu" in r.stdout
     assert "run `gen-programs` to regenerate" in r.stderr
     assert run_cli([], cwd=repo).returncode == 0
@@ -513,16 +655,16 @@ def test_diff_reports_changed_cells(tmp_path):
     r = run_cli(["diff", "HEAD"], cwd=repo)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "+ twoshot_early_shared fp16 ws8 o110: appeared, moe_ar_tses_fp16_ws8_o110 (was a hole: " \
+    assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_tses_fp16_ws8_o110 (was a hole: " \
            "no early shared variant at world size 8 (the early range is short there))" in lines
     assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == len(spec.OUTPUT_PROFILES)
-    assert "~ selection bf16 ws4 o111: oneshot_max_tokens 64 -> 128" in lines
+    assert "~ selection bf16 ws4 nvfp4: oneshot_max_tokens 64 -> 128" in lines
     assert not any("program changed" in line or "vanished" in line for line in lines), lines
 
     policy_py.write_text(policy_py.read_text().replace('lambda s: s.world_size == 2),', 'lambda s: s.world_size <= 4),', 1))
     assert run_cli([], cwd=repo).returncode == 0
     r = run_cli(["diff", "HEAD"], cwd=repo)
-    assert any(line.startswith("- twoshot_shared bf16 ws4 o110: vanished, moe_ar_tss_bf16_ws4_o110 (now a hole -> "
+    assert any(line.startswith("- twoshot_shared bf16 ws4 plain: vanished, moe_ar_tss_bf16_ws4_o110 (now a hole -> "
                                "twoshot") for line in r.stdout.splitlines()), r.stdout
 
 
@@ -532,7 +674,7 @@ def test_diff_reports_a_changed_program_and_body(manifest):
     new["body"]["code_sha256"] = "1" * 64
     lines = diff_manifests(manifest, new)
     p = new["programs"][0]
-    assert any(line.startswith(f"~ {p['family']} {p['dtype']} ws{p['world_size']} {spec.profile_tag(p['profile'])}: program changed")
+    assert any(line.startswith(f"~ {p['family']} {p['dtype']} ws{p['world_size']} {p['profile']}: program changed")
                for line in lines)
     assert any(line.startswith("~ kernel body kernels/moe_finalize_allreduce.cuh changed") for line in lines)
     assert diff_manifests(manifest, manifest) == []
@@ -544,18 +686,26 @@ def test_diff_rejects_an_unknown_revision():
 
 
 def test_list_filters():
-    r = run_cli(["list", "--family", "twoshot_shared", "--dtype", "bf16", "--world-size", "4", "--profile", "110",
-                 "--profile", "111"], cwd=ROOT)
+    r = run_cli(["list", "--family", "twoshot_shared", "--dtype", "bf16", "--world-size", "4", "--profile", "plain",
+                 "--profile", "nvfp4"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     rows = r.stdout.splitlines()
-    assert rows[0].split() == ["name", "protocol", "class", "file"]
-    assert [row.split()[0] for row in rows[1:]] == ["moe_ar_tss_bf16_ws4_o110", "moe_ar_tss_bf16_ws4_o111"]
+    assert rows[0].split() == ["name", "family", "profile", "protocol", "class", "file"]
+    assert [row.split()[:3] for row in rows[1:]] == [["moe_ar_tss_bf16_ws4_o110", "twoshot_shared", "plain"],
+                                                     ["moe_ar_tss_bf16_ws4_o111", "twoshot_shared", "nvfp4"]]
     assert "lamport2_bf16_ws4" in rows[1] and "generated/programs/moe_ar_tss_bf16_ws4_o110.cu" in rows[1]
+    r = run_cli(["list", "--profile", "110"], cwd=ROOT)  # the name code is not a profile's name
+    assert r.returncode != 0 and "'110' is not one of 'plain', 'nvfp4'" in r.stderr, r.stderr
 
 
 def test_tables_marks_holes_and_fallbacks():
     r = run_cli(["tables"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
+    # the table of short codes in program names
+    assert "program names: moe_ar_<family code>_<dtype>_ws<world size>_<profile code>" in r.stdout
+    assert re.search(r"^  tses +twoshot_early_shared +two-shot, early, shared prefetch$", r.stdout, re.M), r.stdout
+    assert re.search(r"^  o110 +plain +None$", r.stdout, re.M) and re.search(r"^  o111 +nvfp4 +nvfp4$", r.stdout, re.M)
+    assert re.search(r"^ +plain +nvfp4 +fp8_group128 +fp8_tensor$", r.stdout, re.M)  # grid columns by name
     for family in spec.FAMILIES:
         assert f"{family}  (tables/{family}.h" in r.stdout
     assert "-- hole[1] -> twoshot_early" in r.stdout

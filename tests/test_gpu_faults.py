@@ -78,7 +78,7 @@ def test_out_of_range_rows_are_skipped_and_reported(family):
     H = 2048
     world = dispatch.EmulatedWorld(2, 16, H, torch.bfloat16, timeout_s=5.0)
     try:
-        program = dispatch.registry.program_for(family, "bf16", 2, "110")
+        program = dispatch.registry.program_for(family, "bf16", 2, "plain")
         kws = [dict(_inputs(w, 4, 2, 7, r), program=program) for r, w in enumerate(world.workspaces)]
         for kw in kws:
             kw["expanded_idx_to_permuted_idx"][0, 0] = kw["allreduce_in"].shape[0] + 5  # outside allreduce_in

@@ -1,7 +1,7 @@
 """Reliability (issue #5): faults, hostile input and lifetimes, on the GPU.
 
 Faults, each followed by the documented recovery (`reset()`) and fresh calls checked in full against
-the float64 reference (tests/reference.py), in the same process:
+the float64 reference (moe_ar_tools/reference.py), in the same process:
 
 * a late rank: one rank's stream sleeps ~100 ms (torch.cuda._sleep, measured with CUDA events) before
   its kernel; with a 10 s deadline every rank is correct; with a 20 ms deadline every rank either
@@ -23,9 +23,12 @@ Lifetimes: two emulated worlds alive at once with interleaved calls; 1,000 creat
 no device-memory leak; in two processes, two workspaces on two process groups with interleaved calls,
 then 1,000 Workspace create/close cycles over CUDA IPC with no device-memory, IPC-mapping or file
 descriptor leak (MOE_AR_LIFETIME_CYCLES / MOE_AR_IPC_CYCLES scale the cycles down; default 1,000).
+Constructors that fail: an EmulatedWorld whose rank 1 cannot allocate (pinned memory refused, or the
+GPU out of memory) frees every rank and names rank 1; two processes on one GPU are refused by the
+Workspace rendezvous on both (tests/test_gpu_two_process.py has the two-GPU rendezvous cases).
 
 Every test appends a JSON line through `record_result` (kind "reliability"): what it did, calls,
-faults injected, outcome, seconds; tests/reliability_summary.py turns them into the summary.
+faults injected, outcome, seconds; moe_ar_tools/reliability_summary.py turns them into the summary.
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import multiproc
-import reference as ref
+from moe_ar_tools import reference as ref
 
 pytestmark = pytest.mark.gpu
 
@@ -61,8 +64,8 @@ FAULT_ONESHOT_CAP = 64  # T = 8 runs one-shot, T = 300 a two-shot (the early one
 def _pipelined_tokens():
     """The smallest T the committed tables give the pipelined two-shot (world size 2, bf16, plain);
     None where they never do."""
-    last = dispatch.registry.program_set().selection[("bf16", 2, "110")]["twoshot_max_tokens"]
-    return None if last >= dispatch.registry.ALL_TOKENS else last + 1
+    last = dispatch.registry.program_set().selection[("bf16", 2, "plain")]["twoshot_max_tokens"]
+    return None if last >= dispatch.registry.program_set().all_tokens else last + 1
 
 
 PIPELINED_T = _pipelined_tokens()
@@ -659,7 +662,7 @@ def _check_pending(dist, rank, pending, failures):
             failures.append(str(e)[:1500])
         mine = [provided["residual_out"], provided["norm_out"]]
         if quant:
-            mine += [provided["quant_out"], provided["scale_out"][: ref.scale_bytes_len(*provided["norm_out"].shape)]]
+            mine += [provided["quant_out"], provided["scale_out"][: ref.scale_out_bytes(*provided["norm_out"].shape)]]
         for t in mine:
             b = t.contiguous().view(torch.uint8).reshape(-1)
             allb = [torch.empty_like(b) for _ in range(2)]
@@ -766,3 +769,106 @@ def _worker_lifetimes(rank, init_file, out_dir, base_seed, cycles, guard_s):
     dist.destroy_process_group()
     if failures:
         raise AssertionError(f"rank {rank}: " + "\n".join(failures[:10]))
+
+
+# ---- constructors that fail: EmulatedWorld allocation, two processes on one GPU -----------------------------
+
+def test_emulated_world_allocation_failure_frees_every_rank(monkeypatch, seed_for, record_result):
+    """A rank's allocation failing (pinned memory refused, or the GPU out of memory after rank 0's buffers):
+    RuntimeError naming the rank, every rank's memory freed, nothing registered, dispatch.check() works,
+    and a world built afterwards computes correct results."""
+    from cupy.cuda import runtime
+    from dispatch.workspace import buffer_elems_for
+    live = dispatch.workspace._live_workspaces
+    with recording(record_result, what="EmulatedWorld constructor: rank 1's pinned allocation fails; rank 1 "
+                                       "runs out of device memory", world_size=2, devices="one_gpu") as info:
+        dispatch.EmulatedWorld(2, 16, H, D, timeout_s=10.0).close()  # CuPy and the allocator ready
+        live0 = len(live)
+        for case in ("hostAlloc", "out_of_memory"):
+            free0 = _free_device_memory()
+            filler = None
+            max_tokens, hidden = (16384, 8192) if case == "out_of_memory" else (16, H)
+            if case == "hostAlloc":
+                real, calls = runtime.hostAlloc, []
+
+                def host_alloc(*a):
+                    calls.append(1)
+                    if len(calls) == 2:  # rank 1's
+                        raise RuntimeError("hostAlloc failed (injected)")
+                    return real(*a)
+                monkeypatch.setattr(runtime, "hostAlloc", host_alloc)
+            else:  # room for rank 0's buffers and 512 MiB, not for rank 1's
+                rank_bytes = 3 * buffer_elems_for(2, max_tokens, hidden, 1024) * D.itemsize
+                filler = torch.empty(max(free0 - rank_bytes - 512 * MIB, 0), dtype=torch.uint8, device="cuda")
+            info["faults_injected"] += 1
+            t0 = time.monotonic()
+            try:
+                with pytest.raises(RuntimeError, match="rank 1") as e:
+                    dispatch.EmulatedWorld(2, max_tokens, hidden, D, timeout_s=10.0)
+            finally:
+                monkeypatch.undo()
+                del filler
+            assert "freed" in str(e.value), str(e.value)
+            assert ("memory" if case == "out_of_memory" else "injected") in str(e.value), str(e.value)
+            assert time.monotonic() - t0 < 20.0
+            free1 = _free_device_memory()
+            assert abs(free0 - free1) < 16 * MIB, f"{case}: device memory {(free0 - free1) / MIB:.1f} MiB lower"
+            assert len(live) == live0, f"{case}: a failed world's ranks are registered as live"
+            dispatch.check()
+        world = dispatch.EmulatedWorld(2, 64, H, D, timeout_s=10.0)
+        try:
+            _run_checked(world, 33, seed_for("after"), "after the failures")
+            info["calls"] += 1
+        finally:
+            world.close()
+        info["outcome"] = ("RuntimeError naming rank 1 both times, every rank's memory freed (drift < 16 MiB), "
+                           "nothing registered; a world built afterwards correct")
+
+
+def test_two_processes_on_one_gpu_are_refused(tmp_path, base_seed, record_result):
+    """Two processes, one GPU (a gloo group: NCCL itself refuses two ranks on one GPU): both raise the
+    device ValueError before allocating anything."""
+    out = tmp_path / "out"
+    out.mkdir()
+    try:
+        _spawn("_worker_same_gpu", 2, (str(tmp_path / "init"), str(out), base_seed), timeout_s=180)
+    finally:
+        rows = _read_rows(out)
+        for r in rows:
+            record_result(**r)
+    assert len(rows) == 2 and all(r["passed"] for r in rows), rows
+    assert rows[0]["message"] == rows[1]["message"], rows
+
+
+def _worker_same_gpu(rank, init_file, out_dir, base_seed):
+    os.environ.update(ENV)
+    import torch.distributed as dist
+    torch.cuda.set_device(0)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    dispatch_ = import_dispatch()
+    live = dispatch_.workspace._live_workspaces
+    row = dict(kind="reliability", what="Workspace: two processes on one GPU", rank=rank, world_size=2,
+               devices="one_gpu", calls=0, faults_injected=0, hostile_calls=1)
+    failures = []
+    try:
+        live0 = len(live)
+        msg, fails, seconds = multiproc.expect_raise(
+            lambda: dispatch_.Workspace(dist.group.WORLD, 64, 2048, torch.bfloat16, timeout_s=10.0), ValueError,
+            "device: ranks 0 and 1 are on the same GPU", ("one process per GPU", "EmulatedWorld"), 30.0)
+        failures += fails
+        if len(live) != live0:
+            failures.append("a refused workspace is registered as live")
+        dispatch_.check()
+        row.update(message=msg, seconds=round(seconds, 2),
+                   outcome="the same ValueError('device: ranks 0 and 1 are on the same GPU ...') on both ranks")
+    except BaseException as e:
+        failures.append(f"{type(e).__name__}: {e}"[:2000])
+        raise
+    finally:
+        row["passed"] = not failures
+        row["failures"] = failures[:5]
+        pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps([row], default=str))
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        raise AssertionError(f"rank {rank}: " + "\n".join(failures))

@@ -262,7 +262,7 @@ def test_compile_without_a_cuda_extra_names_it(monkeypatch):
     for name in ("cupy", "cupy.cuda", "cupy.cuda.nvrtc"):  # importing CuPy fails as if it were not installed
         monkeypatch.setitem(sys.modules, name, None)
     monkeypatch.setattr(cuda_env, "suggested_extra", lambda: "cu13")
-    r = invoke("compile", "--family", "oneshot", "--dtype", "bf16", "--world-size", "2", "--profile", "110")
+    r = invoke("compile", "--family", "oneshot", "--dtype", "bf16", "--world-size", "2", "--profile", spec.PLAIN)
     assert r.exit_code == 1 and not isinstance(r.exception, ImportError), r.output
     assert "NVRTC: CuPy is not installed" in r.output and "pip install '.[cu13]'" in r.output
     assert "Traceback" not in r.output and "compiling" not in r.output
@@ -271,7 +271,7 @@ def test_compile_without_a_cuda_extra_names_it(monkeypatch):
 def test_compile_without_headers_names_the_extra(monkeypatch):
     monkeypatch.setattr(cuda_env, "load_nvrtc", lambda: (None, (12, 9)))
     monkeypatch.setattr(cuda_env, "_candidates", lambda: [])
-    r = invoke("compile", "--family", "oneshot", "--dtype", "bf16", "--world-size", "2", "--profile", "110")
+    r = invoke("compile", "--family", "oneshot", "--dtype", "bf16", "--world-size", "2", "--profile", spec.PLAIN)
     assert r.exit_code == 1, r.output
     assert "CUDA 12 headers (NVRTC is 12.x) not found" in r.output and "pip install '.[cu12]'" in r.output
 
@@ -302,13 +302,13 @@ def test_a_filter_on_holes_says_which_family_runs():
 
 
 def test_holes_of_several_reasons_each_get_a_line():
-    r = invoke("list", "--family", "twoshot_pipelined_loads", "--profile", "110")
+    r = invoke("list", "--family", "twoshot_pipelined_loads", "--profile", spec.PLAIN)
     assert r.exit_code == 1
     lines = r.output.splitlines()
     assert len(lines) == 2, r.output
-    assert lines[0].startswith("Error: twoshot_pipelined_loads has no program at world size 2, profile 110 (hole: ")
+    assert lines[0].startswith(f"Error: twoshot_pipelined_loads has no program at world size 2, profile {spec.PLAIN} (hole: ")
     assert lines[0].endswith("; calls there run twoshot_pipelined")
-    assert lines[1].startswith("twoshot_pipelined_loads has no program at world sizes 4/8, profile 110 (hole: ")
+    assert lines[1].startswith(f"twoshot_pipelined_loads has no program at world sizes 4/8, profile {spec.PLAIN} (hole: ")
     assert lines[1].endswith("; calls there run twoshot")
 
 

@@ -1,4 +1,4 @@
-"""CPU tests of tests/reference.py against independent implementations.
+"""CPU tests of moe_ar_tools/reference.py against independent implementations.
 
 Every check here compares the reference with something computed another way
 (exact rationals, nearest-value search over a decoded table, hand-worked bytes,
@@ -13,7 +13,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-import reference as ref
+from moe_ar_tools import reference as ref
 
 BF16, FP16 = torch.bfloat16, torch.float16
 # (precision bits incl. the implicit one, minimum normal exponent)
@@ -212,7 +212,7 @@ def test_swizzle_bijection_and_unswizzle_inverse(tokens, hidden, rng):
     rows, cols = -(-tokens // 128) * 128, -(-(hidden // 16) // 4) * 4
     off_full = ref.swizzle_offsets(rows, cols * 16)  # the padded grid
     assert sorted(off_full.reshape(-1).tolist()) == list(range(rows * cols))
-    assert ref.scale_bytes_len(tokens, hidden) == rows * cols
+    assert ref.scale_out_bytes(tokens, hidden) == rows * cols
     off = ref.swizzle_offsets(tokens, hidden)
     assert torch.equal(off, off_full[:tokens, : hidden // 16])
     mat = torch.randint(1, 256, (tokens, hidden // 16), generator=g, dtype=torch.uint8)
@@ -251,6 +251,21 @@ def test_nvfp4_hand_checked_block():
     assert int((sb != 0).sum()) == 2  # padding zero
     deq = ref.nvfp4_dequant(q, sb, 1.0, 2, 16)
     assert deq[0].tolist() == [6, 3, -1.5, 0, 1, 1, -0.0, 4, 6, 2, 4, 2, 0.5, -6, 4, -0.0]
+
+
+def test_nvfp4_dequant_nibble_order_sign_and_scale():
+    T, H = 1, 16
+    # elements 0..15: low nibble is the even element, bit 3 the sign
+    codes = [1, 0x9, 2, 0xA, 7, 0xF, 0, 0x8, 3, 4, 5, 6, 0xB, 0xC, 0xD, 0xE]
+    quant = torch.tensor([codes[2 * i] | (codes[2 * i + 1] << 4) for i in range(8)], dtype=torch.uint8)
+    scale = torch.zeros(ref.scale_out_bytes(T, H), dtype=torch.uint8)
+    scale[0] = torch.tensor([2.0]).to(torch.float8_e4m3fn).view(torch.uint8)[0]
+    out = ref.nvfp4_dequant(quant, scale, 0.5, T, H)  # value * sf / gs = value * 4
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    expect = [(-1 if c & 8 else 1) * e2m1[c & 7] * 4.0 for c in codes]
+    assert out.shape == (1, 16)
+    assert out[0].tolist() == expect
+    assert math.copysign(1.0, float(out[0, 7])) == -1.0  # nibble 0x8 is -0.0
 
 
 def test_nvfp4_saturation_and_zero_scale():

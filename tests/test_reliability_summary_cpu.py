@@ -1,4 +1,4 @@
-"""tests/reliability_summary.py on synthetic inputs (CPU): totals, sections, PASS/FAIL, bad input."""
+"""moe_ar_tools/reliability_summary.py on synthetic inputs (CPU): totals, sections, PASS/FAIL, bad input."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-import reliability_summary as rs
-from dispatch import soak
+from moe_ar_tools import reliability_summary as rs
+from moe_ar_tools import soak
 from test_soak_cpu import FakeWorld, _soak_args
 
 GPU = dict(gpu="NVIDIA H200", gpus=2, base_seed=1, time="2026-12-01T00:00:00")

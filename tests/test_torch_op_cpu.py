@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import math
+import pathlib
 import random
 
 import pytest
@@ -41,7 +42,7 @@ class StubWorkspace:
         self.hidden, self.dtype, self.dtype_name = hidden, dtype, DTYPE_NAMES[dtype]
         self.world_size, self.rank, self.max_tokens = world_size, rank, max_tokens
         self.oneshot_max_tokens = min(max_tokens, 1024)
-        self._launchers = {}
+        self._launchers, self._plans, self._fault_stop_after_units = {}, {}, 0
         self.closed = False
         self.launched = []
 
@@ -257,21 +258,35 @@ class CpuLauncher:
     def __init__(self, ws, name):
         info = dispatch.program_info(name)
         self.name, self.family, self.profile, self.regime = name, info["family"], info["profile"], info["regime"]
+        self.ws = ws
 
-    def launch(self, ws, T, K, R, a, pdl):
-        ws.launched.append(dict(program=self.name, T=T, K=K, R=R, pdl=pdl, quant=a["quant"]))
-        res, norm = cpu_math(a, T, K, ws.hidden, ws.world_size)
+    def kernel_call(self, ws, T, a):
+        return dict(T=T, K=a["expanded_idx_to_permuted_idx"].shape[1], R=a["allreduce_in"].shape[0],
+                    pdl=a["launch_with_pdl"])
+
+    def run(self, call):
+        """In place of the kernel launch: what the kernel would write, computed on the CPU."""
+        ws, k, a = self.ws, call.plan.kernel, call.args
+        ws.launched.append(dict(program=self.name, T=k["T"], K=k["K"], R=k["R"], pdl=k["pdl"], quant=a.get("quant")))
+        res, norm = cpu_math(dict(dop._DEFAULTS, **a), k["T"], k["K"], ws.hidden, ws.world_size)
         a["residual_out"].copy_(res)
         a["norm_out"].copy_(norm)
-        if self.profile == "111":
+        if self.profile == "nvfp4":
             a["quant_out"].fill_(0x5A)
             a["scale_out"].fill_(0x33)
+
+
+def _cpu_launch(call):
+    if call.plan.kernel is not None:
+        call.plan.launcher.run(call)
+    return call.outputs
 
 
 @pytest.fixture
 def cpu_runtime(monkeypatch):
     """A CPU stub workspace whose calls run dispatch.op for real up to the kernel launch."""
     monkeypatch.setattr(dop, "_launcher", lambda ws, name: ws._launchers.setdefault(name, CpuLauncher(ws, name)))
+    monkeypatch.setattr(dop._Call, "launch", _cpu_launch)
     return StubWorkspace("cpu", hidden=256)
 
 
@@ -534,7 +549,7 @@ def test_flashinfer_entry_compiles_without_graph_break():
 # ---- GPU: compile + CUDA graph capture on an emulated world of two ranks --------------------------
 
 def _reference():
-    import reference
+    from moe_ar_tools import reference
     return reference
 
 
@@ -708,12 +723,22 @@ def test_flashinfer_entry_on_emulated_world(quant, seed_for):
 
 # ---- the integration example's CPU parts ----------------------------------------------------------
 
+def _load_example():
+    """examples/moe_tail.py as a module (examples/ is a folder of scripts, not a package)."""
+    import importlib.util
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "moe_tail.py"
+    spec = importlib.util.spec_from_file_location("moe_tail_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_example_inputs_and_unfused_baseline_on_cpu(tmp_path):
-    """dispatch.example_moe_tail imports without a GPU; its routing is a permutation grouped by
+    """examples/moe_tail.py imports without a GPU; its routing is a permutation grouped by
     expert; its unfused torch baseline (gloo, world size 1) agrees with the precision contract's
     result within the tolerance the example applies to the fused op."""
     import torch.distributed as dist
-    from dispatch import example_moe_tail as ex
+    ex = _load_example()
     args = ex.parse_args(["--tokens", "3,64", "--hidden", "512", "--top-k", "4", "--experts", "16"])
     assert args.token_counts == [3, 64]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
@@ -728,9 +753,9 @@ def test_example_inputs_and_unfused_baseline_on_cpu(tmp_path):
             assert torch.equal(other["residual_in"], x["residual_in"]) and torch.equal(other["expanded_idx_to_permuted_idx"], idx)
             assert not torch.equal(other["allreduce_in"], x["allreduce_in"])
             norm, res = ex.unfused_tail(x, dist.group.WORLD)
-            a = dict(x, routed_scaling_factor=ex.ROUTED_SCALING_FACTOR, eps=ex.EPS, weight_bias=0)
-            want_res, want_norm = cpu_math(a, T, 4, 512, 1)
-            tol = ex.TOLERANCE_U * ex.UNIT_ROUNDOFF["bf16"]
+            want = _reference().reference([x], ex.EPS, 0, ex.ROUTED_SCALING_FACTOR, torch.bfloat16)
+            want_res, want_norm = want["residual_out"], want["norm_out"]
+            tol = ex.TOLERANCE_U * _reference().UNIT_ROUNDOFF[torch.bfloat16]
             assert ex.rel_err(res, want_res) <= tol and ex.rel_err(norm, want_norm) <= tol
             assert ex.rel_err(res, want_res) > 0  # per-op rounding: not the contract's bits
             assert ex.worst_over_ranks([0.5, float("nan")], torch.device("cpu")) == [0.5, math.inf]

@@ -7,10 +7,12 @@ launched a kernel on its rank.
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-import reference as ref
+from moe_ar_tools import reference as ref
 from generator import policy
 from generator import spec as gspec
 
@@ -46,11 +48,6 @@ def test_programs_are_exactly_the_supported_cells():
 def test_unknown_program_name_is_a_value_error():
     with pytest.raises(ValueError, match="program"):
         _dispatch().program_info("moe_ar_xx_bf16_ws2_o110")
-
-
-@pytest.mark.parametrize("tokens,hidden", [(1, 16), (127, 2048), (128, 2880), (129, 2064), (1000, 7168)])
-def test_scale_out_bytes_matches_reference(tokens, hidden):
-    assert _dispatch().scale_out_bytes(tokens, hidden) == ref.scale_bytes_len(tokens, hidden)
 
 
 # ---- GPU --------------------------------------------------------------------------------------
@@ -127,6 +124,30 @@ def _noncontig(t):
     return v
 
 
+def _shifted_over_residual_in(kw):
+    """residual_in and residual_out one row apart in one buffer: partly the same memory."""
+    T = kw["residual_in"].shape[0]
+    buf = torch.empty(T + 1, H, dtype=DT, device="cuda")
+    buf[:T].copy_(kw["residual_in"])
+    return dict(kw, residual_in=buf[:T], residual_out=buf[1:])
+
+
+def _quant_out_over_the_routing(kw):
+    """NVFP4 quant_out in a buffer whose first bytes hold expanded_idx_to_permuted_idx."""
+    idx = kw["expanded_idx_to_permuted_idx"]
+    T = idx.shape[0]
+    buf = torch.empty(T * (H // 2), dtype=torch.uint8, device="cuda")
+    inside = buf[:idx.numel() * 4].view(torch.int32).view(idx.shape)
+    inside.copy_(idx)
+    return dict(kw, quant="nvfp4", global_scale=torch.ones(1, device="cuda"), expanded_idx_to_permuted_idx=inside,
+                quant_out=buf.view(T, H // 2))
+
+
+def _one_buffer_for_both_outputs(kw):
+    out = torch.empty(kw["residual_in"].shape, dtype=DT, device="cuda")
+    return dict(kw, norm_out=out, residual_out=out)
+
+
 BAD_CALLS = {
     "allreduce_in fp32": (lambda kw: dict(kw, allreduce_in=kw["allreduce_in"].float()), "allreduce_in"),
     "allreduce_in fp16": (lambda kw: dict(kw, allreduce_in=kw["allreduce_in"].half()), "allreduce_in"),
@@ -182,7 +203,7 @@ BAD_CALLS = {
                                               quant_out=torch.empty(8, H, dtype=torch.uint8, device="cuda")),
                               "quant_out"),
     "scale_out too small": (lambda kw: dict(kw, quant="nvfp4", global_scale=torch.ones(1, device="cuda"),
-                                            scale_out=torch.empty(ref.scale_bytes_len(8, H) - 1, dtype=torch.uint8,
+                                            scale_out=torch.empty(ref.scale_out_bytes(8, H) - 1, dtype=torch.uint8,
                                                                   device="cuda")), "scale_out"),
     "scale_out 2-D": (lambda kw: dict(kw, quant="nvfp4", global_scale=torch.ones(1, device="cuda"),
                                       scale_out=torch.empty(128, H // 16, dtype=torch.uint8, device="cuda")),
@@ -211,6 +232,40 @@ BAD_CALLS = {
                                                   scale_out=torch.empty(8, H // 128, device="cuda")), "scale_out"),
     "program o110 with fp8_group128": (lambda kw: dict(kw, program="moe_ar_os_bf16_ws2_o110", quant="fp8_group128"),
                                        "program|quant"),
+    # outputs over inputs or over each other (only residual_out exactly residual_in is allowed)
+    "norm_out over allreduce_in": (lambda kw: dict(kw, norm_out=kw["allreduce_in"][:kw["residual_in"].shape[0]]),
+                                   r"^norm_out: overlaps allreduce_in"),
+    "norm_out is residual_out": (_one_buffer_for_both_outputs, r"^norm_out: overlaps residual_out"),
+    "norm_out is residual_in": (lambda kw: dict(kw, norm_out=kw["residual_in"]), r"^norm_out: overlaps residual_in"),
+    "residual_out partly over residual_in": (_shifted_over_residual_in, r"^residual_out: overlaps residual_in"),
+    "residual_out over shared_expert_output": (lambda kw: dict(kw, residual_out=kw["shared_expert_output"]),
+                                               r"^residual_out: overlaps shared_expert_output"),
+    "quant_out over the routing": (_quant_out_over_the_routing, r"^quant_out: overlaps expanded_idx_to_permuted_idx"),
+    # scalars: finite, eps > 0, integers not bools, flags bools
+    "eps nan": (lambda kw: dict(kw, eps=math.nan), r"^eps: "),
+    "eps 0": (lambda kw: dict(kw, eps=0.0), r"^eps: "),
+    "eps negative": (lambda kw: dict(kw, eps=-1e-6), r"^eps: "),
+    "eps inf": (lambda kw: dict(kw, eps=math.inf), r"^eps: "),
+    "eps under float32's smallest": (lambda kw: dict(kw, eps=1e-46), r"^eps: "),
+    "routed_scaling_factor nan": (lambda kw: dict(kw, routed_scaling_factor=math.nan), r"^routed_scaling_factor: "),
+    "routed_scaling_factor -inf": (lambda kw: dict(kw, routed_scaling_factor=-math.inf), r"^routed_scaling_factor: "),
+    "routed_scaling_factor past float32": (lambda kw: dict(kw, routed_scaling_factor=1e39),
+                                           r"^routed_scaling_factor: "),
+    "weight_bias True": (lambda kw: dict(kw, weight_bias=True), r"^weight_bias: "),
+    "weight_bias 1.0": (lambda kw: dict(kw, weight_bias=1.0), r"^weight_bias: "),
+    "launch_with_pdl 1": (lambda kw: dict(kw, launch_with_pdl=1), r"^launch_with_pdl: "),
+    # arguments the quant does not use
+    "global_scale without nvfp4": (lambda kw: dict(kw, global_scale=torch.ones(1, device="cuda")), r"^global_scale: "),
+    "fp8_scale with nvfp4": (lambda kw: dict(kw, quant="nvfp4", global_scale=torch.ones(1, device="cuda"),
+                                             fp8_scale=torch.ones(1, device="cuda")), r"^fp8_scale: "),
+    "quant_out without quant": (lambda kw: dict(kw, quant_out=torch.empty(8, H // 2, dtype=torch.uint8,
+                                                                          device="cuda")), r"^quant_out: "),
+    "scale_out without quant": (lambda kw: dict(kw, scale_out=torch.empty(ref.scale_out_bytes(8, H),
+                                                                          dtype=torch.uint8, device="cuda")),
+                                r"^scale_out: "),
+    "fp8_scale_layout with nvfp4": (lambda kw: dict(kw, quant="nvfp4", global_scale=torch.ones(1, device="cuda"),
+                                                    fp8_scale_layout="column"), r"^fp8_scale_layout: "),
+    "fp8_pow2_scales without fp8_group128": (lambda kw: dict(kw, fp8_pow2_scales=True), r"^fp8_pow2_scales: "),
 }
 
 
@@ -287,4 +342,4 @@ def test_runtime_allocated_outputs_are_correct(world, seed_for):
     torch.cuda.synchronize()
     world.check()
     ref.check_outputs(case, outs, quant="nvfp4", global_scale=1.0, label="runtime-allocated outputs")
-    assert outs[0].scale_out.numel() >= ref.scale_bytes_len(9, H)
+    assert outs[0].scale_out.numel() >= ref.scale_out_bytes(9, H)

@@ -1,5 +1,4 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/moe_finalize_allreduce.cuh.j2.
-// inputs sha256: 3124efc405b52556c62dc0b2a9c7b11e3fe80bc06c3d11ef9a1e0da7afff805d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
@@ -66,11 +65,11 @@ struct Params {
   const void* shared_in;  // [T, H] dtype shared-expert partial, or null
   const void* residual_in;  // [T, H] dtype
   const void* norm_weight;  // [H] dtype RMSNorm gamma
-  const float* quant_scale;  // [1] fp32: NVFP4 global scale (111), FP8 per-tensor scale (fp8_tensor), else null
+  const float* quant_scale;  // [1] fp32: NVFP4 global scale (nvfp4), FP8 per-tensor scale (fp8_tensor), else null
   void* norm_out;  // [T, H] dtype
   void* residual_out;  // [T, H] dtype
-  void* quant_out;  // [T, H/2] uint8 packed E2M1 (111); [T, H] FP8 E4M3 (fp8_*); else null
-  void* scale_out;  // swizzled 128x4 E4M3 scales (111); fp32 group scales (fp8_group128); else null
+  void* quant_out;  // [T, H/2] uint8 packed E2M1 (nvfp4); [T, H] FP8 E4M3 (fp8_*); else null
+  void* scale_out;  // swizzled 128x4 E4M3 scales (nvfp4); fp32 group scales (fp8_group128); else null
   void* peer_buffers[8];  // Lamport buffer base of every rank (3 rotating buffers each), by rank
   unsigned* state;  // this rank's device state words (call counter, extents, done counter)
   unsigned* error;  // host-mapped error words: code, phase, rank, bad-index count

@@ -1,8 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 3124efc405b52556c62dc0b2a9c7b11e3fe80bc06c3d11ef9a1e0da7afff805d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tse_bf16_ws8_fp8_group128: two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
-// dtype bf16, world size 8, output profile fp8_group128 (norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two))
+// dtype bf16, world size 8, output profile fp8_group128 (quant="fp8_group128"): norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two)
 #include "moe_finalize_allreduce.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) moe_ar_tse_bf16_ws8_fp8_group128(const moe_ar::Params p) {

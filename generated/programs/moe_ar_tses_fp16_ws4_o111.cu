@@ -1,8 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 3124efc405b52556c62dc0b2a9c7b11e3fe80bc06c3d11ef9a1e0da7afff805d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tses_fp16_ws4_o111: twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only
-// dtype fp16, world size 4, output profile 111 (norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales))
+// dtype fp16, world size 4, output profile nvfp4 (quant="nvfp4"): norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)
 #include "moe_finalize_allreduce.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) moe_ar_tses_fp16_ws4_o111(const moe_ar::Params p) {

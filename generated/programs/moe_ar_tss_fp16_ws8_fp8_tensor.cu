@@ -1,8 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 3124efc405b52556c62dc0b2a9c7b11e3fe80bc06c3d11ef9a1e0da7afff805d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_fp16_ws8_fp8_tensor: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
-// dtype fp16, world size 8, output profile fp8_tensor (norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device)
+// dtype fp16, world size 8, output profile fp8_tensor (quant="fp8_tensor"): norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device
 #include "moe_finalize_allreduce.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) moe_ar_tss_fp16_ws8_fp8_tensor(const moe_ar::Params p) {

@@ -1,8 +1,7 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// inputs sha256: 3124efc405b52556c62dc0b2a9c7b11e3fe80bc06c3d11ef9a1e0da7afff805d
 // To change it, edit the template or generator/ and run `gen-programs`.
 // moe_ar_tss_fp16_ws8_o110: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
-// dtype fp16, world size 8, output profile 110 (norm_out + residual_out (input dtype))
+// dtype fp16, world size 8, output profile plain (quant=None): norm_out + residual_out (input dtype)
 #include "moe_finalize_allreduce.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) moe_ar_tss_fp16_ws8_o110(const moe_ar::Params p) {

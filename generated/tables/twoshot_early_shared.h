@@ -1,5 +1,4 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
-// inputs sha256: 3124efc405b52556c62dc0b2a9c7b11e3fe80bc06c3d11ef9a1e0da7afff805d
 // To change it, edit the template or generator/ and run `gen-programs`.
 #pragma once
 
@@ -7,44 +6,44 @@
 //   twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: 110, 111, fp8_group128, fp8_tensor]
+// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
 static const char* const kTwoShotEarlySharedKernels[2][3][4] = {
     {  // fp16
         {  // fp16 ws2
-            nullptr,  // fp16 ws2 o110 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
-            nullptr,  // fp16 ws2 o111 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+            nullptr,  // fp16 ws2 plain hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+            nullptr,  // fp16 ws2 nvfp4 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
             nullptr,  // fp16 ws2 fp8_group128 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
             nullptr,  // fp16 ws2 fp8_tensor hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // fp16 ws4
-            "moe_ar_tses_fp16_ws4_o110",  // fp16 ws4 o110
-            "moe_ar_tses_fp16_ws4_o111",  // fp16 ws4 o111
+            "moe_ar_tses_fp16_ws4_o110",  // fp16 ws4 plain
+            "moe_ar_tses_fp16_ws4_o111",  // fp16 ws4 nvfp4
             "moe_ar_tses_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
             "moe_ar_tses_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
         },
         {  // fp16 ws8
-            nullptr,  // fp16 ws8 o110 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // fp16 ws8 o111 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
+            nullptr,  // fp16 ws8 plain hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
+            nullptr,  // fp16 ws8 nvfp4 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
             nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
             nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
         },
     },
     {  // bf16
         {  // bf16 ws2
-            nullptr,  // bf16 ws2 o110 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
-            nullptr,  // bf16 ws2 o111 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+            nullptr,  // bf16 ws2 plain hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
+            nullptr,  // bf16 ws2 nvfp4 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
             nullptr,  // bf16 ws2 fp8_group128 hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
             nullptr,  // bf16 ws2 fp8_tensor hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // bf16 ws4
-            "moe_ar_tses_bf16_ws4_o110",  // bf16 ws4 o110
-            "moe_ar_tses_bf16_ws4_o111",  // bf16 ws4 o111
+            "moe_ar_tses_bf16_ws4_o110",  // bf16 ws4 plain
+            "moe_ar_tses_bf16_ws4_o111",  // bf16 ws4 nvfp4
             "moe_ar_tses_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
             "moe_ar_tses_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
         },
         {  // bf16 ws8
-            nullptr,  // bf16 ws8 o110 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // bf16 ws8 o111 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
+            nullptr,  // bf16 ws8 plain hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
+            nullptr,  // bf16 ws8 nvfp4 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
             nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
             nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
         },

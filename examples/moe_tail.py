@@ -1,8 +1,10 @@
 """Integration example: the tail of a tensor-parallel MoE layer, fused vs unfused, on 2 processes.
 
-    torchrun --nproc-per-node 2 -m dispatch.example_moe_tail
-    torchrun --nproc-per-node 2 -m dispatch.example_moe_tail --tokens 1,64,512,2048 --hidden 4096 --quant nvfp4
-    torchrun --nproc-per-node 2 -m dispatch.example_moe_tail --compile      (the op inside torch.compile)
+    torchrun --nproc-per-node 2 examples/moe_tail.py
+    torchrun --nproc-per-node 2 examples/moe_tail.py --tokens 1,64,512,2048 --hidden 4096 --quant nvfp4
+    torchrun --nproc-per-node 2 examples/moe_tail.py --compile      (the op inside torch.compile)
+
+from the repository root, with the project installed (pip install -e .) or PYTHONPATH=. set.
 
 Each process (one GPU, NCCL process group) holds its tensor-parallel share of a MoE layer's
 output: the FC2 rows of its experts for every routed (token, expert) pair, permuted by expert
@@ -18,7 +20,8 @@ For every token count it checks that both agree (norm-relative error of residual
 norm_out within 8 unit roundoffs of the dtype, from any rank; NVFP4 bytes dequantized against
 the kernel's own norm_out), then times both as CUDA graphs of --calls back-to-back calls,
 replayed --replays times: per replay the slowest rank's time, the median over replays, divided
-by --calls. Rank 0 prints one line per token count. Exits 1 if a check failed.
+by --calls. Rank 0 prints one line per token count. Exits 1 if a check failed. The unit roundoffs
+and the NVFP4 dequantization come from moe_ar_tools.reference (the project's float64 reference).
 
 NVLink multicast stays off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1 are set in os.environ before the process group exists).
@@ -33,7 +36,6 @@ import statistics
 import sys
 
 REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 TOLERANCE_U = 8            # norm-relative, in unit roundoffs of the dtype
 NVFP4_TOLERANCE = 0.25     # dequantized NVFP4 vs the kernel's norm_out, norm-relative
 ROUTED_SCALING_FACTOR = 2.5
@@ -41,7 +43,7 @@ EPS = 1e-6
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dispatch.example_moe_tail", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="examples/moe_tail.py", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", default="8,128,1024", help="comma-separated token counts (default %(default)s)")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--top-k", type=int, default=8)
@@ -91,21 +93,22 @@ def make_inputs(args, T: int, rank: int, device, dtype) -> dict:
 
 # ---- the two implementations ---------------------------------------------------------------------
 
-def unfused_tail(x: dict, group):
+def unfused_tail(inputs: dict, group):
     """(norm_out, residual_out) with torch ops and NCCL, as an engine without fusion runs them."""
     import torch
     import torch.distributed as dist
-    idx = x["expanded_idx_to_permuted_idx"]
+    idx = inputs["expanded_idx_to_permuted_idx"]
     T, K = idx.shape
-    rows = x["allreduce_in"].index_select(0, idx.reshape(-1)).view(T, K, -1)        # gather
-    weights = (x["expert_scale_factor"] * ROUTED_SCALING_FACTOR).to(rows.dtype).unsqueeze(1)
+    rows = inputs["allreduce_in"].index_select(0, idx.reshape(-1)).view(T, K, -1)        # gather
+    weights = (inputs["expert_scale_factor"] * ROUTED_SCALING_FACTOR).to(rows.dtype).unsqueeze(1)
     partial = torch.bmm(weights, rows).squeeze(1)                                    # scale + sum over top_k
-    if x["shared_expert_output"] is not None:
-        partial = partial + x["shared_expert_output"]
+    if inputs["shared_expert_output"] is not None:
+        partial = partial + inputs["shared_expert_output"]
     dist.all_reduce(partial, group=group)                                            # NCCL
-    residual_out = partial + x["residual_in"]
-    h = residual_out.float()
-    norm_out = (h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS)).to(partial.dtype) * x["norm_weight"]
+    residual_out = partial + inputs["residual_in"]
+    hidden = residual_out.float()
+    norm_out = (hidden * torch.rsqrt(hidden.square().mean(-1, keepdim=True) + EPS)).to(partial.dtype) * \
+        inputs["norm_weight"]
     return norm_out, residual_out
 
 
@@ -140,14 +143,14 @@ def worst_over_ranks(values: list, device) -> list:
 
 def graph_time_us(step, calls: int, replays: int, warmup: int, device):
     """Median over replays of the slowest rank's time of one CUDA-graph replay of `calls` calls
-    of step(), divided by `calls` (microseconds). Returns (time, the last call's outputs)."""
+    of step(), divided by `calls` (microseconds). Returns (time, the last call's outputs, the graph)."""
     import torch
     import torch.distributed as dist
     for _ in range(warmup):
         step()
     torch.cuda.synchronize(device)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, capture_error_mode="thread_local"):
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
         for _ in range(calls):
             out = step()
     torch.cuda.synchronize(device)
@@ -155,25 +158,25 @@ def graph_time_us(step, calls: int, replays: int, warmup: int, device):
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(replays)]
     for start, end in events:
         start.record()
-        g.replay()
+        graph.replay()
         end.record()
     torch.cuda.synchronize(device)
     ms = torch.tensor([s.elapsed_time(e) for s, e in events], dtype=torch.float64, device=device)
     dist.all_reduce(ms, op=dist.ReduceOp.MAX)  # per replay: the slowest rank
-    return statistics.median(ms.tolist()) * 1e3 / calls, out, g
+    return statistics.median(ms.tolist()) * 1e3 / calls, out, graph
 
 
 def run(args) -> bool:
     import torch
     import torch.distributed as dist
     import dispatch
-    from dispatch.bench import nvfp4_dequant
+    from moe_ar_tools.reference import UNIT_ROUNDOFF, nvfp4_dequant
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     quant = None if args.quant == "none" else "nvfp4"
-    tol = TOLERANCE_U * UNIT_ROUNDOFF[args.dtype]
+    tol = TOLERANCE_U * UNIT_ROUNDOFF[dtype]
     ws = dispatch.Workspace(dist.group.WORLD, max(args.token_counts), args.hidden, dtype, timeout_s=args.timeout_s)
     handle = dispatch.workspace_handle(ws)
     fused = torch.compile(fused_tail, fullgraph=True) if args.compile else fused_tail
@@ -187,20 +190,20 @@ def run(args) -> bool:
     all_ok = True
     try:
         for T in args.token_counts:
-            x = make_inputs(args, T, rank, device, dtype)
-            program = dispatch.select_program(ws, T, quant, x["shared_expert_output"] is not None)
+            inputs = make_inputs(args, T, rank, device, dtype)
+            program = dispatch.select_program(ws, T, quant, inputs["shared_expert_output"] is not None)
             gs = torch.ones(1, dtype=torch.float32, device=device)
 
             def fused_step():
-                return fused(handle, x["allreduce_in"], x["expanded_idx_to_permuted_idx"], x["expert_scale_factor"],
-                             x["shared_expert_output"], x["residual_in"], x["norm_weight"], quant,
-                             gs if quant else None)
+                return fused(handle, inputs["allreduce_in"], inputs["expanded_idx_to_permuted_idx"],
+                             inputs["expert_scale_factor"], inputs["shared_expert_output"], inputs["residual_in"],
+                             inputs["norm_weight"], quant, gs if quant else None)
 
             # correctness, eager: both paths on the same inputs
-            u_norm, u_res = unfused_tail(x, dist.group.WORLD)
+            unfused_norm, unfused_res = unfused_tail(inputs, dist.group.WORLD)
             if quant:  # the usual NVFP4 global scale, 448 * 6 / amax (the same on every rank)
-                gs.fill_(448.0 * 6.0 / float(u_norm.float().abs().max()))
-            f = fused_step()
+                gs.fill_(448.0 * 6.0 / float(unfused_norm.float().abs().max()))
+            fused_out = fused_step()
             torch.cuda.synchronize(device)
             try:  # RuntimeError if a peer timed out or a route pointed past allreduce_in
                 ws.check()
@@ -211,30 +214,31 @@ def run(args) -> bool:
             if worst_over_ranks([failed], device)[0]:  # every rank stops together
                 all_ok = False
                 break
-            errs = [rel_err(f.residual_out, u_res), rel_err(f.norm_out, u_norm)]
+            errs = [rel_err(fused_out.residual_out, unfused_res), rel_err(fused_out.norm_out, unfused_norm)]
             if quant:
-                deq = nvfp4_dequant(f.quant_out, f.scale_out, float(gs), T, args.hidden)
-                errs.append(rel_err(deq, f.norm_out))
+                deq = nvfp4_dequant(fused_out.quant_out, fused_out.scale_out, float(gs), T, args.hidden)
+                errs.append(rel_err(deq, fused_out.norm_out))
             errs = worst_over_ranks(errs, device)
             ok = errs[0] <= tol and errs[1] <= tol and (not quant or errs[2] <= NVFP4_TOLERANCE)
 
             # timing: CUDA graph replays (the fused graph's outputs must equal the eager call's)
-            t_fused, f_graph, g_fused = graph_time_us(fused_step, args.calls, args.replays, args.warmup, device)
-            t_unfused, _, g_unfused = graph_time_us(lambda: unfused_tail(x, dist.group.WORLD), args.calls,
-                                                    args.replays, args.warmup, device)
-            same = torch.equal(f_graph.residual_out, f.residual_out) and torch.equal(f_graph.norm_out, f.norm_out)
+            t_fused, graph_out, fused_graph = graph_time_us(fused_step, args.calls, args.replays, args.warmup, device)
+            t_unfused, _, unfused_graph = graph_time_us(lambda: unfused_tail(inputs, dist.group.WORLD), args.calls,
+                                                        args.replays, args.warmup, device)
+            same = torch.equal(graph_out.residual_out, fused_out.residual_out) and \
+                torch.equal(graph_out.norm_out, fused_out.norm_out)
             same = worst_over_ranks([0.0 if same else 1.0], device)[0] == 0.0
             ok = ok and same
             all_ok &= ok
-            del g_fused, g_unfused
+            del fused_graph, unfused_graph
             if rank == 0:
-                nv = f"{errs[2]:9.2e}" if quant else f"{'-':>9}"
-                why = [w for w, bad in (("residual_out", errs[0] > tol), ("norm_out", errs[1] > tol),
+                nvfp4_err = f"{errs[2]:9.2e}" if quant else f"{'-':>9}"
+                why = [what for what, bad in (("residual_out", errs[0] > tol), ("norm_out", errs[1] > tol),
                                         ("nvfp4", quant and errs[2] > NVFP4_TOLERANCE),
                                         ("replayed graph != eager call", not same)) if bad]
                 why = f" ({', '.join(why)})" if why else ""
                 print(f"{T:>7} {program:<26} {t_fused:>9.1f} {t_unfused:>10.1f} {t_unfused / t_fused:>6.2f}x "
-                      f"{errs[0]:9.2e} {errs[1]:9.2e} {nv}  {'ok' if ok else 'FAILED'}{why}", flush=True)
+                      f"{errs[0]:9.2e} {errs[1]:9.2e} {nvfp4_err}  {'ok' if ok else 'FAILED'}{why}", flush=True)
     finally:
         torch.cuda.synchronize(device)
         ws.close()
@@ -247,7 +251,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     if "LOCAL_RANK" not in os.environ:
-        print("run with torchrun, e.g.: torchrun --nproc-per-node 2 -m dispatch.example_moe_tail", file=sys.stderr)
+        print("run with torchrun, e.g.: torchrun --nproc-per-node 2 examples/moe_tail.py", file=sys.stderr)
         return 2
     local_rank = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local_rank)

@@ -5,9 +5,9 @@ ways at several blocks a multiprocessor, against a device copy of the same numbe
   reg_reduce     16-byte register loads, four routes at a time (as the template's partial_vector)
   tma_reduce_N   a ring of N rows in shared memory filled by cp.async.bulk (as the template's RowRing)
 
-    PYTHONPATH=. OUT=. python3 tests/row_ring_probe.py     # writes $OUT/row_ring_probe.json
+    OUT=. python3 -m moe_ar_tools.probes.row_ring_probe     # writes $OUT/row_ring_probe.json
 
-A tool, not a test (pytest does not collect it); it needs a GPU of sm_90 or later. The ring's
+A tool, not a test; it needs a GPU of sm_90 or later. The ring's
 output is compared with the register kernel's, bit for bit (`matches_reg`).
 """
 import json
@@ -124,7 +124,7 @@ def main(out_dir):
     sms = dev.attributes["MultiProcessorCount"]
     mod = cp.RawModule(code=SRC, options=("-arch=sm_90a", "-std=c++17"))
     H, K = 7168, 8
-    res = {"machine": os.uname().nodename, "records": []}
+    result = {"machine": os.uname().nodename, "records": []}
     rng = np.random.default_rng(0)
     for T in (2048, 8192):
         rows = T * K
@@ -135,42 +135,42 @@ def main(out_dir):
         scale = cp.asarray(rng.random(rows, dtype=np.float32))
         out = cp.empty((T, H), cp.uint16)
         nbytes = T * (K + 2) * H * 2
-        def bench(fn, reps=30):
+        def time_us(fn, reps=30):
             fn(); cp.cuda.Stream.null.synchronize()
             ts = []
             for _ in range(reps):
-                a, b = cp.cuda.Event(), cp.cuda.Event()
-                a.record(); fn(); b.record(); b.synchronize()
-                ts.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
+                start, end = cp.cuda.Event(), cp.cuda.Event()
+                start.record(); fn(); end.record(); end.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
             return float(np.median(ts))
         # reference bandwidth: a copy of the same number of bytes (half read, half write)
         src = cp.empty(nbytes // 2, cp.uint8); dst = cp.empty_like(src)
-        copy_us = bench(lambda: dst.__setitem__(Ellipsis, src))
-        res["records"].append({"T": T, "kernel": "copy", "us": copy_us, "TBps": nbytes / copy_us / 1e6})
-        ref = None
+        copy_us = time_us(lambda: dst.__setitem__(Ellipsis, src))
+        result["records"].append({"T": T, "kernel": "copy", "us": copy_us, "TBps": nbytes / copy_us / 1e6})
+        reg_out = None
         reg = mod.get_function("reg_reduce")
         for per_sm in (1, 2, 3, 4, 6):
-            g = per_sm * sms
-            us = bench(lambda: reg((g,), (224,), (in_bf, idx, scale, sh, out, np.int32(T), np.int32(K), np.int32(H))))
-            if ref is None: ref = out.copy()
-            res["records"].append({"T": T, "kernel": "reg", "per_sm": per_sm, "us": us, "TBps": nbytes / us / 1e6})
-            print(res["records"][-1], flush=True)
-        for NS in (2, 3, 4, 6):
-            f = cp.RawKernel(SRC, f"tma_reduce_{NS}", options=("-arch=sm_90a", "-std=c++17"))
-            smem = NS * H * 2 + 8 * NS
-            f.max_dynamic_shared_size_bytes = smem
+            grid = per_sm * sms
+            us = time_us(lambda: reg((grid,), (224,), (in_bf, idx, scale, sh, out, np.int32(T), np.int32(K), np.int32(H))))
+            if reg_out is None: reg_out = out.copy()
+            result["records"].append({"T": T, "kernel": "reg", "per_sm": per_sm, "us": us, "TBps": nbytes / us / 1e6})
+            print(result["records"][-1], flush=True)
+        for ring_rows in (2, 3, 4, 6):
+            kernel = cp.RawKernel(SRC, f"tma_reduce_{ring_rows}", options=("-arch=sm_90a", "-std=c++17"))
+            smem = ring_rows * H * 2 + 8 * ring_rows
+            kernel.max_dynamic_shared_size_bytes = smem
             for per_sm in (1, 2, 3, 4):
                 if per_sm * (smem + 1024) > 227 * 1024: continue
-                for ef in (1, 0):
-                    g = per_sm * sms
+                for evict_first in (1, 0):
+                    grid = per_sm * sms
                     out.fill(0xFFFF)
-                    us = bench(lambda: f((g,), (224,), (in_bf, idx, scale, sh, out, np.int32(T), np.int32(K), np.int32(H), np.int32(ef)), shared_mem=smem))
-                    same = bool((out == ref).all())
-                    res["records"].append({"T": T, "kernel": f"tma{NS}", "evict_first": ef, "per_sm": per_sm, "us": us,
+                    us = time_us(lambda: kernel((grid,), (224,), (in_bf, idx, scale, sh, out, np.int32(T), np.int32(K), np.int32(H), np.int32(evict_first)), shared_mem=smem))
+                    same = bool((out == reg_out).all())
+                    result["records"].append({"T": T, "kernel": f"tma{ring_rows}", "evict_first": evict_first, "per_sm": per_sm, "us": us,
                                            "TBps": nbytes / us / 1e6, "matches_reg": same})
-                    print(res["records"][-1], flush=True)
+                    print(result["records"][-1], flush=True)
     with open(os.path.join(out_dir, "row_ring_probe.json"), "w") as fh:
-        json.dump(res, fh, indent=1)
+        json.dump(result, fh, indent=1)
 
 if __name__ == "__main__":
     main(os.environ.get("OUT", "."))

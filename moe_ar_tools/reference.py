@@ -27,6 +27,9 @@ import secrets
 
 import torch
 
+# The runtime's own output sizes: a reference or test imports them, never restates them.
+from dispatch.op import FP8_GROUP, fp8_scale_shape, scale_out_bytes
+
 # ---- dtypes and rounding -----------------------------------------------------------
 
 NAME_TO_DTYPE = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -138,8 +141,8 @@ def rmsnorm_f64(residual, norm_weight, eps, weight_bias) -> torch.Tensor:
 def reference(per_rank, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
     """The precision contract, in float64 with single roundings to dtype.
 
-    Returns (all on rank 0's device):
-      residual_out, norm_out: dtype tensors (the contract's results)
+    Returns (all on rank 0'total device):
+      residual_out, norm_out: dtype tensors (the contract'total results)
       residual_out_f64: float64 sum of the rounded partials + residual_in, before rounding
       norm_out_f64: float64 RMSNorm of residual_out, before rounding
       partials: list of per-rank partials rounded to dtype
@@ -147,44 +150,44 @@ def reference(per_rank, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
         may legally produce for residual_out (see residual_bracket)
     """
     dtype = as_torch_dtype(dtype)
-    dev = per_rank[0]["allreduce_in"].device
+    device = per_rank[0]["allreduce_in"].device
     W = len(per_rank)
     K = per_rank[0]["expanded_idx_to_permuted_idx"].shape[1]
-    residual_in = per_rank[0]["residual_in"].to(dev)  # replicated across ranks
-    norm_weight = per_rank[0]["norm_weight"].to(dev)
+    residual_in = per_rank[0]["residual_in"].to(device)  # replicated across ranks
+    norm_weight = per_rank[0]["norm_weight"].to(device)
     res64 = residual_in.to(torch.float64)
 
     n_partial = K + 4  # K products, K-1 adds, rsf multiply, shared add, one spare
-    s = res64.clone()
-    s_lo = res64.clone()
-    s_hi = res64.clone()
+    total = res64.clone()
+    total_lo = res64.clone()
+    total_hi = res64.clone()
     absum = res64.abs()
     partials = []
-    for kw in per_rank:
-        p, mag = _partial_and_magnitude(
-            kw["allreduce_in"].to(dev), kw["expanded_idx_to_permuted_idx"],
-            kw.get("expert_scale_factor"), routed_scaling_factor, kw.get("shared_expert_output"))
-        pd = round_to_dtype(p, dtype)
-        partials.append(pd)
-        s += pd.to(torch.float64)
-        # float32 accumulation error bound, plus a float64 margin for p itself
-        err = (gamma(n_partial) + 2.0 ** -50) * mag
-        lo = round_to_dtype(p - err, dtype).to(torch.float64)
-        hi = round_to_dtype(p + err, dtype).to(torch.float64)
-        s_lo += lo
-        s_hi += hi
+    for inputs in per_rank:
+        partial, magnitude = _partial_and_magnitude(
+            inputs["allreduce_in"].to(device), inputs["expanded_idx_to_permuted_idx"],
+            inputs.get("expert_scale_factor"), routed_scaling_factor, inputs.get("shared_expert_output"))
+        rounded = round_to_dtype(partial, dtype)
+        partials.append(rounded)
+        total += rounded.to(torch.float64)
+        # float32 accumulation error bound, plus a float64 margin for the partial itself
+        err = (gamma(n_partial) + 2.0 ** -50) * magnitude
+        lo = round_to_dtype(partial - err, dtype).to(torch.float64)
+        hi = round_to_dtype(partial + err, dtype).to(torch.float64)
+        total_lo += lo
+        total_hi += hi
         absum += torch.maximum(lo.abs(), hi.abs())
     sum_err = gamma(W + 1) * absum  # W+1 dtype values summed in float32, any order
-    residual_out = round_to_dtype(s, dtype)
+    residual_out = round_to_dtype(total, dtype)
     norm64 = rmsnorm_f64(residual_out, norm_weight, eps, weight_bias)
     return dict(
         residual_out=residual_out,
         norm_out=round_to_dtype(norm64, dtype),
-        residual_out_f64=s,
+        residual_out_f64=total,
         norm_out_f64=norm64,
         partials=partials,
-        residual_lo=round_to_dtype(s_lo - sum_err, dtype),
-        residual_hi=round_to_dtype(s_hi + sum_err, dtype),
+        residual_lo=round_to_dtype(total_lo - sum_err, dtype),
+        residual_hi=round_to_dtype(total_hi + sum_err, dtype),
     )
 
 
@@ -237,6 +240,7 @@ E2M1_BOUNDARIES = (
     (5.0, False),   # 4 | 6     -> tie to 4   (code 6); above 6 saturates at code 7
 )
 E4M3_MAX = 448.0
+E4M3_NAN_BYTE = 0x7F  # the NaN the saturating convert writes, whatever the NaN's sign
 
 
 def e2m1_nibbles(v: torch.Tensor) -> torch.Tensor:
@@ -259,16 +263,20 @@ def e2m1_decode(nibbles: torch.Tensor) -> torch.Tensor:
 
 
 def e4m3_satfinite_bytes(sf: torch.Tensor) -> torch.Tensor:
-    """float32 (>= 0) -> E4M3 bytes, RNE, saturating to 448 (clamp, then torch's RNE convert)."""
-    return sf.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    """float32 -> E4M3 bytes as the GPU's saturating convert: RNE, saturating to +-448 (infinities
+    too), every NaN to 0x7F (clamp, then torch's RNE convert; torch alone would keep a NaN's sign)."""
+    b = sf.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.where(torch.isnan(sf), torch.full_like(b, E4M3_NAN_BYTE), b)
+
+
+def _canonical_nan(x: torch.Tensor) -> torch.Tensor:
+    """Every NaN as the positive one: a GPU's float32 arithmetic returns that NaN whatever NaN or
+    invalid operation (0 * inf, 0 / 0) made it, where a CPU's may return a negative one."""
+    return torch.where(torch.isnan(x), torch.full_like(x, math.nan), x)
 
 
 def _roundup(a: int, b: int) -> int:
     return (a + b - 1) // b * b
-
-
-def scale_bytes_len(tokens: int, hidden: int) -> int:
-    return _roundup(tokens, 128) * _roundup(hidden // 16, 4)
 
 
 def swizzle_offsets(tokens: int, hidden: int, device="cpu") -> torch.Tensor:
@@ -292,36 +300,59 @@ def _gs_float(global_scale) -> float:
     return float(torch.as_tensor(global_scale).detach().to("cpu", torch.float32).reshape(-1)[0])
 
 
+def _gs_like(amax: torch.Tensor, global_scale) -> torch.Tensor:
+    """The global scale as a float32 tensor to combine with amax: a tensor on amax's device stays
+    there (no read back to the host, so the soak's check never waits for the GPU); anything else
+    becomes a full tensor of its float32 value. Either way every operation with it is tensor by
+    tensor, so it rounds the same."""
+    if isinstance(global_scale, torch.Tensor) and global_scale.device == amax.device:
+        return global_scale.detach().reshape(-1)[:1].to(torch.float32).reshape((1,) * amax.dim())
+    return torch.full_like(amax, _gs_float(global_scale))
+
+
 def nvfp4_block_scales(x: torch.Tensor, global_scale):
     """Blocked float32 x [T, H/16, 16] -> (amax, sf, sf8 bytes, scale), each [T, H/16].
 
-    docs/operation.md step by step, every operation a float32 tensor op (correctly rounded).
+    docs/operation.md step by step, every operation a float32 tensor op (correctly rounded). For any global
+    scale (0, negative, NaN, infinite: dispatch/API.md's table) the same arithmetic as written:
+    the convert saturates both ways and writes NaN as 0x7F, and "sf8 != 0" compares the stored byte
+    (0x80, -0, is not 0: its scale is 1 / (-0 / gs)); with gs >= +0 no byte 0x80 arises.
     """
     amax = x.abs().amax(-1)
-    gs = torch.full_like(amax, _gs_float(global_scale))
+    gs = _gs_like(amax, global_scale)
     sf = (gs * amax) / torch.full_like(amax, 6.0)
     sf8 = e4m3_satfinite_bytes(sf)
     sf8f = sf8.view(torch.float8_e4m3fn).to(torch.float32)
     t = sf8f / gs
-    scale = torch.where(sf8f != 0, torch.ones_like(t) / t, torch.zeros_like(t))
+    scale = torch.where(sf8 != 0, torch.ones_like(t) / t, torch.zeros_like(t))
     return amax, sf, sf8, scale
 
 
-def nvfp4_ref(norm_out: torch.Tensor, global_scale):
-    """(quant [T, H/2] uint8, scale_bytes 1-D uint8 of roundup(T,128)*roundup(H/16,4)).
-
-    norm_out is the D-rounded norm output; global_scale a float or [1] tensor (fp32).
-    Element 2i goes to the low nibble, 2i+1 to the high one; padding bytes are 0.
+def nvfp4_blocks(norm_out: torch.Tensor, global_scale):
+    """(quant [T, H/2] uint8, sf8 [T, H/16] uint8): the NVFP4 of norm_out (docs/operation.md) with the E4M3 block
+    scale of each (token, 16-element block) before swizzling. global_scale: a float, or a [1]
+    float32 tensor (on norm_out's device it is never read back to the host).
+    Element 2i goes to the low nibble, 2i+1 to the high one.
     """
     T, H = norm_out.shape
     assert H % 16 == 0, H
     x = norm_out.to(torch.float32).reshape(T, H // 16, 16)
     _, _, sf8, scale = nvfp4_block_scales(x, global_scale)
-    q = e2m1_nibbles(x * scale[..., None]).reshape(T, H)
-    quant = q[:, 0::2] | (q[:, 1::2] << 4)
-    sb = torch.zeros(scale_bytes_len(T, H), dtype=torch.uint8, device=norm_out.device)
-    sb[swizzle_offsets(T, H, device=norm_out.device).reshape(-1)] = sf8.reshape(-1)
-    return quant, sb
+    nibbles = e2m1_nibbles(_canonical_nan(x * scale[..., None])).reshape(T, H)  # a NaN product: nibble 0
+    return nibbles[:, 0::2] | (nibbles[:, 1::2] << 4), sf8
+
+
+def nvfp4_ref(norm_out: torch.Tensor, global_scale):
+    """(quant [T, H/2] uint8, scale_bytes 1-D uint8 of scale_out_bytes(T, H)): nvfp4_blocks with
+    the block scales in the 128x4 swizzled layout; padding bytes are 0.
+
+    norm_out is the D-rounded norm output; global_scale a float or [1] tensor (fp32).
+    """
+    T, H = norm_out.shape
+    quant, sf8 = nvfp4_blocks(norm_out, global_scale)
+    scale_bytes = torch.zeros(scale_out_bytes(T, H), dtype=torch.uint8, device=norm_out.device)
+    scale_bytes[swizzle_offsets(T, H, device=norm_out.device).reshape(-1)] = sf8.reshape(-1)
+    return quant, scale_bytes
 
 
 def nvfp4_dequant(quant: torch.Tensor, scale_bytes: torch.Tensor, global_scale, tokens: int, hidden: int):
@@ -449,14 +480,14 @@ def alloc_outputs(case: Case, quant=None, *, extra_scale_bytes=0, poison_byte=PO
                  residual_out=torch.full((T, H), math.nan, dtype=dtype, device=dev))
         if quant == "nvfp4":
             d["quant_out"] = torch.full((T, H // 2), poison_byte, dtype=torch.uint8, device=dev)
-            d["scale_out"] = torch.full((scale_bytes_len(T, H) + extra_scale_bytes,), poison_byte,
+            d["scale_out"] = torch.full((scale_out_bytes(T, H) + extra_scale_bytes,), poison_byte,
                                         dtype=torch.uint8, device=dev)
         if quant in ("fp8_group128", "fp8_tensor"):
             d["quant_out"] = torch.full((T, H), FP8_POISON_BYTE, dtype=torch.uint8, device=dev).view(
                 torch.float8_e4m3fn)
         if quant == "fp8_group128":
-            shape = (T, H // FP8_GROUP) if fp8_scale_layout == "row" else (H // FP8_GROUP, _roundup(T, 4))
-            d["scale_out"] = torch.full(shape, math.nan, dtype=torch.float32, device=dev)
+            d["scale_out"] = torch.full(fp8_scale_shape(T, H, fp8_scale_layout), math.nan, dtype=torch.float32,
+                                        device=dev)
         outs.append(d)
     return outs
 
@@ -522,33 +553,35 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
         ref = reference_for(case)
     dev = ref["residual_out"].device
     items = list(outs.items()) if isinstance(outs, dict) else list(enumerate(outs))
-    prov = (dict(provided.items()) if isinstance(provided, dict) else dict(enumerate(provided))) if provided else {}
-    n_scale = scale_bytes_len(T, H) if quant == "nvfp4" else None
+    provided_by_rank = {} if not provided else \
+        dict(provided.items()) if isinstance(provided, dict) else dict(enumerate(provided))
+    n_scale = scale_out_bytes(T, H) if quant == "nvfp4" else None
     fp8 = dict(layout=fp8_scale_layout, pow2=fp8_pow2_scales)
     fails = []
     stats = {"max_res_ulp_from_ref": 0.0, "fully_checked_ranks": []}
     gs_vals = {}
-    first = None
-    for r, o in items:
-        p = prov.get(r, {})
+    first = None  # (rank, outputs) of the first fully checked rank
+    for r, returned in items:
+        given = provided_by_rank.get(r, {})
         tag = f"rank {r}"
         got = {}
         for name in ("residual_out", "norm_out", "quant_out", "scale_out"):
-            ret = getattr(o, name)
-            if name in p and ret is not None and ret.data_ptr() != p[name].data_ptr():
+            ret = getattr(returned, name)
+            if name in given and ret is not None and ret.data_ptr() != given[name].data_ptr():
                 fails.append(f"{tag}: returned {name} is not the preallocated tensor")
-            got[name] = p.get(name, ret)
+            got[name] = given.get(name, ret)
         if quant is None:
-            if o.quant_out is not None or o.scale_out is not None:
+            if returned.quant_out is not None or returned.scale_out is not None:
                 fails.append(f"{tag}: quant=None but quant_out/scale_out returned")
         else:
             if isinstance(global_scale, (list, tuple)):
                 gs_vals[r] = _gs_float(global_scale[r])
             elif global_scale is not None:
                 gs_vals[r] = _gs_float(global_scale)
-            s_t = got["scale_out"]
-            if quant == "nvfp4" and s_t is not None and s_t.dim() == 1 and s_t.numel() > n_scale and "scale_out" in p:
-                tail = s_t[n_scale:]
+            scale_t = got["scale_out"]
+            if quant == "nvfp4" and scale_t is not None and scale_t.dim() == 1 and scale_t.numel() > n_scale \
+                    and "scale_out" in given:
+                tail = scale_t[n_scale:]
                 if (tail != poison_byte).any():
                     fails.append(f"{tag}: wrote {int((tail != poison_byte).sum())} bytes past the "
                                  f"{n_scale} scale bytes it owns")
@@ -557,16 +590,16 @@ def check_outputs(case: Case, outs, provided=None, *, quant=None, global_scale=N
         if first is not None:
             same = True
             for name in names:
-                a, b = first[1][name], got[name]
-                if b is None or a.shape[0] != b.shape[0] or a.dtype != b.dtype:
+                theirs, mine = first[1][name], got[name]
+                if mine is None or theirs.shape[0] != mine.shape[0] or theirs.dtype != mine.dtype:
                     same = False
                     continue
-                a, b = _bits(a.reshape(-1)[: a.numel() if name != "scale_out" else n_scale]), \
-                    _bits(b.to(a.device).reshape(-1)[: b.numel() if name != "scale_out" else n_scale])
-                if a.shape != b.shape or not torch.equal(a, b):
+                theirs, mine = _bits(theirs.reshape(-1)[: theirs.numel() if name != "scale_out" else n_scale]), \
+                    _bits(mine.to(theirs.device).reshape(-1)[: mine.numel() if name != "scale_out" else n_scale])
+                if theirs.shape != mine.shape or not torch.equal(theirs, mine):
                     same = False
-                    nd = int((a != b).sum()) if a.shape == b.shape else "all"
-                    fails.append(f"{tag}: {name} not bit-identical to rank {first[0]} ({nd} elements differ)")
+                    n_diff = int((theirs != mine).sum()) if theirs.shape == mine.shape else "all"
+                    fails.append(f"{tag}: {name} not bit-identical to rank {first[0]} ({n_diff} elements differ)")
             if same and gs_vals.get(r) == gs_vals.get(first[0]):
                 continue  # identical to a fully checked rank
         stats["fully_checked_ranks"].append(r)
@@ -628,7 +661,7 @@ def _check_rank_fully(case, ref, got, tag, quant, gs_val, nvfp4_device, stats, f
     if quant in ("fp8_group128", "fp8_tensor"):
         return fails + _check_fp8(got, nrm_t.to(nvfp4_device), tag, quant, gs_val, fp8)
     q_t, s_t = got["quant_out"], got["scale_out"]
-    n = scale_bytes_len(T, H)
+    n = scale_out_bytes(T, H)
     if q_t is None or s_t is None:
         return fails + [f"{tag}: nvfp4 outputs missing"]
     if tuple(q_t.shape) != (T, H // 2) or q_t.dtype != torch.uint8 or s_t.dtype != torch.uint8 \
@@ -688,7 +721,6 @@ def _check_fp8(got, norm_out, tag, quant, scale, fp8):
 
 # ---- FP8 outputs for Hopper consumers (docs/operation.md, the two FP8 sections) --------------
 
-FP8_GROUP = 128
 FP8_EPS = 1e-10
 
 
@@ -715,16 +747,91 @@ def fp8_group_ref(norm_out: torch.Tensor, *, pow2_scales: bool = False, column_m
     s = amax / torch.full_like(amax, E4M3_MAX)
     if pow2_scales:
         s = pow2_ceil(s)
-    q = torch.clamp(x / s[..., None], -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).reshape(T, H)
+    q = e4m3_satfinite_bytes(x / s[..., None]).view(torch.float8_e4m3fn).reshape(T, H)
     if not column_major:
         return q, s
-    cols = torch.zeros((H // FP8_GROUP, _roundup(T, 4)), dtype=torch.float32, device=s.device)
+    cols = torch.zeros(fp8_scale_shape(T, H, "column"), dtype=torch.float32, device=s.device)
     cols[:, :T] = s.t()
     return q, cols
 
 
 def fp8_tensor_ref(norm_out: torch.Tensor, scale: float):
-    """Per-tensor FP8 E4M3 with one static float32 scale: q = e4m3(clamp(x / scale, -448, 448))."""
+    """Per-tensor FP8 E4M3 with one static float32 scale: q = e4m3(clamp(x / scale, -448, 448)), a
+    NaN quotient (a NaN scale, 0 / 0) as 0x7F. Any scale follows it (dispatch/API.md's table)."""
     x = norm_out.to(torch.float32)
     s = torch.full_like(x, f32(float(scale)))  # a full tensor divisor: see fp8_group_ref
-    return torch.clamp(x / s, -E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return e4m3_satfinite_bytes(x / s).view(torch.float8_e4m3fn)
+
+
+# ---- per-element tolerances for a cheap check on the device (the soak's) ---------------------
+# check_outputs is exact but slow (brackets by rounding, on the host); these give, on the device
+# and for every element, an expected value and a distance a correct kernel stays within.
+
+def residual_expectation(allreduce_in_by_rank: torch.Tensor, route_rows: torch.Tensor, tokens: int, top_k: int,
+                         scale, rsf: float, shared, residual_in: torch.Tensor, dtype: torch.dtype):
+    """(S, tol), float64 [T, H]: what residual_out must be, and how far a correct kernel may be from it.
+
+    allreduce_in_by_rank: [W, rows, H] dtype, every rank's allreduce_in stacked (one row of zeros
+    stands for dropped routes); route_rows: [T*K] int64 row of each (token, route), dropped routes
+    pointing at the zero row; scale: [T*K] float32 or dtype, or None; shared: [W, T, H] dtype or None
+    (zeros for a rank without one); residual_in: [T, H] dtype. Works on CPU and CUDA tensors.
+
+    Each rank's partial is recomputed in float32 (K + 4 roundings at most, as the kernel's) and
+    rounded to dtype: q'_r. S = sum_r q'_r + residual_in in float64. A contract-following kernel's
+    rounded partial q_r differs from q'_r by at most d_r = 2.01 u |q'_r| + 1.01 * 2 gamma(K+4) m_r +
+    3 eta (m_r = |rsf| sum_k |s x| + |shared|: the two float32 values are within 2 gamma(K+4) m_r and
+    may round to neighbouring dtype values); its float32 sum of W + 1 terms errs by gamma(W+1) of
+    their magnitudes and the final rounding by u |.| + eta. Hence
+        tol = (1 + u) (D + gamma(W+1) (A + D)) + u |S| + 2^-45 A + eta,
+    D = sum_r d_r, A = sum_r |q'_r| + |residual_in| (the 2^-45 A covers the float64 sum itself).
+    tests/test_soak_cpu.py checks that reference() and both ends of its per-element bracket are
+    always accepted.
+    """
+    W, _, H = allreduce_in_by_rank.shape
+    T, K = tokens, top_k
+    routed = allreduce_in_by_rank.index_select(1, route_rows).float()  # [W, T*K, H]
+    if scale is not None:
+        routed.mul_(scale.reshape(1, T * K, 1).float())
+    routed = routed.view(W, T, K, H)
+    partials = routed.sum(2)
+    magnitudes = routed.abs_().sum(2)
+    rsf32 = f32(rsf)
+    if rsf32 != 1.0:
+        partials.mul_(rsf32)
+        magnitudes.mul_(abs(rsf32))
+    if shared is not None:
+        shared32 = shared.float()
+        partials.add_(shared32)
+        magnitudes.add_(shared32.abs())
+    rounded = partials.to(dtype).double()  # q'_r
+    residual = residual_in.double()
+    expected = rounded.sum(0).add_(residual)  # S
+    # tol expanded into one coefficient per magnitude (D and A substituted), 1 + 2^-20 of slack on each
+    u, eta = UNIT_ROUNDOFF[dtype], SUBNORMAL_SPACING[dtype] / 2
+    gamma_k = 2.0 * gamma(K + 4) * (1.0 + 2.0 ** -20)
+    gamma_w = gamma(W + 1)
+    slack, big = 1.0 + 2.0 ** -20, (1.0 + u) * (1.0 + gamma_w)
+    c_q = slack * (big * 2.01 * u + (1.0 + u) * gamma_w + 2.0 ** -45)  # times sum_r |q'_r|
+    c_m = slack * big * 1.01 * gamma_k                                 # times sum_r m_r
+    c_r = slack * ((1.0 + u) * gamma_w + 2.0 ** -45)                   # times |residual_in|
+    c_0 = slack * (big * 3.0 * eta * W + eta)
+    tol = rounded.abs_().sum(0).mul_(c_q).add_(magnitudes.sum(0).double(), alpha=c_m).add_(residual.abs(), alpha=c_r)
+    tol.add_(expected.abs(), alpha=slack * u).add_(c_0)
+    return expected, tol
+
+
+def norm_expectation(residual_out: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight_bias: int,
+                     dtype: torch.dtype):
+    """(y, tol), float64: the RMSNorm of this residual_out in float64 and the distance a correct norm_out
+    may have from it: |norm_out - y| <= (u + b + u b) |y| + eta, b = norm_rel_bound(H) (float32
+    evaluation), u the final rounding to dtype."""
+    y = rmsnorm_f64(residual_out, norm_weight, eps, weight_bias)
+    u, eta = UNIT_ROUNDOFF[dtype], SUBNORMAL_SPACING[dtype] / 2
+    b = norm_rel_bound(residual_out.shape[-1])
+    tol = y.abs().mul_((u + b + u * b) * (1.0 + 2.0 ** -20)).add_(eta)
+    return y, tol
+
+
+def count_bad(got: torch.Tensor, expected: torch.Tensor, tol: torch.Tensor) -> torch.Tensor:
+    """Elements outside the tolerance (NaN counts as outside), as a 0-dim int64 tensor."""
+    return (~((got.double() - expected).abs() <= tol)).sum()

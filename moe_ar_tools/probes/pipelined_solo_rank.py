@@ -7,11 +7,11 @@ Its two uses:
     to the rank's own memory traffic (it was: 0.98-1.04 of the pair from 1,024 to 8,192 tokens,
     bench_results/pipelined/solo/);
   * Nsight Compute: ncu runs kernels one at a time, so the two ranks of a pair cannot both run
-    under it (tests/ncu_one_rank.py works only for the one-shot); a rank that never waits can.
+    under it (ncu_one_rank.py beside this works only for the one-shot); a rank that never waits can.
 
-    PYTHONPATH=. python3 tests/pipelined_solo_rank.py --out solo.json
+    python3 -m moe_ar_tools.probes.pipelined_solo_rank --out solo.json
     ncu --clock-control none --kernel-name regex:moe_ar_ --set full -o tsp8192 \
-        python3 tests/pipelined_solo_rank.py --ncu --tokens 8192 --programs moe_ar_tsp_bf16_ws2_o110:none
+        python3 -m moe_ar_tools.probes.pipelined_solo_rank --ncu --tokens 8192 --programs moe_ar_tsp_bf16_ws2_o110:none
 
 Kernel times under ncu are longer than in the timing mode (300 against 133 us at 2,048 tokens):
 read ncu for stall reasons, bytes and instruction counts, not durations. Rank 0's writes to its
@@ -24,56 +24,54 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cupy  # noqa: E402
-import torch  # noqa: E402
+import cupy
+import torch
 
-import dispatch  # noqa: E402
-import reference as ref  # noqa: E402
-from dispatch.op import prepare_call  # noqa: E402
-from dispatch.workspace import STATE_WORDS  # noqa: E402
+import dispatch
+from dispatch.op import prepare_call
+from dispatch.workspace import STATE_WORDS
+from moe_ar_tools import reference as ref
 
 FILL = 0x3F803F80  # two bf16 1.0: never the sentinel
 
 
 def calls_for(world, T, program, quant, seed=1):
-    devs = ["cuda:0", "cuda:1"]
-    case = ref.make_case(2, T, 7168, 8, torch.bfloat16, seed=seed, device=devs, shared=True, drop_frac=0.0,
+    devices = ["cuda:0", "cuda:1"]
+    case = ref.make_case(2, T, 7168, 8, torch.bfloat16, seed=seed, device=devices, shared=True, drop_frac=0.0,
                          poison_unused_rows=False)
-    out = []
-    for r, kw in enumerate(case):
-        d = dict(kw, quant=quant, program=program)
+    calls = []
+    for r, inputs in enumerate(case):
+        kwargs = dict(inputs, quant=quant, program=program)
         if quant == "nvfp4":
-            d["global_scale"] = torch.tensor([1.0], dtype=torch.float32, device=devs[r])
-        out.append(prepare_call(world.workspaces[r], d))
-    return out
+            kwargs["global_scale"] = torch.tensor([1.0], dtype=torch.float32, device=devices[r])
+        calls.append(prepare_call(world.workspaces[r], kwargs))
+    return calls
 
 
 def prefill(ws, stream):
     """Every buffer of rank 0 holds payload (no sentinel: no wait), and its state is call 0."""
-    m = ws._memory
+    memory = ws._memory
     with cupy.cuda.Device(0), cupy.cuda.ExternalStream(stream.cuda_stream):
-        mem = cupy.cuda.UnownedMemory(m.buffers, m.buffer_bytes, m, 0)
-        cupy.ndarray((m.buffer_bytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(mem, 0)).fill(FILL)
-        st = cupy.cuda.UnownedMemory(m.state, STATE_WORDS * 4, m, 0)
-        cupy.ndarray((STATE_WORDS,), cupy.uint32, cupy.cuda.MemoryPointer(st, 0)).fill(0)
+        buffers = cupy.cuda.UnownedMemory(memory.buffers, memory.buffer_bytes, memory, 0)
+        cupy.ndarray((memory.buffer_bytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(buffers, 0)).fill(FILL)
+        state = cupy.cuda.UnownedMemory(memory.state, STATE_WORDS * 4, memory, 0)
+        cupy.ndarray((STATE_WORDS,), cupy.uint32, cupy.cuda.MemoryPointer(state, 0)).fill(0)
 
 
 def solo_times(world, call0, reps):
     """us per call of rank 0 alone: three calls after each prefill (buffers 0, 1, 2)."""
-    s = world.streams[0]
+    stream = world.streams[0]
     out = []
     for _ in range(reps):
-        prefill(world.workspaces[0], s)
-        with torch.cuda.stream(s):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
+        prefill(world.workspaces[0], stream)
+        with torch.cuda.stream(stream):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             for _ in range(3):  # buffers 0, 1, 2: each pre-filled
                 call0.launch()
-            b.record()
+            end.record()
         torch.cuda.synchronize(0)
-        out.append(a.elapsed_time(b) * 1e3 / 3)
+        out.append(start.elapsed_time(end) * 1e3 / 3)
     world.workspaces[0].check()
     return out
 
@@ -83,13 +81,13 @@ def pair_times(world, calls, reps, batch=30):
     world.reset()
     out = []
     for _ in range(reps):
-        ev = []
+        starts = []
         for r in (1, 0):
             with torch.cuda.stream(world.streams[r]):
                 torch.cuda._sleep(2_000_000)  # let the host queue every launch first
-                e = torch.cuda.Event(enable_timing=True)
-                e.record()
-                ev.append(e)
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+                starts.append(start)
         for _ in range(batch):
             for r in (1, 0):
                 with torch.cuda.stream(world.streams[r]):
@@ -97,28 +95,28 @@ def pair_times(world, calls, reps, batch=30):
         ends = []
         for r in (1, 0):
             with torch.cuda.stream(world.streams[r]):
-                e = torch.cuda.Event(enable_timing=True)
-                e.record()
-                ends.append(e)
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                ends.append(end)
         torch.cuda.synchronize(0)
         torch.cuda.synchronize(1)
-        out.append(max(a.elapsed_time(b) for a, b in zip(ev, ends)) * 1e3 / batch)
-    for w in world.workspaces:
-        w.check()
+        out.append(max(start.elapsed_time(end) for start, end in zip(starts, ends)) * 1e3 / batch)
+    for ws in world.workspaces:
+        ws.check()
     return out
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="JSON of the timings")
-    ap.add_argument("--ncu", action="store_true", help="one solo launch per program and token count, no timing")
-    ap.add_argument("--tokens", default="1024,2048,4096,8192")
-    ap.add_argument("--programs", default="moe_ar_tsp_bf16_ws2_o110:none,moe_ar_tsp_bf16_ws2_o111:nvfp4",
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="JSON of the timings")
+    parser.add_argument("--ncu", action="store_true", help="one solo launch per program and token count, no timing")
+    parser.add_argument("--tokens", default="1024,2048,4096,8192")
+    parser.add_argument("--programs", default="moe_ar_tsp_bf16_ws2_o110:none,moe_ar_tsp_bf16_ws2_o111:nvfp4",
                     help="program:quant,... (quant: none, nvfp4)")
-    ap.add_argument("--reps", type=int, default=15)
-    a = ap.parse_args()
-    tokens = [int(t) for t in a.tokens.split(",")]
-    progs = [p.split(":") for p in a.programs.split(",")]
+    parser.add_argument("--reps", type=int, default=15)
+    args = parser.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    progs = [p.split(":") for p in args.programs.split(",")]
     if torch.cuda.device_count() < 2:
         print("needs 2 GPUs", file=sys.stderr)
         return 2
@@ -128,7 +126,7 @@ def main():
         quant = None if q == "none" else q
         for T in tokens:
             calls = calls_for(world, T, name, quant)
-            if a.ncu:
+            if args.ncu:
                 prefill(world.workspaces[0], world.streams[0])
                 with torch.cuda.stream(world.streams[0]):
                     calls[0].launch()
@@ -136,15 +134,15 @@ def main():
                 world.workspaces[0].check()
                 print(f"solo launch done {name} {T}", flush=True)
                 continue
-            solo = solo_times(world, calls[0], a.reps)
-            pair = pair_times(world, calls, a.reps)
+            solo = solo_times(world, calls[0], args.reps)
+            pair = pair_times(world, calls, args.reps)
             rec = dict(program=name, tokens=T, solo_us=statistics.median(solo), pair_us=statistics.median(pair),
                        solo_all=solo, pair_all=pair)
             results.append(rec)
             print(f"{name} T={T}: solo {rec['solo_us']:.1f} us, pair {rec['pair_us']:.1f} us, "
                   f"solo/pair {rec['solo_us'] / rec['pair_us']:.3f}", flush=True)
-    if a.out:
-        with open(a.out, "w") as f:
+    if args.out:
+        with open(args.out, "w") as f:
             json.dump(dict(commit=os.environ.get("COMMIT"), results=results), f, indent=1)
     return 0
 

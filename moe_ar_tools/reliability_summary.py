@@ -1,11 +1,11 @@
 """Markdown summary of a reliability run (issue #5): soak results and the reliability tests' records.
 
-    python tests/reliability_summary.py --tests gpu-tests.jsonl --soak soak-ws2.json soak-ws4.json soak-ws8.json \
-        --out bench_results/reliability/summary.md
+    python -m moe_ar_tools.reliability_summary --tests gpu-tests.jsonl \
+        --soak soak-ws2.json soak-ws4.json soak-ws8.json --out bench_results/reliability/summary.md
 
 --tests: the JSON lines the GPU tests append through `record_result` (MOE_AR_RESULTS); the lines of
 tests/test_gpu_reliability.py (kind "reliability") are summarized one by one, every other test is
-counted. --soak: the JSON files of `python -m dispatch.soak`. Writes calls made, faults injected,
+counted. --soak: the JSON files of `moe-ar-soak`. Writes calls made, faults injected,
 outcomes, machine and commit; prints one line with the overall result. --strict: exit 1 when anything
 failed (default: exit 0 once the summary is written; 2 for unreadable inputs).
 """
@@ -35,7 +35,7 @@ def load_jsonl(path) -> list:
 def load_soak(path) -> dict:
     d = json.loads(pathlib.Path(path).read_text())
     if not isinstance(d, dict) or "calls" not in d or "world_size" not in d:
-        raise ValueError(f"{path}: not a dispatch.soak result")
+        raise ValueError(f"{path}: not a soak result")
     d["_file"] = str(path)
     return d
 
@@ -135,33 +135,34 @@ def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None)
     lines += ["## Soak", ""]
     if soaks:
         rows = []
-        for s in sorted(soaks, key=lambda s: (s.get("world_size", 0), str(s.get("devices")))):
-            regimes = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted((s.get("regimes") or {}).items()))
-            q = s.get("quant_calls") or {}
-            devs = s.get("devices") or []
-            rows.append([s.get("world_size"), "one GPU" if s.get("single_device") else ",".join(map(str, devs)),
-                         s.get("dtype"), _fmt_int(s.get("calls")), _fmt_int(s.get("eager_calls")),
-                         _fmt_int(s.get("graph_calls")), _fmt_int(s.get("pdl_calls")), _fmt_int(q.get("nvfp4", 0)),
-                         regimes, _fmt_int(s.get("wrong_elements")), _fmt_int(s.get("full_checks")),
-                         _fmt_int(s.get("timeouts")), _fmt_int(s.get("hangs")), s.get("seconds"),
-                         "PASS" if _soak_passed(s) else "FAIL"])
+        for soak in sorted(soaks, key=lambda s: (s.get("world_size", 0), str(s.get("devices")))):
+            regimes = ", ".join(f"{k} {_fmt_int(v)}" for k, v in sorted((soak.get("regimes") or {}).items()))
+            quant_calls = soak.get("quant_calls") or {}
+            devs = soak.get("devices") or []
+            devices = "one GPU" if soak.get("single_device") else ",".join(map(str, devs))
+            rows.append([soak.get("world_size"), devices,
+                         soak.get("dtype"), _fmt_int(soak.get("calls")), _fmt_int(soak.get("eager_calls")),
+                         _fmt_int(soak.get("graph_calls")), _fmt_int(soak.get("pdl_calls")), _fmt_int(quant_calls.get("nvfp4", 0)),
+                         regimes, _fmt_int(soak.get("wrong_elements")), _fmt_int(soak.get("full_checks")),
+                         _fmt_int(soak.get("timeouts")), _fmt_int(soak.get("hangs")), soak.get("seconds"),
+                         "PASS" if _soak_passed(soak) else "FAIL"])
         lines += _table(["W", "devices", "dtype", "calls", "eager", "graph", "PDL", "NVFP4", "regimes (calls)",
                          "wrong elements", "full checks", "timeouts", "hangs", "seconds", "result"], rows)
         lines.append("")
-        for s in soaks:
-            notes = [f"`{pathlib.Path(s['_file']).name}`" if s.get("_file") else "soak",
-                     f"max_tokens {s.get('max_tokens')}, hidden {s.get('hidden')}, seed {s.get('seed')}",
-                     f"T {s.get('tokens', {}).get('min')}..{s.get('tokens', {}).get('max')} "
-                     f"({s.get('tokens', {}).get('distinct')} distinct)",
-                     f"boundaries {s.get('boundaries')}", f"stopped by {s.get('stopped_by')}"]
-            if s.get("graph_note"):
-                notes.append(s["graph_note"])
-            if not s.get("reference_importable", True):
-                notes.append("tests/reference.py not importable: no full checks")
-            if s.get("error"):
-                notes.append(f"error: {str(s['error']).splitlines()[0]}")
-            for f in (s.get("failures") or [])[:3]:
-                notes.append(f"failure: {json.dumps(f, default=str)[:300]}")
+        for soak in soaks:
+            notes = [f"`{pathlib.Path(soak['_file']).name}`" if soak.get("_file") else "soak",
+                     f"max_tokens {soak.get('max_tokens')}, hidden {soak.get('hidden')}, seed {soak.get('seed')}",
+                     f"T {soak.get('tokens', {}).get('min')}..{soak.get('tokens', {}).get('max')} "
+                     f"({soak.get('tokens', {}).get('distinct')} distinct)",
+                     f"boundaries {soak.get('boundaries')}", f"stopped by {soak.get('stopped_by')}"]
+            if soak.get("graph_note"):
+                notes.append(soak["graph_note"])
+            if not soak.get("reference_importable", True):
+                notes.append("the reference was not importable: no full checks")
+            if soak.get("error"):
+                notes.append(f"error: {str(soak['error']).splitlines()[0]}")
+            for failure in (soak.get("failures") or [])[:3]:
+                notes.append(f"failure: {json.dumps(failure, default=str)[:300]}")
             lines.append("- " + "; ".join(notes) + ".")
         lines.append("")
     else:
@@ -202,33 +203,34 @@ def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tests", default=None, help="JSON lines of the GPU tests (MOE_AR_RESULTS)")
-    p.add_argument("--soak", nargs="*", default=[], help="dispatch.soak JSON files")
-    p.add_argument("--out", default=None, help="markdown path (default: print)")
-    p.add_argument("--machine", default=None)
-    p.add_argument("--commit", default=None)
-    p.add_argument("--date", default=None)
-    p.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
-    a = p.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m moe_ar_tools.reliability_summary",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tests", default=None, help="JSON lines of the GPU tests (MOE_AR_RESULTS)")
+    parser.add_argument("--soak", nargs="*", default=[], help="soak JSON files (moe-ar-soak --out)")
+    parser.add_argument("--out", default=None, help="markdown path (default: print)")
+    parser.add_argument("--machine", default=None)
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--date", default=None)
+    parser.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
+    args = parser.parse_args(argv)
     try:
-        tests = load_jsonl(a.tests) if a.tests else []
-        soaks = [load_soak(s) for s in a.soak]
+        tests = load_jsonl(args.tests) if args.tests else []
+        soaks = [load_soak(s) for s in args.soak]
     except (OSError, ValueError) as e:
         print(f"reliability_summary: {e}", file=sys.stderr)
         return 2
     if not tests and not soaks:
         print("reliability_summary: nothing to summarize (give --tests and/or --soak)", file=sys.stderr)
         return 2
-    text, ok = summarize(tests, soaks, machine=a.machine, commit=a.commit, date=a.date)
-    if a.out:
-        out = pathlib.Path(a.out)
+    text, ok = summarize(tests, soaks, machine=args.machine, commit=args.commit, date=args.date)
+    if args.out:
+        out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         print(f"wrote {out}: {'PASS' if ok else 'FAIL'}")
     else:
         print(text)
-    return 1 if (a.strict and not ok) else 0
+    return 1 if (args.strict and not ok) else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark of the fused MoE finalize + all-reduce + residual + RMSNorm (+ NVFP4) op against
 unfused baselines, following docs/measurement.md.
 
-    python -m dispatch.bench --out bench_results/run.json          (or the console script moe-ar-bench)
+    moe-ar-bench --out bench_results/run.json          (or python -m moe_ar_tools.bench)
 
 on a machine with at least --world GPUs (default 2). It writes the JSON (--out, default
 bench_results/<machine>-<date>.json; rewritten after every shape, so a killed run keeps what it
@@ -71,6 +71,8 @@ from typing import Callable, Optional
 
 import click
 
+from moe_ar_tools.provenance import REPO_ROOT, git_commit
+
 # NVLink multicast (NVLS) must never be used on the benchmark machine; set before any CUDA
 # library is initialized, in the parent and in every worker.
 REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -84,7 +86,6 @@ SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "auto+quant", "programs")
 PROFILES = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 FP8_PROFILES = ("fp8_group128", "fp8_tensor")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2}
-UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 
 # Norm-relative tolerance of residual_out and norm_out against the float64 reference, in units
 # of the dtype's unit roundoff u. The fused programs round once (error about u/3); the torch
@@ -137,10 +138,10 @@ def parse_tokens(text: str) -> list[int]:
     for item in filter(None, (s.strip() for s in text.split(","))):
         if "-" in item:
             lo, hi = (int(x) for x in item.split("-"))
-            t = lo
-            while t <= hi:
-                out.add(t)
-                t *= 2
+            tokens = lo
+            while tokens <= hi:
+                out.add(tokens)
+                tokens *= 2
         else:
             out.add(int(item))
     if not out or min(out) < 1:
@@ -159,12 +160,6 @@ def parse_list(text: str, allowed=None, what="value") -> list[str]:
 
 # ---- roofline ----------------------------------------------------------------------------------
 
-def scale_out_bytes(tokens: int, hidden: int) -> int:
-    """Bytes of the swizzled NVFP4 scale buffer: rows padded to 128, scale columns to 4
-    (the same rule as dispatch.scale_out_bytes, restated here so that it is tested on its own)."""
-    return -(-tokens // 128) * 128 * (-(-(hidden // 16) // 4) * 4)
-
-
 def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, elem_bytes: int = 2,
               dropped_routes: int = 0, scale_bytes: int = 4) -> dict:
     """Bytes one rank's op must move through HBM, by term.
@@ -178,14 +173,15 @@ def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, 
     nvfp4        quant_out T*H/2 bytes + the swizzled scale bytes (profile 111 only)
     fp8          quant_out T*H bytes (+ T*H/128 float32 scales for fp8_group128)
     """
-    T, H, K, e = tokens, hidden, top_k, elem_bytes
+    from dispatch.op import scale_out_bytes  # the runtime's rule (importing dispatch loads torch)
+    T, H, K, E = tokens, hidden, top_k, elem_bytes
     terms = {
-        "expert_rows": (T * K - dropped_routes) * H * e,
+        "expert_rows": (T * K - dropped_routes) * H * E,
         "routing": T * K * (4 + scale_bytes),
-        "shared": T * H * e if shared else 0,
-        "residual": T * H * e,
-        "norm_weight": H * e,
-        "outputs": 2 * T * H * e,
+        "shared": T * H * E if shared else 0,
+        "residual": T * H * E,
+        "norm_weight": H * E,
+        "outputs": 2 * T * H * E,
         "nvfp4": (T * H // 2 + scale_out_bytes(T, H)) if profile == "111" else 0,
         "fp8": T * H + (T * (H // 128) * 4 if profile == "fp8_group128" else 0) if profile in FP8_PROFILES else 0,
     }
@@ -215,13 +211,6 @@ def roofline(hbm: float, nvlink: float, hbm_GBps: float, nvlink_GBps: float) -> 
 
 def regime_of_family(family: str) -> str:
     return "one_shot" if family == "oneshot" else "two_shot"
-
-
-def swizzle_offset(m: int, k: int, hidden: int) -> int:
-    """Byte offset of the NVFP4 scale of row m, scale column k in the 128x4 layout (docs/operation.md)."""
-    num_k_tiles = -(-hidden // 64)
-    return ((m // 128) * (num_k_tiles * 512) + (k // 4) * 512
-            + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4))
 
 
 # ---- statistics --------------------------------------------------------------------------------
@@ -476,24 +465,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _repo_root() -> pathlib.Path:
-    return pathlib.Path(__file__).resolve().parent.parent
-
-
-def _git_commit() -> str:
-    """MOE_AR_COMMIT when set (the device machine's copy may carry a stale .git), else git."""
-    if os.environ.get("MOE_AR_COMMIT"):
-        return os.environ["MOE_AR_COMMIT"]
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_repo_root(), capture_output=True, text=True,
-                             timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return "unknown"
-
-
 def _driver_version() -> str:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
@@ -512,18 +483,18 @@ def _driver_version() -> str:
 
 def _versions() -> dict:
     import torch
-    v = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
+    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
     try:
         import cupy
-        v["cupy"] = cupy.__version__
+        versions["cupy"] = cupy.__version__
     except ImportError:
-        v["cupy"] = None
+        versions["cupy"] = None
     try:
         nccl = torch.cuda.nccl.version()
-        v["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        versions["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     except Exception:  # noqa: BLE001 - metadata only
-        v["nccl"] = None
-    return v
+        versions["nccl"] = None
+    return versions
 
 
 @dataclass
@@ -559,23 +530,23 @@ def measure_bandwidth(world: int, gib: float, reps: int = 10) -> dict:
     nvlink_GBps  a copy of `gib` GiB from GPU 0 to GPU 1 (one way, copy engines over NVLink)
     Each the median of `reps` copies after two warm-up copies."""
     import torch
-    n = int(gib * 2 ** 30)
-    out = {"bytes": n, "reps": reps}
-    src = torch.empty(n, dtype=torch.uint8, device="cuda:0").fill_(1)
+    nbytes = int(gib * 2 ** 30)
+    out = {"bytes": nbytes, "reps": reps}
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0").fill_(1)
     dst = torch.empty_like(src)
     times = []
     for i in range(reps + 2):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         dst.copy_(src)
-        b.record()
-        b.synchronize()
+        end.record()
+        end.synchronize()
         if i >= 2:
-            times.append(a.elapsed_time(b) / 1e3)
-    out["hbm_GBps"] = 2 * n / median(times) / 1e9
+            times.append(start.elapsed_time(end) / 1e3)
+    out["hbm_GBps"] = 2 * nbytes / median(times) / 1e9
     del dst
     if world >= 2 and torch.cuda.device_count() >= 2:
-        peer = torch.empty(n, dtype=torch.uint8, device="cuda:1")
+        peer = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
         times = []
         for i in range(reps + 2):
             torch.cuda.synchronize(0)
@@ -586,7 +557,7 @@ def measure_bandwidth(world: int, gib: float, reps: int = 10) -> dict:
             torch.cuda.synchronize(1)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
-        out["nvlink_GBps"] = n / median(times) / 1e9
+        out["nvlink_GBps"] = nbytes / median(times) / 1e9
         out["nvlink_method"] = "tensor copy cuda:0 -> cuda:1, host-timed with device synchronizes"
         del peer
     else:
@@ -612,10 +583,11 @@ class InputSet:
 
 
 def _generator(device, seed: int, *key) -> object:
+    """A torch generator seeded from (seed, key): the same on every rank for the same key."""
     import torch
-    g = torch.Generator(device=device)
-    g.manual_seed((seed * 1_000_003 + zlib.crc32(repr(key).encode())) % (2 ** 63))
-    return g
+    generator = torch.Generator(device=device)
+    generator.manual_seed((seed * 1_000_003 + zlib.crc32(repr(key).encode())) % (2 ** 63))
+    return generator
 
 
 def make_input_sets(shape: Shape, tokens: int, count: int, dtype, rank: int, seed: int, device) -> list[InputSet]:
@@ -623,67 +595,44 @@ def make_input_sets(shape: Shape, tokens: int, count: int, dtype, rank: int, see
     import torch
     T, H, K = tokens, shape.hidden, shape.top_k
     sets = []
-    for s in range(count):
-        g = _generator(device, seed, "common", H, K, T, s)
-        gr = _generator(device, seed, "rank", rank, H, K, T, s)
-        idx = torch.randperm(T * K, generator=g, device=device).view(T, K).to(torch.int32)
-        scale = torch.rand(T, K, generator=g, device=device) + 0.05
+    for set_index in range(count):
+        common = _generator(device, seed, "common", H, K, T, set_index)  # the same on every rank
+        own = _generator(device, seed, "rank", rank, H, K, T, set_index)  # this rank's
+        idx = torch.randperm(T * K, generator=common, device=device).view(T, K).to(torch.int32)
+        scale = torch.rand(T, K, generator=common, device=device) + 0.05
         scale /= scale.sum(-1, keepdim=True)  # top-k renormalized router weights, fp32
-        residual = torch.randn(T, H, generator=g, device=device, dtype=dtype)
-        norm_weight = (1 + 0.1 * torch.randn(H, generator=g, device=device)).to(dtype)
-        x = (0.5 * torch.randn(T * K, H, generator=gr, device=device, dtype=dtype))
-        sh = (0.5 * torch.randn(T, H, generator=gr, device=device, dtype=dtype)) if shape.shared else None
-        sets.append(InputSet(x, idx, scale, sh, residual, norm_weight))
+        residual = torch.randn(T, H, generator=common, device=device, dtype=dtype)
+        norm_weight = (1 + 0.1 * torch.randn(H, generator=common, device=device)).to(dtype)
+        allreduce_in = (0.5 * torch.randn(T * K, H, generator=own, device=device, dtype=dtype))
+        shared = (0.5 * torch.randn(T, H, generator=own, device=device, dtype=dtype)) if shape.shared else None
+        sets.append(InputSet(allreduce_in, idx, scale, shared, residual, norm_weight))
     return sets
 
 
-def reference(x: InputSet, dtype, group) -> tuple:
-    """(residual_out, norm_out) of the precision contract as float32 tensors: the partial in
+def contract_outputs(inputs: InputSet, dtype, group) -> tuple:
+    """(residual_out, norm_out) of the precision contract as float32 tensors: this rank's partial in
     float64 rounded to dtype once, the cross-rank sum in float64 (an NCCL float64 all_reduce),
-    residual_out rounded to dtype once, RMSNorm of it in float64. Collective over `group`."""
-    import torch
+    residual_out rounded to dtype once, RMSNorm of it in float64 (moe_ar_tools.reference's
+    functions). Collective over `group`."""
     import torch.distributed as dist
-    T, K = x.idx.shape
-    acc = torch.zeros(T, x.allreduce_in.shape[1], dtype=torch.float64, device=x.allreduce_in.device)
-    for k in range(K):
-        acc += x.scale[:, k, None].double() * x.allreduce_in.index_select(0, x.idx[:, k]).double()
-    acc *= float(torch.tensor(ROUTED_SCALING_FACTOR, dtype=torch.float32))
-    if x.shared is not None:
-        acc += x.shared.double()
-    total = acc.to(dtype).double()
-    del acc
+    from moe_ar_tools import reference as ref
+    partial = ref.finalize_partial(inputs.allreduce_in, inputs.idx, inputs.scale, ROUTED_SCALING_FACTOR,
+                                   inputs.shared)
+    total = ref.round_to_dtype(partial, dtype).double()
+    del partial
     dist.all_reduce(total, group=group)
-    res = (total + x.residual.double()).to(dtype).double()
+    residual = ref.round_to_dtype(total + inputs.residual.double(), dtype)
     del total
-    inv = torch.rsqrt(res.square().mean(-1, keepdim=True) + float(torch.tensor(EPS, dtype=torch.float32)))
-    norm = res * inv * x.norm_weight.double()
-    return res.float(), norm.float()
+    norm = ref.rmsnorm_f64(residual, inputs.norm_weight, EPS, 0)
+    return residual.float(), norm.float()
 
 
-def rel_err(x, ref) -> float:
-    """||x - ref|| / ||ref|| (NaN when x holds NaN)."""
+def rel_err(x, want) -> float:
+    """||x - want|| / ||want|| (NaN when x holds NaN)."""
     import torch
-    d = torch.linalg.vector_norm(x.float() - ref)
-    n = torch.linalg.vector_norm(ref)
-    return float(d / n) if float(n) > 0 else float(d)
-
-
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def nvfp4_dequant(quant_out, scale_out, global_scale: float, tokens: int, hidden: int):
-    """float32 [T, H] from packed E2M1 (low nibble = even element) and 128x4-swizzled E4M3 scales."""
-    import torch
-    dev = quant_out.device
-    q = quant_out.reshape(tokens, hidden // 2)
-    nib = torch.stack([q & 0xF, q >> 4], dim=-1).reshape(tokens, hidden).long()
-    vals = torch.tensor(_E2M1, dtype=torch.float32, device=dev)[nib]
-    m = torch.arange(tokens, device=dev)[:, None]
-    k = torch.arange(hidden // 16, device=dev)[None, :]
-    num_k_tiles = -(-hidden // 64)
-    off = (m // 128) * (num_k_tiles * 512) + (k // 4) * 512 + (m % 32) * 16 + ((m % 128) // 32) * 4 + (k % 4)
-    sf = scale_out[off.reshape(-1)].view(torch.float8_e4m3fn).float().reshape(tokens, hidden // 16)
-    return (vals.view(tokens, hidden // 16, 16) * (sf / global_scale)[..., None]).reshape(tokens, hidden)
+    diff = torch.linalg.vector_norm(x.float() - want)
+    norm = torch.linalg.vector_norm(want)
+    return float(diff / norm) if float(norm) > 0 else float(diff)
 
 
 # ---- systems -----------------------------------------------------------------------------------
@@ -706,56 +655,54 @@ class System:
         return self.name + (f"/{self.variant}" if self.variant else "")
 
 
-def torch_finalize(x: InputSet, partial) -> None:
+def torch_finalize(inputs: InputSet, partial) -> None:
     """partial[T, H] = rsf * sum_k scale[t, k] * allreduce_in[idx[t, k]] + shared, with torch ops as
     an engine without fusion runs them: gather the rows, one batched matmul [1, K] x [K, H] per
     token (fp32 accumulation, dtype output), add the shared expert."""
     import torch
-    T, K = x.idx.shape
-    H = x.allreduce_in.shape[1]
-    rows = x.allreduce_in.index_select(0, x.idx.view(-1)).view(T, K, H)
-    weights = (x.scale * ROUTED_SCALING_FACTOR).to(rows.dtype).unsqueeze(1)
+    T, K = inputs.idx.shape
+    H = inputs.allreduce_in.shape[1]
+    rows = inputs.allreduce_in.index_select(0, inputs.idx.view(-1)).view(T, K, H)
+    weights = (inputs.scale * ROUTED_SCALING_FACTOR).to(rows.dtype).unsqueeze(1)
     torch.bmm(weights, rows, out=partial.view(T, 1, H))
-    if x.shared is not None:
-        partial.add_(x.shared)
+    if inputs.shared is not None:
+        partial.add_(inputs.shared)
 
 
-def torch_epilogue(reduced, x: InputSet, out: dict) -> None:
+def torch_epilogue(reduced, inputs: InputSet, out: dict) -> None:
     """residual_out = reduced + residual_in; norm_out = RMSNorm (fp32 statistics, as in vLLM's
     native RMSNorm: normalize in fp32, round, multiply by gamma)."""
     import torch
-    torch.add(reduced, x.residual, out=out["residual_out"])
-    h = out["residual_out"].float()
-    h = h * torch.rsqrt(h.square().mean(-1, keepdim=True) + EPS)
-    torch.mul(h.to(reduced.dtype), x.norm_weight, out=out["norm_out"])
+    torch.add(reduced, inputs.residual, out=out["residual_out"])
+    hidden = out["residual_out"].float()
+    hidden = hidden * torch.rsqrt(hidden.square().mean(-1, keepdim=True) + EPS)
+    torch.mul(hidden.to(reduced.dtype), inputs.norm_weight, out=out["norm_out"])
 
 
 def _alloc_outputs(tokens: int, hidden: int, dtype, quant, n_sets: int, device) -> list:
     import torch
-    outs = []
+    from dispatch.op import fp8_scale_shape, scale_out_bytes
+    per_set = []
     for _ in range(n_sets):
-        o = {"norm_out": torch.empty(tokens, hidden, dtype=dtype, device=device),
-             "residual_out": torch.empty(tokens, hidden, dtype=dtype, device=device)}
+        outs = {"norm_out": torch.empty(tokens, hidden, dtype=dtype, device=device),
+                "residual_out": torch.empty(tokens, hidden, dtype=dtype, device=device)}
         if quant == "nvfp4":
-            o["quant_out"] = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device)
-            o["scale_out"] = torch.empty(scale_out_bytes(tokens, hidden), dtype=torch.uint8, device=device)
+            outs["quant_out"] = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device)
+            outs["scale_out"] = torch.empty(scale_out_bytes(tokens, hidden), dtype=torch.uint8, device=device)
         if quant in FP8_PROFILES:
-            o["quant_out"] = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
+            outs["quant_out"] = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
         if quant == "fp8_group128":
-            o["scale_out"] = torch.empty(tokens, hidden // 128, dtype=torch.float32, device=device)
-        outs.append(o)
-    return outs
+            outs["scale_out"] = torch.empty(fp8_scale_shape(tokens, hidden), dtype=torch.float32, device=device)
+        per_set.append(outs)
+    return per_set
 
 
 def _poison(outputs: list) -> None:
-    """NaN into float outputs (FP8 too), 0xAB into byte outputs: a check then sees what was not written."""
-    import torch
-    for o in outputs:
-        for t in o.values():
-            if t.dtype == torch.float8_e4m3fn:
-                t.view(torch.uint8).fill_(0x7F)
-            else:
-                t.fill_(float("nan") if t.dtype.is_floating_point else 0xAB)
+    """NaN into float outputs, an E4M3 NaN into FP8 ones, 0xAB into byte outputs (the reference's
+    poison): a check then sees what was not written."""
+    from moe_ar_tools import reference as ref
+    for outs in outputs:
+        ref.repoison(outs)
 
 
 # The separate quantization kernel of the auto+quant baseline: what an unfused engine runs after
@@ -811,25 +758,27 @@ class Fp8QuantKernel:
     def __init__(self, device_index: int):
         import cupy
         from cupy.cuda import function
-        from . import registry
-        cc = cupy.cuda.Device(device_index).compute_capability
-        target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
+        from dispatch import registry
+        capability = cupy.cuda.Device(device_index).compute_capability  # "90" for sm_90
+        target = registry.TARGET_FOR_CAPABILITY[(int(capability[:-1]), int(capability[-1]))]
         cubin, _ = registry.compile_cubin(_FP8_QUANT_SOURCE, "bench_fp8_quant", target)
         with cupy.cuda.Device(device_index):
             self.module = function.Module()
             self.module.load(cubin)
-            self.functions = {d: self.module.get_function(f"fp8_quant_{d}") for d in ("bf16", "fp16")}
+            self.functions = {name: self.module.get_function(f"fp8_quant_{name}") for name in ("bf16", "fp16")}
 
-    def __call__(self, x, q, scales, tensor_scale) -> None:
+    def __call__(self, norm_out, quant_out, scales, tensor_scale) -> None:
+        """quant_out = FP8 of norm_out [T, H]; scales: [T, H/128] float32 (group scales, written) or
+        None; tensor_scale: a [1] float32 device tensor (per-tensor scale, read) or None."""
         import ctypes
         import torch
         from cuda.bindings import driver as cu
-        nvec = x.numel() // 8
-        f = self.functions["bf16" if x.dtype == torch.bfloat16 else "fp16"]
-        args = ((x.data_ptr(), q.data_ptr(), scales.data_ptr() if scales is not None else 0,
-                 tensor_scale.data_ptr() if tensor_scale is not None else 0, nvec, x.shape[1]),
+        nvec = norm_out.numel() // 8
+        function = self.functions["bf16" if norm_out.dtype == torch.bfloat16 else "fp16"]
+        args = ((norm_out.data_ptr(), quant_out.data_ptr(), scales.data_ptr() if scales is not None else 0,
+                 tensor_scale.data_ptr() if tensor_scale is not None else 0, nvec, norm_out.shape[1]),
                 (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int))
-        err, = cu.cuLaunchKernel(cu.CUfunction(int(f.ptr)), -(-nvec // 256), 1, 1, 256, 1, 1, 0,
+        err, = cu.cuLaunchKernel(cu.CUfunction(int(function.ptr)), -(-nvec // 256), 1, 1, 256, 1, 1, 0,
                                  cu.CUstream(torch.cuda.current_stream().cuda_stream), args, 0)
         if int(err) != 0:
             raise RuntimeError(f"fp8 quant kernel launch failed: {err}")
@@ -886,9 +835,9 @@ class Bench:
     def all_true(self, flag: bool) -> bool:
         import torch
         import torch.distributed as dist
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.gloo)
-        return bool(t.item())
+        every = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(every, op=dist.ReduceOp.MIN, group=self.gloo)
+        return bool(every.item())
 
     def gather(self, obj) -> list:
         import torch.distributed as dist
@@ -926,10 +875,12 @@ class Bench:
     # -- setup --
     def programs_for(self, profile: str) -> list[str]:
         import dispatch
+        from dispatch.op import profile_for_quant
+        manifest_profile = profile_for_quant(PROFILES[profile])  # the manifest names profiles by quant=
         out = []
         for name in dispatch.programs():
             info = dispatch.program_info(name)
-            if (info["dtype"], info["world_size"], info["profile"]) == (self.cfg.dtype, self.W, profile):
+            if (info["dtype"], info["world_size"], info["profile"]) == (self.cfg.dtype, self.W, manifest_profile):
                 out.append(name)
         return out
 
@@ -977,15 +928,16 @@ class Bench:
         import torch
         import torch.distributed as dist
         import dispatch
+        from dispatch.op import profile_for_quant
         quant = PROFILES[profile]
-        S, H, dev, D = len(sets), shape.hidden, self.device, self.dtype
+        n_sets, H, device, dtype = len(sets), shape.hidden, self.device, self.dtype
         systems = []
         wanted = set(self.cfg.systems)
         where = dict(hidden=H, top_k=shape.top_k, shared=shape.shared, profile=profile, tokens=T)
 
         if profile == "110" and "nccl+torch" in wanted:
-            partial = torch.empty(T, H, dtype=D, device=dev)
-            outs = _alloc_outputs(T, H, D, None, S, dev)
+            partial = torch.empty(T, H, dtype=dtype, device=device)
+            outs = _alloc_outputs(T, H, dtype, None, n_sets, device)
 
             def nccl_step(i, partial=partial, outs=outs):
                 torch_finalize(sets[i], partial)
@@ -997,9 +949,9 @@ class Bench:
             symm = self.symm_for(H)
             if symm is not None:
                 buf = symm.buffer[:T]
-                reduced = torch.empty(T, H, dtype=D, device=dev)
-                outs1 = _alloc_outputs(T, H, D, None, S, dev)
-                outs2 = _alloc_outputs(T, H, D, None, S, dev)
+                reduced = torch.empty(T, H, dtype=dtype, device=device)
+                outs1 = _alloc_outputs(T, H, dtype, None, n_sets, device)
+                outs2 = _alloc_outputs(T, H, dtype, None, n_sets, device)
 
                 def symm1_step(i, outs=outs1):
                     torch_finalize(sets[i], buf)
@@ -1018,27 +970,27 @@ class Bench:
 
         def fused(program, outs, quant=quant):
             def step(i):
-                x, o = sets[i], outs[i]
+                inputs = sets[i]
                 dispatch.moe_finalize_allreduce(
-                    ws, allreduce_in=x.allreduce_in, expanded_idx_to_permuted_idx=x.idx, residual_in=x.residual,
-                    norm_weight=x.norm_weight, expert_scale_factor=x.scale,
-                    routed_scaling_factor=ROUTED_SCALING_FACTOR, shared_expert_output=x.shared, eps=EPS,
+                    ws, allreduce_in=inputs.allreduce_in, expanded_idx_to_permuted_idx=inputs.idx,
+                    residual_in=inputs.residual, norm_weight=inputs.norm_weight, expert_scale_factor=inputs.scale,
+                    routed_scaling_factor=ROUTED_SCALING_FACTOR, shared_expert_output=inputs.shared, eps=EPS,
                     quant=quant, global_scale=gs if quant == "nvfp4" else None,
                     fp8_scale=self.fp8_scale if quant == "fp8_tensor" else None, program=program,
                     launch_with_pdl=self.cfg.pdl,
-                    **{k: v for k, v in o.items() if quant is not None or k not in ("quant_out", "scale_out")})
+                    **{name: t for name, t in outs[i].items()
+                       if quant is not None or name not in ("quant_out", "scale_out")})
             return step
 
         if profile in FP8_PROFILES and "auto+quant" in wanted:
             plain = dispatch.select_program(ws, T, None, shape.shared)
-            outs = _alloc_outputs(T, H, D, quant, S, dev)
+            outs = _alloc_outputs(T, H, dtype, quant, n_sets, device)
             quantize = self.fp8_quant_kernel()
             plain_step = fused(None, outs, quant=None)
 
             def plus_quant_step(i, outs=outs):
                 plain_step(i)
-                o = outs[i]
-                quantize(o["norm_out"], o["quant_out"], o.get("scale_out"),
+                quantize(outs[i]["norm_out"], outs[i]["quant_out"], outs[i].get("scale_out"),
                          self.fp8_scale if quant == "fp8_tensor" else None)
             family = dispatch.program_info(plain)["family"]
             systems.append(System("auto+quant", regime_of_family(family), plus_quant_step, outs, program=plain))
@@ -1046,7 +998,7 @@ class Bench:
         if "auto" in wanted:
             chosen = dispatch.select_program(ws, T, quant, shape.shared)
             family = dispatch.program_info(chosen)["family"]
-            outs = _alloc_outputs(T, H, D, quant, S, dev)
+            outs = _alloc_outputs(T, H, dtype, quant, n_sets, device)
             systems.append(System("auto", regime_of_family(family), fused(None, outs), outs, program=chosen))
 
         forced = [n for n in self.cfg.systems if n not in SYSTEM_CHOICES]
@@ -1054,13 +1006,14 @@ class Bench:
             forced = self.programs_for(profile)
         for name in forced:
             info = dispatch.program_info(name)
-            if (info["dtype"], info["world_size"], info["profile"]) != (self.cfg.dtype, self.W, profile):
+            if (info["dtype"], info["world_size"], info["profile"]) != (self.cfg.dtype, self.W,
+                                                                        profile_for_quant(quant)):
                 continue
             if info["family"] == "oneshot" and T > ws.oneshot_max_tokens:
                 self.skip(f"one-shot above the workspace's oneshot_max_tokens {ws.oneshot_max_tokens}",
                           system=name, **where)
                 continue
-            outs = _alloc_outputs(T, H, D, quant, S, dev)
+            outs = _alloc_outputs(T, H, dtype, quant, n_sets, device)
             systems.append(System(name, regime_of_family(info["family"]), fused(name, outs), outs, program=name))
         return systems
 
@@ -1072,12 +1025,12 @@ class Bench:
             for i in range(max(self.cfg.warmup, n_sets)):
                 system.call(i % n_sets)
             torch.cuda.synchronize(self.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, capture_error_mode="thread_local"):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 for i in range(self.cfg.calls):
                     system.call(i % n_sets)
             torch.cuda.synchronize(self.device)
-            system.graph = g
+            system.graph = graph
             return None
         except Exception as e:  # noqa: BLE001 - recorded and the system skipped at this point
             return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -1085,23 +1038,23 @@ class Bench:
     def check(self, system: System, refs: list, gs_value: Optional[float], quant) -> dict:
         """Compare every input set's outputs with the float64 reference and across ranks."""
         import torch
-        tol = TOLERANCE_U * UNIT_ROUNDOFF[self.cfg.dtype]
+        from moe_ar_tools import reference as ref
+        tol = TOLERANCE_U * ref.UNIT_ROUNDOFF[self.dtype]
         res_err = norm_err = q_err = 0.0
         identical = True
-        for o, (res_ref, norm_ref) in zip(system.outputs, refs):
-            res_err = max(res_err, rel_err(o["residual_out"], res_ref))
-            norm_err = max(norm_err, rel_err(o["norm_out"], norm_ref))
+        for outs, (res_ref, norm_ref) in zip(system.outputs, refs):
+            res_err = max(res_err, rel_err(outs["residual_out"], res_ref))
+            norm_err = max(norm_err, rel_err(outs["norm_out"], norm_ref))
             if quant == "nvfp4":
-                T, H = o["norm_out"].shape
-                deq = nvfp4_dequant(o["quant_out"], o["scale_out"], gs_value, T, H)
-                q_err = max(q_err, rel_err(deq, o["norm_out"].float()))
+                T, H = outs["norm_out"].shape
+                deq = ref.nvfp4_dequant(outs["quant_out"], outs["scale_out"], gs_value, T, H)
+                q_err = max(q_err, rel_err(deq, outs["norm_out"].float()))
             if quant in FP8_PROFILES:
-                q = o["quant_out"].float()
-                deq = q * (o["scale_out"].repeat_interleave(128, dim=1) if quant == "fp8_group128"
-                           else self.fp8_scale_value)
-                q_err = max(q_err, rel_err(deq, o["norm_out"].float()))
-            for t in o.values():  # bit identity across ranks
-                mine = t.reshape(-1).view(torch.uint8)
+                deq = outs["quant_out"].float() * (outs["scale_out"].repeat_interleave(128, dim=1)
+                                                   if quant == "fp8_group128" else self.fp8_scale_value)
+                q_err = max(q_err, rel_err(deq, outs["norm_out"].float()))
+            for tensor in outs.values():  # bit identity across ranks
+                mine = tensor.reshape(-1).view(torch.uint8)
                 identical &= bool((self.all_gather(mine) == mine).all())
         ok_num = all(math.isfinite(v) for v in (res_err, norm_err, q_err))
         reasons = []
@@ -1122,10 +1075,11 @@ class Bench:
     def agree_checks(self, local: dict) -> dict:
         """Merge the ranks' check results: worst errors, all reasons."""
         every = self.gather(local)
-        merged = {"reasons": sorted({f"rank {r}: {why}" for r, c in enumerate(every) for why in c["reasons"]})}
-        for k in ("residual_rel_err", "norm_rel_err", "nvfp4_rel_err", "fp8_rel_err"):
-            vals = [c[k] for c in every if c[k] is not None]
-            merged[k] = max(vals, key=lambda v: (math.isnan(v), v)) if vals else None
+        merged = {"reasons": sorted({f"rank {r}: {why}" for r, checks in enumerate(every)
+                                     for why in checks["reasons"]})}
+        for key in ("residual_rel_err", "norm_rel_err", "nvfp4_rel_err", "fp8_rel_err"):
+            vals = [checks[key] for checks in every if checks[key] is not None]
+            merged[key] = max(vals, key=lambda v: (math.isnan(v), v)) if vals else None
         return merged
 
     def timed_loop(self, systems: list[System]) -> list[list[float]]:
@@ -1135,16 +1089,16 @@ class Bench:
         microseconds per call."""
         import torch
         reps, n = self.cfg.reps, len(systems)
-        ev = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-              for _ in range(n)]
-        for i, order in enumerate(replay_orders(n, reps, self.cfg.seed)):
+        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+                  for _ in range(n)]  # [system][replay] -> (start, end)
+        for replay, order in enumerate(replay_orders(n, reps, self.cfg.seed)):
             for j in order:
-                s = systems[j]
-                ev[j][i][0].record()
-                s.graph.replay()
-                ev[j][i][1].record()
+                start, end = events[j][replay]
+                start.record()
+                systems[j].graph.replay()
+                end.record()
         torch.cuda.synchronize(self.device)
-        ms = torch.tensor([[a.elapsed_time(b) for a, b in row] for row in ev], dtype=torch.float64,
+        ms = torch.tensor([[start.elapsed_time(end) for start, end in row] for row in events], dtype=torch.float64,
                           device=self.device)
         per_call_us = self.all_gather(ms).amax(0) * 1e3 / self.cfg.calls
         return per_call_us.tolist()
@@ -1156,34 +1110,34 @@ class Bench:
         where = dict(hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared, profile=profile, tokens=T)
         systems = self.build_systems(shape, T, profile, sets, gs)
         ready = []
-        for s in systems:
-            err = self.capture(s, len(sets))
+        for system in systems:
+            err = self.capture(system, len(sets))
             if self.all_true(err is None):
-                ready.append(s)
+                ready.append(system)
             else:
                 errs = [e for e in self.gather(err) if e]
-                self.skip("could not run or capture: " + "; ".join(errs[:2]), system=s.label, **where)
-                s.graph = None
-                if s.program is not None:  # a fused program failed: bring its workspace back to a clean state
+                self.skip("could not run or capture: " + "; ".join(errs[:2]), system=system.label, **where)
+                system.graph = None
+                if system.program is not None:  # a fused program failed: bring its workspace back to a clean state
                     self.workspace(shape.hidden).reset()
         if not ready:
             return
-        for s in ready:  # before: outputs poisoned, then written by graph replays
-            _poison(s.outputs)
+        for system in ready:  # before: outputs poisoned, then written by graph replays
+            _poison(system.outputs)
         for _ in range(2):
-            for s in ready:
-                s.graph.replay()
+            for system in ready:
+                system.graph.replay()
         torch.cuda.synchronize(self.device)
-        for s in ready:
-            s.checks["before"] = self.agree_checks(self.check(s, refs, gs_value, quant))
-            _poison(s.outputs)
+        for system in ready:
+            system.checks["before"] = self.agree_checks(self.check(system, refs, gs_value, quant))
+            _poison(system.outputs)
         times = self.timed_loop(ready)
-        for s in ready:  # after: what the timed replays wrote
-            s.checks["after"] = self.agree_checks(self.check(s, refs, gs_value, quant))
+        for system in ready:  # after: what the timed replays wrote
+            system.checks["after"] = self.agree_checks(self.check(system, refs, gs_value, quant))
         self.records_for(shape, T, profile, ready, times, len(sets))
-        for s in ready:
-            s.graph = None
-        if any(s.program for s in ready):
+        for system in ready:
+            system.graph = None
+        if any(system.program for system in ready):
             self.check_workspace(shape.hidden, where)
 
     def check_workspace(self, hidden: int, where: dict) -> None:
@@ -1206,8 +1160,8 @@ class Bench:
         elem = DTYPE_BYTES[self.cfg.dtype]
         hbm = hbm_bytes(T, shape.hidden, shape.top_k, shape.shared, profile, elem)
         valid = {id(s): not (s.checks["before"]["reasons"] or s.checks["after"]["reasons"]) for s in systems}
-        med = {id(s): median(t) for s, t in zip(systems, times)}
-        series = {id(s): t for s, t in zip(systems, times)}
+        med = {id(s): median(replay_us) for s, replay_us in zip(systems, times)}
+        series = {id(s): replay_us for s, replay_us in zip(systems, times)}
 
         def best(pred):
             cands = [s for s in systems if pred(s) and valid[id(s)]]
@@ -1225,42 +1179,44 @@ class Bench:
         plain_nccl = next((r["median_us"] for r in self.records if r["system"] == "nccl+torch" and r["valid"]
                            and r["profile"] == "110" and (r["hidden"], r["top_k"], r["shared"], r["tokens"])
                            == (shape.hidden, shape.top_k, shape.shared, T)), None)
-        bw = self.bandwidth
-        for s, t in zip(systems, times):
-            nvl = nvlink_bytes(T, shape.hidden, self.W, s.regime, elem)
-            roof = roofline(hbm["total"], nvl, bw["hbm_GBps"], bw["nvlink_GBps"] or float("inf"))
+        bandwidth = self.bandwidth
+        for system, replay_us in zip(systems, times):
+            nvlink = nvlink_bytes(T, shape.hidden, self.W, system.regime, elem)
+            roof = roofline(hbm["total"], nvlink, bandwidth["hbm_GBps"], bandwidth["nvlink_GBps"] or float("inf"))
             extra = {}
             for key, base in (("ratio_vs_nccl_torch", nccl), ("ratio_vs_symm_torch", symm),
                               ("ratio_vs_best_program", prog), ("ratio_vs_auto_plus_quant", plus_quant)):
-                if base is not None and base is not s:
-                    extra[key] = pair_ratio(t, series[id(base)])
-                elif base is s:
+                if base is not None and base is not system:
+                    extra[key] = pair_ratio(replay_us, series[id(base)])
+                elif base is system:
                     extra[key] = 1.0
             if profile != "110" and plain_nccl is not None:
-                extra["ratio_of_medians_vs_nccl_torch_110"] = med[id(s)] / plain_nccl
+                extra["ratio_of_medians_vs_nccl_torch_110"] = med[id(system)] / plain_nccl
             if profile != "110" and plain_auto is not None:
-                extra["ratio_of_medians_vs_auto_110"] = med[id(s)] / plain_auto
+                extra["ratio_of_medians_vs_auto_110"] = med[id(system)] / plain_auto
             if prog is not None:
                 extra["best_program"] = prog.name
             if symm is not None:
                 extra["symm_variant"] = symm.variant
-            extra.update(s.detail)
-            if s.variant:
-                extra["variant"] = s.variant
-            if s.program:
-                extra["program"] = s.program
-                extra["family"] = dispatch.program_info(s.program)["family"]
-            reasons = s.checks["before"]["reasons"] + [f"after: {r}" for r in s.checks["after"]["reasons"]]
+            extra.update(system.detail)
+            if system.variant:
+                extra["variant"] = system.variant
+            if system.program:
+                extra["program"] = system.program
+                extra["family"] = dispatch.program_info(system.program)["family"]
+            reasons = system.checks["before"]["reasons"] + \
+                [f"after: {why}" for why in system.checks["after"]["reasons"]]
             self.records.append(make_record(
-                system=s.name, world_size=self.W, dtype=self.cfg.dtype, hidden=shape.hidden, top_k=shape.top_k,
-                shared=shape.shared, profile=profile, tokens=T, median_us=med[id(s)],
-                roofline_us=roof["roofline_us"], valid=valid[id(s)],
-                regime=s.regime, p10_us=percentile(t, 10), p90_us=percentile(t, 90), min_us=min(t),
-                roofline_fraction=roof["roofline_us"] / med[id(s)], bound=roof["bound"],
-                hbm_bytes=hbm["total"], nvlink_bytes=nvl, hbm_us=roof["hbm_us"], nvlink_us=roof["nvlink_us"],
+                system=system.name, world_size=self.W, dtype=self.cfg.dtype, hidden=shape.hidden, top_k=shape.top_k,
+                shared=shape.shared, profile=profile, tokens=T, median_us=med[id(system)],
+                roofline_us=roof["roofline_us"], valid=valid[id(system)],
+                regime=system.regime, p10_us=percentile(replay_us, 10), p90_us=percentile(replay_us, 90),
+                min_us=min(replay_us),
+                roofline_fraction=roof["roofline_us"] / med[id(system)], bound=roof["bound"],
+                hbm_bytes=hbm["total"], nvlink_bytes=nvlink, hbm_us=roof["hbm_us"], nvlink_us=roof["nvlink_us"],
                 reps=self.cfg.reps, calls_per_graph=self.cfg.calls, input_sets=n_sets,
-                errors={"before": {k: v for k, v in s.checks["before"].items() if k != "reasons"},
-                        "after": {k: v for k, v in s.checks["after"].items() if k != "reasons"}},
+                errors={"before": {k: v for k, v in system.checks["before"].items() if k != "reasons"},
+                        "after": {k: v for k, v in system.checks["after"].items() if k != "reasons"}},
                 **({"invalid_reason": "; ".join(reasons)} if reasons else {}), **extra))
 
     # -- the sweep --
@@ -1275,7 +1231,7 @@ class Bench:
             now = datetime.datetime.now()
             out = pathlib.Path(cfg.out) if cfg.out else default_out_path(machine, now)
             result = {"machine": machine, "gpu": gpu, "driver": _driver_version(), "versions": _versions(),
-                      "commit": _git_commit(), "date": now.isoformat(timespec="seconds"),
+                      "commit": git_commit(), "date": now.isoformat(timespec="seconds"),
                       "world_size": self.W, "emulated": False, "dtype": cfg.dtype,
                       "env": {k: os.environ.get(k) for k in REQUIRED_ENV},
                       "config": {"shapes": [s.label for s in cfg.shapes], "tokens": cfg.tokens,
@@ -1303,7 +1259,7 @@ class Bench:
             result.update(bandwidth=self.bandwidth, compile=compiled)
         self.result, self.out = result, out
 
-        bar = _progress(len(cfg.shapes) * len(cfg.tokens) * len(cfg.profiles), self.rank == 0)
+        bar = _SweepProgress(len(cfg.shapes) * len(cfg.tokens) * len(cfg.profiles), self.rank == 0)
         try:
             self.sweep(bar)
         except Exception:
@@ -1333,6 +1289,7 @@ class Bench:
         """Every shape, token count and profile; inputs and the reference are built once per
         shape and token count. Rank 0 rewrites the JSON after each shape."""
         import torch
+        from moe_ar_tools import reference as ref
         cfg = self.cfg
         for shape in cfg.shapes:
             for T in cfg.tokens:
@@ -1344,12 +1301,12 @@ class Bench:
                     DTYPE_BYTES[cfg.dtype]
                 n_sets = input_sets_for(bytes_per_set, self.l2_bytes, cfg.calls)
                 sets = make_input_sets(shape, T, n_sets, self.dtype, self.rank, cfg.seed, self.device)
-                refs = [reference(x, self.dtype, self.group) for x in sets]
+                refs = [contract_outputs(x, self.dtype, self.group) for x in sets]
                 amax = max(float(n.abs().max()) for _, n in refs)
-                gs_value = float(torch.tensor(448.0 * 6.0 / amax, dtype=torch.float32))
+                gs_value = ref.f32(ref.E4M3_MAX * 6.0 / amax)  # the usual NVFP4 global scale
                 gs = torch.tensor([gs_value], dtype=torch.float32, device=self.device)
                 # fp8_tensor: the usual static scale, amax / 448, kept on the device
-                self.fp8_scale_value = float(torch.tensor(amax / 448.0, dtype=torch.float32))
+                self.fp8_scale_value = ref.f32(amax / ref.E4M3_MAX)
                 self.fp8_scale = torch.tensor([self.fp8_scale_value], dtype=torch.float32, device=self.device)
                 for profile in cfg.profiles:
                     bar.update(f"{shape.label} T={T} p{profile}")
@@ -1376,7 +1333,7 @@ class Bench:
                 print(f"plot failed: {type(e).__name__}: {e}", flush=True)
 
 
-class _progress:
+class _SweepProgress:
     """tqdm on rank 0 when importable, else one printed line per point."""
 
     def __init__(self, total: int, enabled: bool):
@@ -1441,13 +1398,13 @@ def measure_cold_start(program: str) -> dict:
     out = {"program": program}
     with tempfile.TemporaryDirectory(prefix="moe_ar_cold_") as cache:
         env = dict(os.environ, MOE_AR_CACHE_DIR=cache,
-                   PYTHONPATH=os.pathsep.join(filter(None, [str(_repo_root()), os.environ.get("PYTHONPATH")])))
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])))
         for phase in ("cold", "warm"):
             t0 = time.perf_counter()
             proc = subprocess.run([sys.executable, "-c", _COLD_START_SNIPPET, program], env=env,
-                                  cwd=_repo_root(), capture_output=True, text=True, timeout=300)
+                                  cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
             wall = time.perf_counter() - t0
-            line = next((l for l in proc.stdout.splitlines() if l.startswith("RESULT ")), None)
+            line = next((text for text in proc.stdout.splitlines() if text.startswith("RESULT ")), None)
             if proc.returncode != 0 or line is None:
                 out[phase] = {"error": (proc.stderr or proc.stdout)[-2000:], "process_s": wall}
                 continue
@@ -1510,9 +1467,9 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
         if s not in SYSTEM_CHOICES and s not in dispatch.programs():
             raise click.BadParameter(f"system {s!r}: not one of {', '.join(SYSTEM_CHOICES)} nor a program name")
     if cold_start:
-        from . import registry
+        from dispatch import registry
         name = cold_start_program or registry.program_for(
-            registry.select_family(dtype, world, "110", 1, False, 1024), dtype, world, "110")
+            registry.select_family(dtype, world, "plain", 1, False, 1024), dtype, world, "plain")
         click.echo(f"cold start: {name} ...")
         cfg.cold_start = measure_cold_start(name)
         click.echo(json.dumps(cfg.cold_start, indent=1))
@@ -1524,7 +1481,7 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
                                         datetime.datetime.now())
                 path = path.with_name(path.stem + "-cold-start.json")
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"commit": _git_commit(), "versions": _versions(),
+            path.write_text(json.dumps({"commit": git_commit(), "versions": _versions(),
                                         "date": datetime.datetime.now().isoformat(timespec="seconds"),
                                         "cold_start": cfg.cold_start}, indent=1))
             click.echo(f"wrote {path}")
@@ -1543,6 +1500,6 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
 
 if __name__ == "__main__":
     # Run the imported module's main, so that the objects handed to the spawned workers are
-    # dispatch.bench.* (picklable by name), not __main__.*.
-    from dispatch.bench import main as _main
+    # moe_ar_tools.bench.* (picklable by name), not __main__.*.
+    from moe_ar_tools.bench import main as _main
     _main()

@@ -1,0 +1,245 @@
+"""The per-signature call plan (dispatch/op.py) on the CPU: a call whose signature was checked
+before takes the short path, and the short path accepts exactly what the full checks accept.
+
+Every bad call made AFTER a good call of the same signature (so that a plan exists) must raise the
+same ValueError the full checks raise on a fresh workspace; a good call must reuse the plan.
+"""
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dispatch import op
+
+H, T, K, MAX_T = 128, 5, 3, 16
+D = torch.bfloat16
+
+
+class _FakeLauncher:
+    """What a plan reads from a launcher, without a GPU."""
+    profile, regime = "nvfp4", "twoshot"
+
+    def __init__(self, ws, name):
+        self.name = name
+
+    def kernel_call(self, ws, T, a):
+        return None  # nothing to launch: the plan only checks
+
+
+def _workspace():
+    ws = types.SimpleNamespace(dtype=D, dtype_name="bf16", hidden=H, device=torch.device("cpu"), device_index=-1,
+                               max_tokens=MAX_T, world_size=2, oneshot_max_tokens=MAX_T, _plans={},
+                               _fault_stop_after_units=0, _launchers={})
+    ws._ensure_open = lambda: None
+    ws._check_error_words = lambda: None
+    return ws
+
+
+@pytest.fixture(autouse=True)
+def fake_launcher(monkeypatch):
+    monkeypatch.setattr(op, "_launcher", lambda ws, name: _FakeLauncher(ws, name))
+    monkeypatch.setattr(op, "select_program", lambda ws, T, quant, shared: "moe_ar_ts_bf16_ws2_o111")
+
+
+@pytest.fixture
+def full_checks(monkeypatch):
+    """Counts the calls that took the full checks."""
+    count = [0]
+    real = op._full_checks
+
+    def counting(ws, kwargs):
+        count[0] += 1
+        return real(ws, kwargs)
+
+    monkeypatch.setattr(op, "_full_checks", counting)
+    return count
+
+
+def _valid():
+    R = T * K + 2
+    arena = torch.empty(1 << 16, dtype=torch.uint8)  # every tensor its own 256-aligned slice of one buffer
+
+    def take(n_bytes, dtype, shape, offset=[0]):
+        start = offset[0]
+        offset[0] = -(-(start + n_bytes) // 256) * 256
+        return arena[start:start + n_bytes].view(dtype).view(shape)
+
+    a = dict(allreduce_in=take(R * H * 2, D, (R, H)), expanded_idx_to_permuted_idx=take(T * K * 4, torch.int32, (T, K)),
+             expert_scale_factor=take(T * K * 4, torch.float32, (T, K)),
+             shared_expert_output=take(T * H * 2, D, (T, H)), residual_in=take(T * H * 2, D, (T, H)),
+             norm_weight=take(H * 2, D, (H,)), eps=1e-6, quant="nvfp4", global_scale=take(4, torch.float32, (1,)),
+             norm_out=take(T * H * 2, D, (T, H)), residual_out=take(T * H * 2, D, (T, H)),
+             quant_out=take(T * H // 2, torch.uint8, (T, H // 2)),
+             scale_out=take(op.scale_out_bytes(T, H), torch.uint8, (op.scale_out_bytes(T, H),)))
+    a["expanded_idx_to_permuted_idx"].copy_(torch.randperm(R)[:T * K].view(T, K))
+    return a
+
+
+def test_a_repeated_signature_takes_the_short_path(full_checks):
+    ws = _workspace()
+    op.prepare_call(ws, _valid())
+    assert full_checks[0] == 1 and len(ws._plans) == 1
+    for _ in range(3):
+        op.prepare_call(ws, _valid())  # new tensors, same dtypes and shapes
+    assert full_checks[0] == 1
+    a = _valid()
+    a["eps"] = 1e-5  # another value: another signature
+    op.prepare_call(ws, a)
+    assert full_checks[0] == 2 and len(ws._plans) == 2
+
+
+def _outcome(ws, a):
+    try:
+        op.prepare_call(ws, dict(a))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _expect_same_error(mutate, must_raise=True):
+    """The mutated call has the same outcome (the same ValueError, or none) on a fresh workspace and
+    after a good call of the same signature."""
+    a = _valid()
+    mutate(a)
+    fresh = _outcome(_workspace(), a)
+    if must_raise:
+        assert fresh is not None, "the mutation should make a bad call"
+    ws = _workspace()
+    op.prepare_call(ws, _valid())
+    assert _outcome(ws, a) == fresh
+
+
+def _shift(name):
+    """The same dtype and shape, 2 bytes further: misaligned for every tensor argument."""
+    def mutate(a):
+        x = a[name]
+        raw = torch.empty(x.numel() * x.element_size() + 16, dtype=torch.uint8)
+        a[name] = raw[2:2 + x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+    return mutate
+
+
+def _strided(name):
+    def mutate(a):
+        x = a[name]
+        if x.dim() == 2 and x.shape[1] > 1:
+            a[name] = torch.empty(x.shape[0], 2 * x.shape[1], dtype=x.dtype)[:, ::2]
+        else:
+            a[name] = torch.empty(*x.shape, 2, dtype=x.dtype)[..., 0]
+    return mutate
+
+
+def _over(output, other, offset_elems=0):
+    def mutate(a):
+        src = a[other]
+        x = a[output]
+        n = x.numel() * x.element_size()
+        flat = src.view(torch.uint8).reshape(-1) if src.element_size() > 1 or src.dim() != 1 else src
+        if flat.numel() < n + offset_elems:
+            big = torch.empty(n + offset_elems + 256, dtype=torch.uint8)
+            a[other] = big[:src.numel() * src.element_size()].view(src.dtype).view(src.shape)
+            flat = big
+        a[output] = flat[offset_elems:offset_elems + n].view(x.dtype).view(x.shape)
+    return mutate
+
+
+TENSORS = ("allreduce_in", "expanded_idx_to_permuted_idx", "expert_scale_factor", "shared_expert_output",
+           "residual_in", "norm_weight", "global_scale", "norm_out", "residual_out", "quant_out", "scale_out")
+
+
+@pytest.mark.parametrize("name", TENSORS)
+def test_misaligned_tensor_after_a_plan(name):
+    if name in ("expanded_idx_to_permuted_idx", "expert_scale_factor", "global_scale", "scale_out", "quant_out"):
+        pytest.skip("needs only 4-byte alignment; a 2-byte shift of a 4-byte type is the dtype's own view")
+    _expect_same_error(_shift(name))
+
+
+@pytest.mark.parametrize("name", [n for n in TENSORS if n not in ("norm_weight", "global_scale", "scale_out")])
+def test_strided_tensor_after_a_plan(name):
+    _expect_same_error(_strided(name))
+
+
+@pytest.mark.parametrize("output", ("norm_out", "residual_out", "quant_out", "scale_out"))
+@pytest.mark.parametrize("other", ("allreduce_in", "shared_expert_output", "residual_in", "norm_out", "residual_out"))
+def test_overlap_after_a_plan(output, other):
+    if output == other:
+        return
+    # residual_out exactly over residual_in is the allowed in-place call: shift it to a partial overlap
+    shift = 256 if (output, other) == ("residual_out", "residual_in") else 0
+    _expect_same_error(_over(output, other, shift))
+
+
+def test_in_place_residual_takes_the_short_path(full_checks):
+    ws = _workspace()
+    a = _valid()
+    a["residual_out"] = a["residual_in"]
+    op.prepare_call(ws, a)
+    b = _valid()
+    b["residual_out"] = b["residual_in"]
+    op.prepare_call(ws, b)
+    assert full_checks[0] == 1
+
+
+@pytest.mark.parametrize("name, good, bad", [
+    ("weight_bias", 1, True), ("weight_bias", 0, False), ("eps", 1e-6, float("nan")),
+    ("routed_scaling_factor", 1.0, float("inf")), ("launch_with_pdl", False, 0), ("fp8_pow2_scales", False, 0),
+])
+def test_a_scalar_of_another_type_or_nan_is_not_taken_for_a_checked_one(name, good, bad):
+    ws = _workspace()
+    a = _valid()
+    a[name] = good
+    op.prepare_call(ws, a)
+    b = _valid()
+    b[name] = bad
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        op.prepare_call(ws, b)
+
+
+def test_an_unhashable_argument_is_named():
+    ws = _workspace()
+    op.prepare_call(ws, _valid())
+    a = _valid()
+    a["eps"] = [1e-6]
+    with pytest.raises(ValueError, match="^eps:"):
+        op.prepare_call(ws, a)
+
+
+def test_outputs_not_given_are_allocated_on_the_short_path(full_checks):
+    ws = _workspace()
+    for _ in range(2):
+        a = _valid()
+        for name in ("norm_out", "residual_out", "quant_out", "scale_out"):
+            del a[name]
+        call = op.prepare_call(ws, a)
+        assert call.outputs.norm_out.shape == (T, H) and call.outputs.scale_out.numel() == op.scale_out_bytes(T, H)
+        assert set(call.pointers) >= {"norm_out", "residual_out", "quant_out", "scale_out"}
+    assert full_checks[0] == 1
+
+
+def test_plans_are_bounded(monkeypatch):
+    monkeypatch.setattr(op, "_PLANS_PER_WORKSPACE", 4)
+    ws = _workspace()
+    for i in range(10):
+        a = _valid()
+        a["eps"] = 1e-6 * (i + 1)
+        op.prepare_call(ws, a)
+        assert len(ws._plans) <= 4
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(TENSORS), how=st.sampled_from(("dtype", "shape", "not a tensor", "device-less")))
+def test_any_bad_tensor_after_a_plan_is_named_as_without(name, how):
+    def mutate(a):
+        x = a[name]
+        if how == "dtype":
+            a[name] = x.to(torch.float64)
+        elif how == "shape":
+            a[name] = torch.cat([x, x[..., :1]], dim=-1) if x.dim() else x
+        elif how == "not a tensor":
+            a[name] = x.tolist()
+        else:
+            a[name] = torch.empty(x.shape, dtype=x.dtype, device="meta")
+    _expect_same_error(mutate, must_raise=False)  # a longer scale_out is a good call

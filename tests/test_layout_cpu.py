@@ -1,0 +1,87 @@
+"""The repository's layout (CPU): dispatch/ is the runtime only and imports none of the tools; the
+tools (benchmark, soak, reference, summary, probes) live in moe_ar_tools/, the example in examples/,
+and tests/ holds tests and their helpers only."""
+from __future__ import annotations
+
+import ast
+import pathlib
+import subprocess
+import re
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+TOOLS = "moe_ar_tools"
+
+
+def _imported_modules(path: pathlib.Path) -> set:
+    """Every module an import statement in `path` names (relative imports resolved to their package)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_importing_dispatch_imports_no_tool():
+    code = ("import sys, dispatch, dispatch.op, dispatch.torch_op, dispatch.flashinfer_compat\n"
+            f"loaded = sorted(m for m in sys.modules if m == {TOOLS!r} or m.startswith({TOOLS!r} + '.'))\n"
+            "assert not loaded, loaded\n"
+            "assert 'matplotlib' not in sys.modules and 'click' not in sys.modules\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_no_dispatch_source_names_a_tool():
+    for path in sorted((ROOT / "dispatch").glob("*.py")):
+        tools = sorted(m for m in _imported_modules(path) if m.split(".")[0] in (TOOLS, "tests", "examples"))
+        assert not tools, f"{path.relative_to(ROOT)} imports {tools}"
+        assert TOOLS not in path.read_text(), f"{path.relative_to(ROOT)} names {TOOLS}"
+
+
+def test_dispatch_is_the_runtime_only():
+    modules = {p.stem for p in (ROOT / "dispatch").glob("*.py")}
+    assert not {m for m in modules if any(word in m for word in ("bench", "soak", "example", "probe"))}, modules
+    assert not [p for p in (ROOT / "dispatch").iterdir() if p.is_dir() and p.name != "__pycache__"]
+
+
+def test_tools_and_example_are_where_the_commands_say():
+    for module in ("bench", "soak", "reference", "reliability_summary", "provenance"):
+        assert (ROOT / TOOLS / f"{module}.py").is_file(), module
+    for probe in ("gpu_burst_probe", "row_ring_probe", "ncu_one_rank", "pipelined_solo_rank"):
+        path = ROOT / TOOLS / "probes" / f"{probe}.py"
+        text = path.read_text()
+        assert f"python3 -m {TOOLS}.probes.{probe}" in ast.get_docstring(ast.parse(text)), probe
+        assert 'if __name__ == "__main__":' in text, f"{probe} runs its code on import"
+    assert (ROOT / "examples" / "moe_tail.py").is_file()
+    assert "torchrun --nproc-per-node 2 examples/moe_tail.py" in (ROOT / "examples" / "moe_tail.py").read_text()
+
+
+def test_the_example_does_not_import_the_benchmark():
+    imported = _imported_modules(ROOT / "examples" / "moe_tail.py")
+    assert not [m for m in imported if m.startswith(f"{TOOLS}.bench") or m.endswith(".bench")], imported
+
+
+def test_tests_hold_no_tools():
+    """Every Python file in tests/ is a test module, the pytest setup, or a helper the tests import."""
+    helpers = {"conftest.py", "multiproc.py"}
+    strays = [p.name for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_") and p.name not in helpers]
+    assert not strays, strays
+
+
+def test_console_scripts_and_packages():
+    text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the project supports 3.10)
+    assert re.search(rf'^moe-ar-bench = "{TOOLS}\.bench:main"$', text, re.M)
+    assert re.search(rf'^moe-ar-soak = "{TOOLS}\.soak:main"$', text, re.M)
+    # The packages are listed one by one (pyproject.toml maps the data folders too): every package
+    # of the tools must be there.
+    listed = re.search(r"^\[tool\.setuptools\]\npackages = \[(.*?)\]$", text, re.M | re.S).group(1)
+    tools = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / TOOLS).rglob("__init__.py")}
+    assert {"dispatch", "generator", TOOLS, *tools} <= set(re.findall(r'"([^"]+)"', listed))
