@@ -11,7 +11,7 @@
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
 #   soak      long randomized runs (moe_ar_tools/soak.py): world size 2 on two GPUs, 4 and 8 emulated
 #             on one GPU each; moe_ar_tools/reliability_summary.py turns the results into the summary
-#   example   the two-process example, plain and NVFP4
+#   example   the two-process examples: moe_tail.py plain and NVFP4, minimal.py
 # Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,5 +100,7 @@ if step example && [ "$GPUS" -ge 2 ]; then
         timeout 180 torchrun --nproc-per-node 2 examples/moe_tail.py --quant "$q" 2>&1 \
             | tail -8 | tee -a "$OUT/example.log" || status=1
     done
+    timeout 180 torchrun --standalone --nproc-per-node 2 examples/minimal.py 2>&1 \
+        | tail -4 | tee -a "$OUT/example.log" || status=1
 fi
 exit $status
