@@ -329,6 +329,7 @@ class LoadedProgram:
     """A program's kernel loaded on one device."""
 
     def __init__(self, name: str, device_index: int):
+        cuda_env.load_nvrtc()  # without the cu12 / cu13 extra: an error naming it, not a bare ImportError
         import cupy
         from cupy.cuda import function
         self.name = name

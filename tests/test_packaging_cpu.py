@@ -130,6 +130,10 @@ def test_a_checkout_reads_its_own_tree():
     assert registry._generated_dir() == ROOT / "generated"
 
 
+def test_the_layout_marker_is_the_body_template():
+    assert locations._MARKER == ("templates", render.BODY_TEMPLATE)
+
+
 def test_the_generator_hashes_its_own_code():
     # Installed, the code is not under the data root: the inputs hash must find it all the same.
     files = render.input_files(ROOT)
@@ -353,3 +357,14 @@ def test_no_sources_at_all(monkeypatch):
     for args in ((), ("list",)):
         r = invoke(*args)
         assert r.exit_code == 1 and "found neither a source checkout" in r.output, r.output
+
+
+def test_runtime_compile_without_a_cuda_extra_names_it(monkeypatch):
+    for name in ("cupy", "cupy.cuda", "cupy.cuda.nvrtc"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setattr(cuda_env, "suggested_extra", lambda: "cu12")
+    monkeypatch.setattr(registry.cuda_env, "suggested_extra", lambda: "cu12")
+    with pytest.raises(registry.cuda_env.MissingToolchain, match=r"pip install '\.\[cu12\]'"):
+        registry.LoadedProgram("moe_ar_os_bf16_ws2_o110", 0)
+    with pytest.raises(registry.cuda_env.MissingToolchain, match=r"pip install '\.\[cu12\]'"):
+        registry.compile_cubin("", "moe_ar_os_bf16_ws2_o110", "sm_90a")
