@@ -103,13 +103,19 @@ def program_info(name: str) -> dict:
 # ---- the kernel argument --------------------------------------------------------------
 
 _CTYPES = {"c_void_p": ctypes.c_void_p, "c_int64": ctypes.c_int64, "c_uint64": ctypes.c_uint64,
-           "c_int32": ctypes.c_int32, "c_float": ctypes.c_float, "c_void_p*8": ctypes.c_void_p * 8}
+           "c_int32": ctypes.c_int32, "c_float": ctypes.c_float}
+
+
+def _ctype(name: str):
+    """A ctypes type from the manifest's plan: a scalar name, or "name*N" for an array of N."""
+    scalar, _, count = name.partition("*")
+    return _CTYPES[scalar] * int(count) if count else _CTYPES[scalar]
 
 
 @functools.lru_cache(maxsize=None)
 def params_struct() -> type:
     """A ctypes Structure laid out like the C++ `moe_ar::Params` (from the manifest's plan)."""
-    fields = [(name, _CTYPES[ct]) for name, _cpp, ct in program_set().params]
+    fields = [(name, _ctype(ct)) for name, _cpp, ct in program_set().params]
     return type("Params", (ctypes.Structure,), {"_fields_": fields})
 
 

@@ -781,7 +781,7 @@ class Workspace(_WorkspaceBase):
         self.group = group
         self._memory = None
         self._opened = []
-        self._peer_buffers = [0] * 8
+        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.backend = self.backend_reason = None
         # 1. Local checks (no allocation), then the descriptors: a bad argument or a disagreement on
         #    any rank is the same error on every rank, before anything is allocated.
@@ -862,7 +862,7 @@ class Workspace(_WorkspaceBase):
                 error = e
             offsets = exchange_status(group, "mapping the peers' buffers (torch symmetric memory rendezvous)",
                                       error, offset)
-            self._peer_buffers = self._memory.block.peer_pointers(offsets) + [0] * (8 - self.world_size)
+            self._peer_buffers = self._memory.block.peer_pointers(offsets) + [0] * (registry.program_set().limits["max_world_size"] - self.world_size)
         except BaseException:
             self._release(quiet=True)
             raise
@@ -900,7 +900,7 @@ class Workspace(_WorkspaceBase):
         import cupy
         from cupy.cuda import runtime
         errors = []
-        self._peer_buffers = [0] * 8
+        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         with cupy.cuda.Device(self.device_index):
             while self._opened:
                 try:
@@ -967,7 +967,7 @@ class _EmulatedRank(_WorkspaceBase):
         self._init_common(world.world_size, rank, world.max_tokens, world.hidden, world.dtype, device_index,
                           world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread)
         self._memory = _RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
-        self._peer_buffers = [0] * 8
+        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.world = world
 
     def check(self) -> None:
@@ -1034,7 +1034,7 @@ class EmulatedWorld:
             what = "the per-rank streams"
             ptrs = [w._memory.buffers for w in self.workspaces]
             for w in self.workspaces:
-                w._peer_buffers = ptrs + [0] * (8 - world_size)
+                w._peer_buffers = ptrs + [0] * (registry.program_set().limits["max_world_size"] - world_size)
             self.streams = [torch.cuda.Stream(device=d) for d in devices]
         except Exception as e:
             for w in self.workspaces:  # every rank built so far

@@ -6,7 +6,7 @@ manifest alone. Fields are ordered by size so C and ctypes agree on padding.
 """
 from __future__ import annotations
 
-MAX_WORLD_SIZE = 8
+MAX_WORLD_SIZE = 16
 
 # (field, C type, ctypes type name, meaning)
 PARAMS = (
@@ -21,7 +21,8 @@ PARAMS = (
     ("residual_out", "void*", "c_void_p", "[T, H] dtype"),
     ("quant_out", "void*", "c_void_p", "[T, H/2] uint8 packed E2M1 (nvfp4); [T, H] FP8 E4M3 (fp8_*); else null"),
     ("scale_out", "void*", "c_void_p", "swizzled 128x4 E4M3 scales (nvfp4); fp32 group scales (fp8_group128); else null"),
-    ("peer_buffers", "void*[8]", "c_void_p*8", "Lamport buffer base of every rank (3 rotating buffers each), by rank"),
+    ("peer_buffers", f"void*[{MAX_WORLD_SIZE}]", f"c_void_p*{MAX_WORLD_SIZE}",
+     "Lamport buffer base of every rank (3 rotating buffers each), by rank"),
     ("state", "unsigned*", "c_void_p", "this rank's device state words (call counter, extents, done counter)"),
     ("error", "unsigned*", "c_void_p", "host-mapped error words: code, phase, rank, bad-index count"),
     ("buffer_elems", "long long", "c_int64", "elements of dtype in one rotating buffer"),

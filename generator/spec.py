@@ -26,7 +26,7 @@ def _by_name(*records) -> dict:
 # Input dtype -> its C++ type in the kernel body.
 DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 DTYPES = tuple(DTYPE_CPP)
-WORLD_SIZES = (2, 4, 8)
+WORLD_SIZES = (2, 4, 8, 16)
 
 
 # ---- output profiles ----------------------------------------------------------------

@@ -36,14 +36,14 @@ BENCH_FILE = "bench_results/h200x2-2026-11-30-529cb84-bf16.json"
 # One-shot moves (W-1)*T*H*2 bytes per rank over NVLink, two-shot 2*(W-1)/W*T*H*2, but two-shot
 # pays one more round trip (~4.5 us more at T = 1, measured at world size 2). One-shot wins while
 #   T * H * 2 * (W-1) * (1 - 2/W) / B_nvlink < 4.5 us,
-# with B_nvlink = 390 GB/s (measured) and H = 7168: T < 82 at W = 4, T < 23 at W = 8 (rounded
-# down to a power of two). At W = 2 the bytes are equal and only measurement can decide.
+# with B_nvlink = 390 GB/s (measured) and H = 7168: T < 82 at W = 4, T < 23 at W = 8, T < 9 at
+# W = 16 (rounded down to a power of two; docs/nvlink-domains.md models it in more detail). At W = 2 the bytes are equal and only measurement can decide.
 # Two-shot early splits each owned row into slices; it pays while the T / W owned rows alone
 # do not fill the GPU (about 2 blocks on each of 132 multiprocessors): T <= 256 * W.
 # The pipelined two-shot is generated for world size 2 only (generator/policy.py); where it is not,
 # the two-shot serves every T above early_max_tokens.
-MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64, 8: 16}
-MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048}
+MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64, 8: 16, 16: 8}
+MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048, 16: 4096}
 ALL_TOKENS = 2**31 - 1  # "no upper bound": the last regime a cell runs takes every larger T
 MODEL_SOURCE = "written model"
 

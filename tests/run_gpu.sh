@@ -11,6 +11,8 @@
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
 #   soak      long randomized runs (moe_ar_tools/soak.py): world size 2 on two GPUs, 4 and 8 emulated
 #             on one GPU each; moe_ar_tools/reliability_summary.py turns the results into the summary
+#   hosttime  host time of one rank's eager call (checks, launch) beside torch.add (moe_ar_tools.host_time)
+#   backend   the CUDA IPC and symmetric-memory workspaces side by side (moe_ar_tools.backend_cost)
 #   example   the two-process examples: moe_tail.py plain and NVFP4, minimal.py
 # Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
 set -uo pipefail
@@ -27,7 +29,7 @@ OUT=${RES:-$(mktemp -d /tmp/moe-ar-gpu-XXXX)}; mkdir -p "$OUT"
 pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null; true; }
 trap pack EXIT
 export MOE_AR_COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-STEPS=${STEPS:-tests bench fp8bench autobench latency soak example}
+STEPS=${STEPS:-tests bench fp8bench autobench latency soak hosttime backend example}
 GPUS=$(nvidia-smi -L | wc -l)
 status=0
 step() { pack; [[ " $STEPS " == *" $1 "* ]]; }  # packs what the steps before wrote
@@ -49,7 +51,8 @@ PY
 if step tests; then
     # straight into the final folder: these survive even a run killed at the device's time limit
     MOE_AR_RESULTS="$FINAL_OUT/gpu-tests.jsonl" timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -m gpu -q \
-        -p no:cacheprovider tests "$@" 2>&1 | tee "$FINAL_OUT/gpu-tests.log" | tail -15 || status=1
+        -p no:cacheprovider --junitxml="$OUT/gpu-tests.xml" --durations=15 tests "$@" 2>&1 \
+        | tee "$FINAL_OUT/gpu-tests.log" | tail -30 || status=1
 fi
 BENCH="timeout 300 python3 -m moe_ar_tools.bench"
 if step bench && [ "$GPUS" -ge 2 ]; then
@@ -94,6 +97,15 @@ if step soak; then
     else
         for W in 4 8 2; do soak soak-ws$W 0 --world-size $W || status=1; done
     fi
+fi
+if step hosttime; then
+    # host time of one rank's eager call, split into its parts, beside torch.add (one GPU is enough)
+    timeout 240 python3 -m moe_ar_tools.host_time --out "$OUT/host-time.json" 2>&1 | tail -24 || status=1
+fi
+if step backend && [ "$GPUS" -ge 2 ]; then
+    # the two workspace backends side by side: allocation, bytes per rank, call time under graph replay
+    timeout 300 torchrun --nproc-per-node 2 -m moe_ar_tools.backend_cost --out "$OUT/backend-cost.json" 2>&1 \
+        | tail -20 || status=1
 fi
 if step example && [ "$GPUS" -ge 2 ]; then
     for q in none nvfp4; do

@@ -518,7 +518,7 @@ def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
 @pytest.mark.parametrize("devices_kind", ["one_gpu", "two_gpus"])
 @pytest.mark.parametrize("profile", gspec.OUTPUT_PROFILES)
 @pytest.mark.parametrize("dname", gspec.DTYPES)
-@pytest.mark.parametrize("ws", [4, 8])
+@pytest.mark.parametrize("ws", [4, 8, 16])
 def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, seed_for, record_result):
     """Rank 0 runs a shared-prefetch variant, the others the base two-shot (same class); also with
     only rank 0 holding a shared-expert operand, and random mixes of the whole class."""

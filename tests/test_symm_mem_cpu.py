@@ -274,7 +274,7 @@ def test_symm_mem_builds_maps_every_peer_resets_and_closes(two):
     built = _ok(two, "symm_build")
     for r, b in enumerate(built):
         assert b["backend"] == "symm_mem" and b["rank"] == r and b["opened"] == 0 and b["live"], b
-        assert b["peers"][r] == b["own"] and b["peers"][2:] == [0] * 6, b
+        assert b["peers"][r] == b["own"] and b["peers"][2:] == [0] * (len(b["peers"]) - 2), b
         assert b["peers"][1 - r] == built[1 - r]["own"] + PEER_MAP_OFFSET, (b, built[1 - r])
         assert "usable on every rank" in b["reason"], b
         assert not two["symm_build"][r]["warnings"]

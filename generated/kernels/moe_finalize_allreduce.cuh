@@ -36,7 +36,7 @@ namespace moe_ar {
 enum class Profile { kPlain, kNvfp4, kFp8Group128, kFp8Tensor };
 enum class Regime { kOneShot, kTwoShot, kTwoShotEarly, kTwoShotPipelined };
 
-constexpr int kMaxWorldSize = 8;
+constexpr int kMaxWorldSize = 16;
 constexpr int kMaxVecPerThread = 4;
 constexpr int kMaxThreads = 512;
 constexpr int kElemsPerVec = 8;             // a 16-byte vector holds 8 elements of a 2-byte dtype
@@ -70,7 +70,7 @@ struct Params {
   void* residual_out;  // [T, H] dtype
   void* quant_out;  // [T, H/2] uint8 packed E2M1 (nvfp4); [T, H] FP8 E4M3 (fp8_*); else null
   void* scale_out;  // swizzled 128x4 E4M3 scales (nvfp4); fp32 group scales (fp8_group128); else null
-  void* peer_buffers[8];  // Lamport buffer base of every rank (3 rotating buffers each), by rank
+  void* peer_buffers[16];  // Lamport buffer base of every rank (3 rotating buffers each), by rank
   unsigned* state;  // this rank's device state words (call counter, extents, done counter)
   unsigned* error;  // host-mapped error words: code, phase, rank, bad-index count
   long long buffer_elems;  // elements of dtype in one rotating buffer
@@ -219,14 +219,18 @@ __device__ __forceinline__ void add_residual(const Params& p, int t, int v, floa
 // rank computes the same bits. A pass issues every slot's load of a round before using any (one
 // memory latency per round, not one per vector); passes repeat until no vector holds the sentinel,
 // or the deadline passes.
-template <typename D, int kSources, bool kAddResidual>
+template <typename D, int kSources, bool kAddResidual, bool kOneRoundAtATime = false>
 __device__ __forceinline__ void wait_and_reduce(const D* base, long long slot_stride, int r_begin, int r_end, int t,
                                                 uint4 (&out)[kMaxVecPerThread], Deadline& d, const Params& p,
                                                 int phase) {
   const int nvec = p.hidden / kElemsPerVec;
+  // kOneRoundAtATime: the rounds run one after the other (not unrolled), so no two rounds' loads are
+  // in flight together (the two-shot's reduce of 16 ranks spilled 200-570 bytes unrolled); out[r] is
+  // then written by compile-time index (a run-time index would put out in local memory).
+  constexpr int kRoundsUnrolled = kOneRoundAtATime ? 1 : kMaxVecPerThread;
   while (true) {
     bool arrived = true;
-#pragma unroll
+#pragma unroll (kRoundsUnrolled)
     for (int r = 0; r < kMaxVecPerThread; ++r) {
       const int v = r * blockDim.x + threadIdx.x;
       if (r < r_begin || r >= r_end || v >= nvec) continue;
@@ -246,7 +250,14 @@ __device__ __forceinline__ void wait_and_reduce(const D* base, long long slot_st
         for (int i = 0; i < 8; ++i) s[i] += x[i];
       }
       if (kAddResidual) add_residual<D>(p, t, v, s);
-      out[r] = kSources == 1 && !kAddResidual ? in[0] : Vec<D>::from_float(s);
+      const uint4 result = kSources == 1 && !kAddResidual ? in[0] : Vec<D>::from_float(s);
+      if (kRoundsUnrolled == kMaxVecPerThread) {
+        out[r] = result;
+      } else {
+#pragma unroll
+        for (int k = 0; k < kMaxVecPerThread; ++k)
+          if (k == r) out[k] = result;
+      }
     }
     if (arrived) return;
     if (d.expired) break;
@@ -1285,8 +1296,8 @@ __device__ __forceinline__ void run(const Params& p) {
       const int j = sliced ? u / vpt : u, t = first + j;
       const int r_begin = sliced ? u % vpt : 0, r_end = sliced ? r_begin + 1 : vpt;
       uint4 sum[kMaxVecPerThread];
-      wait_and_reduce<D, W, true>(my_buffer + (long long)j * H, (long long)C * H, r_begin, r_end, t, sum, deadline, p,
-                                  kPhaseReduceScatter);
+      wait_and_reduce<D, W, true, (W > 8)>(my_buffer + (long long)j * H, (long long)C * H, r_begin, r_end, t, sum,
+                                           deadline, p, kPhaseReduceScatter);
       if (deadline.expired) continue;  // peers must time out too, not take this row as the sum
 #pragma unroll
       for (int r = 0; r < kMaxVecPerThread; ++r) {

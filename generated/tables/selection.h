@@ -9,9 +9,9 @@
 // twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads;
 // else twoshot_pipelined; then the shared-expert variant where the rank has a
 // shared operand; a hole falls back to its fallback_family
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: plain, nvfp4, fp8_group128, fp8_tensor][oneshot_max_tokens, early_max_tokens, twoshot_max_tokens, loads_max_tokens]
+// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor][oneshot_max_tokens, early_max_tokens, twoshot_max_tokens, loads_max_tokens]
 constexpr int kAllTokens = 2147483647;  // no upper bound: the regime runs every larger T
-static const int kRegimeBoundaries[2][3][4][4] = {
+static const int kRegimeBoundaries[2][4][4][4] = {
     {  // fp16
         {  // fp16 ws2
             {512, 512, 512, 512},  // fp16 ws2 plain: measured (bf16 data): 1 of 60 points over 1.05x the best program (0 at the target shape), at most 1.069x, mean 1.001x
@@ -30,6 +30,12 @@ static const int kRegimeBoundaries[2][3][4][4] = {
             {16, 2048, kAllTokens, kAllTokens},  // fp16 ws8 nvfp4: written model
             {16, 2048, kAllTokens, kAllTokens},  // fp16 ws8 fp8_group128: written model
             {16, 2048, kAllTokens, kAllTokens},  // fp16 ws8 fp8_tensor: written model
+        },
+        {  // fp16 ws16
+            {8, 4096, kAllTokens, kAllTokens},  // fp16 ws16 plain: written model
+            {8, 4096, kAllTokens, kAllTokens},  // fp16 ws16 nvfp4: written model
+            {8, 4096, kAllTokens, kAllTokens},  // fp16 ws16 fp8_group128: written model
+            {8, 4096, kAllTokens, kAllTokens},  // fp16 ws16 fp8_tensor: written model
         },
     },
     {  // bf16
@@ -50,6 +56,12 @@ static const int kRegimeBoundaries[2][3][4][4] = {
             {16, 2048, kAllTokens, kAllTokens},  // bf16 ws8 nvfp4: written model
             {16, 2048, kAllTokens, kAllTokens},  // bf16 ws8 fp8_group128: written model
             {16, 2048, kAllTokens, kAllTokens},  // bf16 ws8 fp8_tensor: written model
+        },
+        {  // bf16 ws16
+            {8, 4096, kAllTokens, kAllTokens},  // bf16 ws16 plain: written model
+            {8, 4096, kAllTokens, kAllTokens},  // bf16 ws16 nvfp4: written model
+            {8, 4096, kAllTokens, kAllTokens},  // bf16 ws16 fp8_group128: written model
+            {8, 4096, kAllTokens, kAllTokens},  // bf16 ws16 fp8_tensor: written model
         },
     },
 };

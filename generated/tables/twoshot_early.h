@@ -6,8 +6,8 @@
 //   two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
-static const char* const kTwoShotEarlyKernels[2][3][4] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kTwoShotEarlyKernels[2][4][4] = {
     {  // fp16
         {  // fp16 ws2
             "moe_ar_tse_fp16_ws2_o110",  // fp16 ws2 plain
@@ -26,6 +26,12 @@ static const char* const kTwoShotEarlyKernels[2][3][4] = {
             "moe_ar_tse_fp16_ws8_o111",  // fp16 ws8 nvfp4
             "moe_ar_tse_fp16_ws8_fp8_group128",  // fp16 ws8 fp8_group128
             "moe_ar_tse_fp16_ws8_fp8_tensor",  // fp16 ws8 fp8_tensor
+        },
+        {  // fp16 ws16
+            "moe_ar_tse_fp16_ws16_o110",  // fp16 ws16 plain
+            "moe_ar_tse_fp16_ws16_o111",  // fp16 ws16 nvfp4
+            "moe_ar_tse_fp16_ws16_fp8_group128",  // fp16 ws16 fp8_group128
+            "moe_ar_tse_fp16_ws16_fp8_tensor",  // fp16 ws16 fp8_tensor
         },
     },
     {  // bf16
@@ -46,6 +52,12 @@ static const char* const kTwoShotEarlyKernels[2][3][4] = {
             "moe_ar_tse_bf16_ws8_o111",  // bf16 ws8 nvfp4
             "moe_ar_tse_bf16_ws8_fp8_group128",  // bf16 ws8 fp8_group128
             "moe_ar_tse_bf16_ws8_fp8_tensor",  // bf16 ws8 fp8_tensor
+        },
+        {  // bf16 ws16
+            "moe_ar_tse_bf16_ws16_o110",  // bf16 ws16 plain
+            "moe_ar_tse_bf16_ws16_o111",  // bf16 ws16 nvfp4
+            "moe_ar_tse_bf16_ws16_fp8_group128",  // bf16 ws16 fp8_group128
+            "moe_ar_tse_bf16_ws16_fp8_tensor",  // bf16 ws16 fp8_tensor
         },
     },
 };

@@ -6,8 +6,8 @@
 //   twoshot_early + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
-static const char* const kTwoShotEarlySharedKernels[2][3][4] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kTwoShotEarlySharedKernels[2][4][4] = {
     {  // fp16
         {  // fp16 ws2
             nullptr,  // fp16 ws2 plain hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
@@ -22,10 +22,16 @@ static const char* const kTwoShotEarlySharedKernels[2][3][4] = {
             "moe_ar_tses_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
         },
         {  // fp16 ws8
-            nullptr,  // fp16 ws8 plain hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // fp16 ws8 nvfp4 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
+            nullptr,  // fp16 ws8 plain hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // fp16 ws8 nvfp4 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+        },
+        {  // fp16 ws16
+            nullptr,  // fp16 ws16 plain hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // fp16 ws16 nvfp4 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // fp16 ws16 fp8_group128 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // fp16 ws16 fp8_tensor hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
         },
     },
     {  // bf16
@@ -42,10 +48,16 @@ static const char* const kTwoShotEarlySharedKernels[2][3][4] = {
             "moe_ar_tses_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
         },
         {  // bf16 ws8
-            nullptr,  // bf16 ws8 plain hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // bf16 ws8 nvfp4 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
-            nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot_early: no early shared variant at world size 8 (the early range is short there)
+            nullptr,  // bf16 ws8 plain hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // bf16 ws8 nvfp4 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+        },
+        {  // bf16 ws16
+            nullptr,  // bf16 ws16 plain hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // bf16 ws16 nvfp4 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // bf16 ws16 fp8_group128 hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
+            nullptr,  // bf16 ws16 fp8_tensor hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
         },
     },
 };

@@ -6,8 +6,8 @@
 //   two-shot with its phases pipelined over token columns, so one column's reads overlap the exchange of the columns before; no self-traffic through its own buffer, every received vector cleared as it is read; the partials' rows come through a ring in shared memory (largest T; world size 2)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 2, 4, 8][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
-static const char* const kTwoShotPipelinedKernels[2][3][4] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kTwoShotPipelinedKernels[2][4][4] = {
     {  // fp16
         {  // fp16 ws2
             "moe_ar_tsp_fp16_ws2_o110",  // fp16 ws2 plain
@@ -16,16 +16,22 @@ static const char* const kTwoShotPipelinedKernels[2][3][4] = {
             "moe_ar_tsp_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
         },
         {  // fp16 ws4
-            nullptr,  // fp16 ws4 plain hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // fp16 ws4 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // fp16 ws4 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // fp16 ws4 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws4 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws4 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws4 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws4 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
         },
         {  // fp16 ws8
-            nullptr,  // fp16 ws8 plain hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // fp16 ws8 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // fp16 ws8 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws8 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws8 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws8 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+        },
+        {  // fp16 ws16
+            nullptr,  // fp16 ws16 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws16 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws16 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // fp16 ws16 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
         },
     },
     {  // bf16
@@ -36,16 +42,22 @@ static const char* const kTwoShotPipelinedKernels[2][3][4] = {
             "moe_ar_tsp_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
         },
         {  // bf16 ws4
-            nullptr,  // bf16 ws4 plain hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // bf16 ws4 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // bf16 ws4 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // bf16 ws4 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws4 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws4 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws4 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws4 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
         },
         {  // bf16 ws8
-            nullptr,  // bf16 ws8 plain hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // bf16 ws8 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
-            nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4 and 8 have no hardware here to measure it on
+            nullptr,  // bf16 ws8 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws8 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws8 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws8 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+        },
+        {  // bf16 ws16
+            nullptr,  // bf16 ws16 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws16 nvfp4 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws16 fp8_group128 hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
+            nullptr,  // bf16 ws16 fp8_tensor hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
         },
     },
 };
