@@ -18,6 +18,7 @@ import ctypes
 import errno
 import functools
 import hashlib
+import importlib.resources
 import os
 import pathlib
 import stat
@@ -26,9 +27,26 @@ import threading
 import time
 import warnings
 
+from . import cuda_env
 from . import manifest as _manifest
 
-GENERATED_DIR = pathlib.Path(__file__).resolve().parent.parent / "generated"
+
+def _generated_dir() -> pathlib.Path:
+    """The programs beside this code: a source checkout's generated/ (an editable install's too),
+    else an installed wheel's package data, moe_ar_data/generated (pyproject.toml). The checkout
+    comes first, so code run from a checkout never pairs with another installation's programs."""
+    checkout = pathlib.Path(__file__).resolve().parent.parent / "generated"
+    if (checkout / _manifest.MANIFEST_NAME).is_file():
+        return checkout
+    try:
+        installed = importlib.resources.files("moe_ar_data") / "generated"
+    except ModuleNotFoundError:
+        return checkout  # neither: program_set() reports the missing manifest
+    # A wheel installed by pip is a folder on disk (a zipped import is not supported).
+    return installed if isinstance(installed, pathlib.Path) else checkout
+
+
+GENERATED_DIR = _generated_dir()
 
 TARGET_FOR_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
 
@@ -241,28 +259,11 @@ def _write_entry(d: pathlib.Path, path: pathlib.Path, blob: bytes) -> None:
         raise
 
 
-def _include_dirs() -> list[str]:
-    dirs = []
-    try:
-        import nvidia  # pip's nvidia-cuda-runtime headers
-        for root in nvidia.__path__:
-            for sub in ("cu13/include", "cuda_runtime/include"):
-                if os.path.isdir(os.path.join(root, sub)):
-                    dirs.append(os.path.join(root, sub))
-    except ImportError:
-        pass
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            dirs.append(os.path.join(os.environ[env], "include"))
-    dirs.append("/usr/local/cuda/include")
-    return [d for d in dirs if os.path.isfile(os.path.join(d, "cuda_bf16.h"))][:1]
-
-
 def compile_cubin(source: str, name: str, target: str) -> tuple[bytes, str]:
     """NVRTC: source -> cubin for `target`; returns (cubin, ptxas log). Raises on error."""
-    from cupy.cuda import nvrtc
-    options = [f"--gpu-architecture={target}", *program_set().manifest["compile_options"], "-Xptxas=-v"]
-    options += [f"-I{d}" for d in _include_dirs()]
+    nvrtc, version = cuda_env.load_nvrtc()  # cuda_env.MissingToolchain names the extra to install
+    options = [f"--gpu-architecture={target}", *program_set().manifest["compile_options"], "-Xptxas=-v",
+               f"-I{cuda_env.include_dir(version[0])}"]
     prog = nvrtc.createProgram(source, f"{name}.cu", [], [])
     try:
         try:
@@ -275,7 +276,7 @@ def compile_cubin(source: str, name: str, target: str) -> tuple[bytes, str]:
 
 
 def _cache_key(source: str, target: str) -> str:
-    from cupy.cuda import nvrtc
+    nvrtc, _version = cuda_env.load_nvrtc()
     h = hashlib.sha256()
     options = " ".join(program_set().manifest["compile_options"])
     for part in (source, target, options, str(nvrtc.getVersion())):
@@ -334,6 +335,7 @@ class LoadedProgram:
     """A program's kernel loaded on one device."""
 
     def __init__(self, name: str, device_index: int):
+        cuda_env.load_nvrtc()  # without the cu12 / cu13 extra: an error naming it, not a bare ImportError
         import cupy
         from cupy.cuda import function
         self.name = name

@@ -8,6 +8,10 @@
     gen-programs diff REV        table cells changed since git revision REV
     gen-programs compile [filters] [--arch A ...] [--jobs N]
                                  NVRTC-compile programs, print registers/spills
+
+In a source checkout (or an editable install) these read and write the checkout's generated/.
+Installed from a wheel, they read the installed tree (package data, generator/locations.py);
+regenerating then needs --out DIR, and diff a repository.
 """
 from __future__ import annotations
 
@@ -18,10 +22,34 @@ import time
 
 import click
 
-from . import spec, verify
-from .render import REPO_ROOT
+from . import locations, spec, verify
 
-GENERATED = REPO_ROOT / "generated"
+
+def _no_sources() -> click.ClickException:
+    return click.ClickException(
+        "found neither a source checkout around this generator nor the installed package data "
+        f"({locations.DATA_PACKAGE}); reinstall the package, or run gen-programs in a clone of the repository")
+
+
+def _installed_only(what: str, alternative: str = "") -> click.ClickException:
+    """A command that needs a repository, run from an installed wheel: say where it can run instead."""
+    here = locations.enclosing_checkout(pathlib.Path.cwd())
+    hint = (f"; the checkout at {here} is not the one this gen-programs runs from: run `pip install -e .` "
+            f"there, or `python -m generator.cli` in it" if here else "")
+    return click.ClickException(
+        f"{what} needs a repository{' or ' + alternative if alternative else ''}: this gen-programs is installed "
+        f"({pathlib.Path(__file__).resolve().parent}), and its generated tree is read-only package data; "
+        f"run it in a clone of the repository{hint}")
+
+
+def _generated(ctx: click.Context) -> pathlib.Path:
+    """--out, else the checkout's generated/, else the installed wheel's copy."""
+    if ctx.obj["out"] is not None:
+        return ctx.obj["out"]
+    root = locations.source_root()
+    if root is None:
+        raise _no_sources()
+    return root / "generated"
 
 
 def _manifest(generated: pathlib.Path) -> dict:
@@ -51,6 +79,34 @@ def _select(manifest: dict, families, dtypes, world_sizes, profiles) -> list[dic
             and keep(world_sizes, str(entry["world_size"])) and keep(profiles, entry["profile"])]
 
 
+def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> str:
+    """Why the filters select no program: the holes they match, each with its reason and the family
+    whose program runs there instead."""
+    def keep(values, value):
+        return not values or value in values
+    holes = [h for h in manifest["holes"]
+             if keep(families, h["family"]) and keep(dtypes, h["dtype"])
+             and keep(world_sizes, str(h["world_size"])) and keep(profiles, h["profile"])]
+    if not holes:
+        return "no program matches the filters"
+    groups: dict[tuple, list[dict]] = {}
+    for h in holes:
+        groups.setdefault((h["family"], h["reason"], h["fallback_family"]), []).append(h)
+    lines = []
+    for (family, reason, fallback), cells in groups.items():
+        where = []  # the axes the filters named, and those on which these holes are a part of the cells asked for
+        for axis, label, given, every in (("dtype", "dtype", dtypes, spec.DTYPES),
+                                          ("world_size", "world size", world_sizes, spec.WORLD_SIZES),
+                                          ("profile", "profile", profiles, spec.OUTPUT_PROFILES)):
+            order = [str(v) for v in every]
+            values = sorted({str(c[axis]) for c in cells}, key=order.index)
+            if given or set(values) != (set(given) or set(order)):
+                where.append(f"{label}{'s' if len(values) > 1 else ''} {'/'.join(values)}")
+        at = f" at {', '.join(where)}" if where else ""
+        lines.append(f"{family} has no program{at} (hole: {reason}); calls there run {fallback}")
+    return "\n".join(lines)
+
+
 def _print_rows(rows: list[tuple], header: tuple) -> None:
     rows = [tuple(str(cell) for cell in header)] + [tuple(str(cell) for cell in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -67,16 +123,25 @@ def _print_rows(rows: list[tuple], header: tuple) -> None:
 def main(ctx: click.Context, check: bool, out: pathlib.Path | None) -> None:
     """Generate the MoE finalize + all-reduce programs (no arguments: regenerate generated/)."""
     ctx.ensure_object(dict)
-    ctx.obj["generated"] = out or GENERATED
+    ctx.obj["out"] = out
     if ctx.invoked_subcommand is not None:
         if check:
             raise click.UsageError("--check takes no subcommand")
         return
     from . import render
 
+    # A checkout regenerates its own generated/; an installed wheel renders from its package data,
+    # into --out only (--check compares with the installed tree).
+    root = locations.checkout_root()
+    if root is None:
+        root = locations.installed_root()
+        if root is None:
+            raise _no_sources()
+        if out is None and not check:
+            raise _installed_only("regenerating", "--out DIR (render into DIR)")
     start = time.perf_counter()
-    result = render.render_all(REPO_ROOT)
-    dest = out or GENERATED
+    result = render.render_all(root)
+    dest = out or root / "generated"
     n_programs, n_holes = len(result.enumeration.programs), len(result.enumeration.holes)
     if check:
         diffs = render.check_tree(result.outputs, dest)
@@ -102,8 +167,10 @@ def main(ctx: click.Context, check: bool, out: pathlib.Path | None) -> None:
 @click.pass_context
 def list_programs(ctx, families, dtypes, world_sizes, profiles):
     """List programs: name, family, profile, protocol class, file (from generated/manifest.json)."""
-    manifest = _manifest(ctx.obj["generated"])
+    manifest = _manifest(_generated(ctx))
     programs = _select(manifest, families, dtypes, world_sizes, profiles)
+    if not programs:
+        raise click.ClickException(_none_selected(manifest, families, dtypes, world_sizes, profiles))
     _print_rows([(entry["name"], entry["family"], entry["profile"], entry["protocol_class"],
                   f"generated/{entry['file']}") for entry in programs],
                 ("name", "family", "profile", "protocol class", "file"))
@@ -114,7 +181,7 @@ def list_programs(ctx, families, dtypes, world_sizes, profiles):
 def tables(ctx):
     """How names spell families and profiles; every family as a grid (rows dtype x world size,
     columns output profiles); the selection boundaries."""
-    manifest = _manifest(ctx.obj["generated"])
+    manifest = _manifest(_generated(ctx))
     axes = manifest["axes"]
     families, profiles = axes["families"], axes["output_profiles"]
     profile_names = [profile["name"] for profile in profiles]
@@ -178,10 +245,12 @@ def diff(ctx, rev):
     """Cells changed between the manifest committed at REV and generated/ now."""
     from . import diffing
 
-    generated = ctx.obj["generated"]
-    new = _manifest(generated)
+    root = locations.checkout_root()
+    if root is None:
+        raise _installed_only("diff (it reads the git history)")
+    new = _manifest(_generated(ctx))
     try:
-        old = diffing.manifest_at(rev, REPO_ROOT)
+        old = diffing.manifest_at(rev, root)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     if old is None:
@@ -195,23 +264,28 @@ def diff(ctx, rev):
 
 @main.command("compile")
 @_filters
-@click.option("--arch", "archs", multiple=True, help="GPU architecture (repeatable); default: the manifest's targets.")
-@click.option("--jobs", "-j", type=int, default=None, help="Parallel compiles (default: all cores).")
+@click.option("--arch", "archs", multiple=True, type=click.Choice(spec.ARCH_TARGETS),
+              help="GPU architecture (repeatable); default: the manifest's targets.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None, help="Parallel compiles (default: all cores).")
 @click.pass_context
 def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs):
     """Compile programs with NVRTC (no GPU needed); fail on any error or on spills over the budget."""
-    from . import nvrtc_build
+    from . import cuda_env, nvrtc_build
 
-    generated = ctx.obj["generated"]
+    generated = _generated(ctx)
     try:
         manifest = verify.load_verified_manifest(generated)
     except verify.ManifestError as e:
         raise click.ClickException(str(e)) from None
     programs = _select(manifest, families, dtypes, world_sizes, profiles)
     if not programs:
-        raise click.ClickException("no program matches the filters")
+        raise click.ClickException(_none_selected(manifest, families, dtypes, world_sizes, profiles))
     archs = list(archs) or list(manifest["targets"])
     jobs = jobs or os.cpu_count() or 1
+    try:  # NVRTC and its headers, from the cu12 / cu13 extra: name the extra rather than fail in the workers
+        cuda_env.include_dir(cuda_env.load_nvrtc()[1][0])
+    except cuda_env.MissingToolchain as e:
+        raise click.ClickException(str(e)) from None
     symbols = {entry["name"]: entry["symbol"] for entry in programs}
     budgets = {entry["name"]: nvrtc_build.spill_budget(entry["register_cap"]) for entry in programs}
     total = len(programs) * len(archs)

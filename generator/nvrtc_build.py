@@ -2,8 +2,9 @@
 
 Uses CuPy's low-level NVRTC bindings (`cupy.cuda.nvrtc`), which only load
 libnvrtc; CuPy's higher-level compile helpers query the driver and fail on a
-machine without a GPU. CuPy is imported in the worker processes only, so the
-rest of the generator never imports it.
+machine without a GPU. CuPy is imported by `compile_programs` only (its NVRTC
+version picks the headers, cuda_env.py), so the rest of the generator never
+imports it.
 
 Each (program, arch) is one job in a process pool. The ptxas `-v` log gives
 registers, spill stores/loads and stack frame per entry function.
@@ -11,33 +12,11 @@ registers, spill stores/loads and stack frame per entry function.
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import re
 import time
 
-from . import verify
-
-
-def cuda_include_dir() -> str:
-    """CUDA headers: the pip `nvidia` package's cu13/include, else $CUDA_HOME/include."""
-    try:
-        import nvidia  # namespace package from nvidia-cuda-runtime / -nvrtc wheels
-        for base in list(nvidia.__path__):
-            candidate = os.path.join(base, "cu13", "include")
-            if os.path.isfile(os.path.join(candidate, "cuda_runtime.h")):
-                return candidate
-    except ImportError:
-        pass
-    for var in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(var):
-            candidate = os.path.join(os.environ[var], "include")
-            if os.path.isfile(os.path.join(candidate, "cuda_runtime.h")):
-                return candidate
-    if os.path.isfile("/usr/local/cuda/include/cuda_runtime.h"):
-        return "/usr/local/cuda/include"
-    raise FileNotFoundError("CUDA headers not found: install nvidia-cuda-runtime (pip, 13.x) "
-                            "or set CUDA_HOME to a CUDA toolkit")
+from . import cuda_env, verify
 
 
 def options(arch: str, include_dir: str, compile_options) -> list[str]:
@@ -159,12 +138,14 @@ def problems(result: CompileResult, symbol: str, budget: int = SPILL_BUDGET_BYTE
 
 def compile_programs(generated_dir: pathlib.Path, programs: list[str], archs: list[str], jobs: int,
                      progress=None) -> list[CompileResult]:
-    """Verify the manifest, then compile every (program, arch); results in job order."""
+    """Verify the manifest, then compile every (program, arch); results in job order.
+    cuda_env.MissingToolchain when NVRTC or its headers are not installed."""
     import concurrent.futures
     import multiprocessing
 
     manifest = verify.load_verified_manifest(generated_dir)
-    include_dir = cuda_include_dir()
+    _nvrtc, version = cuda_env.load_nvrtc()  # raises cuda_env.MissingToolchain naming the extra
+    include_dir = cuda_env.include_dir(version[0])
     sources = {name: verify.source_for(manifest, generated_dir, name) for name in programs}
     work = [(name, arch) for name in programs for arch in archs]
     results = {}

@@ -44,21 +44,31 @@ def table_file(family: str) -> str:
 
 # ---- inputs -------------------------------------------------------------------------
 
+def _inputs(root: pathlib.Path) -> dict[str, pathlib.Path]:
+    """Repo-relative POSIX path -> file, of everything that decides the output: the code (root's
+    generator/; under an installed wheel's moe_ar_data, which has none, this generator's own files,
+    the same ones), the templates and the benchmark under root."""
+    root = pathlib.Path(root)
+    code = root / "generator" if (root / "generator").is_dir() else pathlib.Path(__file__).resolve().parent
+    found = {f"generator/{p.name}": p for p in code.glob("*.py") if p.is_file()}
+    found.update((p.relative_to(root).as_posix(), p) for p in (root / "templates").rglob("*")
+                 if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
+                                            for part in p.relative_to(root).parts))
+    # the measurements the selection boundaries come from
+    found.update((p.relative_to(root).as_posix(), p) for p in tuning.bench_files(root))
+    return found
+
+
 def input_files(root: pathlib.Path) -> list[str]:
     """Repo-relative POSIX paths of everything that decides the output, sorted."""
-    root = pathlib.Path(root)
-    paths = [p for p in (root / "generator").glob("*.py") if p.is_file()]
-    paths += [p for p in (root / "templates").rglob("*")
-              if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
-                                         for part in p.relative_to(root).parts)]
-    paths += tuning.bench_files(root)  # the measurements the selection boundaries come from
-    return sorted(p.relative_to(root).as_posix() for p in paths)
+    return sorted(_inputs(root))
 
 
 def inputs_sha256(root: pathlib.Path) -> str:
     h = hashlib.sha256()
-    for rel in input_files(root):
-        data = (pathlib.Path(root) / rel).read_bytes()
+    inputs = _inputs(root)
+    for rel in sorted(inputs):
+        data = inputs[rel].read_bytes()
         h.update(f"{rel}\0{len(data)}\0".encode())
         h.update(data)
     return h.hexdigest()

@@ -13,7 +13,7 @@
 #             on one GPU each; moe_ar_tools/reliability_summary.py turns the results into the summary
 #   hosttime  host time of one rank's eager call (checks, launch) beside torch.add (moe_ar_tools.host_time)
 #   backend   the CUDA IPC and symmetric-memory workspaces side by side (moe_ar_tools.backend_cost)
-#   example   the two-process example, plain and NVFP4
+#   example   the two-process examples: moe_tail.py plain and NVFP4, minimal.py
 # Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -112,5 +112,7 @@ if step example && [ "$GPUS" -ge 2 ]; then
         timeout 180 torchrun --nproc-per-node 2 examples/moe_tail.py --quant "$q" 2>&1 \
             | tail -8 | tee -a "$OUT/example.log" || status=1
     done
+    timeout 180 torchrun --standalone --nproc-per-node 2 examples/minimal.py 2>&1 \
+        | tail -4 | tee -a "$OUT/example.log" || status=1
 fi
 exit $status

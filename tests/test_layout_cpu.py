@@ -80,5 +80,8 @@ def test_console_scripts_and_packages():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the project supports 3.10)
     assert re.search(rf'^moe-ar-bench = "{TOOLS}\.bench:main"$', text, re.M)
     assert re.search(rf'^moe-ar-soak = "{TOOLS}\.soak:main"$', text, re.M)
-    include = re.search(r"^\[tool\.setuptools\.packages\.find\]\ninclude = \[(.*)\]$", text, re.M).group(1)
-    assert {"dispatch", "generator", TOOLS, f"{TOOLS}.*"} <= set(re.findall(r'"([^"]+)"', include))
+    # The packages are listed one by one (pyproject.toml maps the data folders too): every package
+    # of the tools must be there.
+    listed = re.search(r"^\[tool\.setuptools\]\npackages = \[(.*?)\]$", text, re.M | re.S).group(1)
+    tools = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / TOOLS).rglob("__init__.py")}
+    assert {"dispatch", "generator", TOOLS, *tools} <= set(re.findall(r'"([^"]+)"', listed))
