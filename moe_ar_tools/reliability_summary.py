@@ -6,8 +6,10 @@
 --tests: the JSON lines the GPU tests append through `record_result` (MOE_AR_RESULTS); the lines of
 tests/test_gpu_reliability.py (kind "reliability") are summarized one by one, every other test is
 counted. --soak: the JSON files of `moe-ar-soak`. Writes calls made, faults injected,
-outcomes, machine and commit; prints one line with the overall result. --strict: exit 1 when anything
-failed (default: exit 0 once the summary is written; 2 for unreadable inputs).
+outcomes, machine and commit; prints one line with the overall result. --junit: pytest's JUnit XML files
+(GPU and CPU runs): the table of hostile cases (HOSTILE_CASES) gets each case's tests and their
+outcome. --strict: exit 1 when anything failed (default: exit 0 once the summary is written; 2 for
+unreadable inputs).
 """
 from __future__ import annotations
 
@@ -30,6 +32,79 @@ def load_jsonl(path) -> list:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not JSON ({e})") from None
     return rows
+
+
+# Hostile cases (issue 24: never silently wrong): the input, what happens, and the tests that show it
+# (file::test prefixes; every test of a prefix counts).
+HOSTILE_CASES = (
+    ("W 2, H 16384, max_tokens 131072: a 131,072-token two-shot call (2^32 elements in its buffer), "
+     "then small calls with a rank 50 ms late", "the buffer is cleared in full; every element correct",
+     ("test_gpu_faults::test_buffer_extent_past_2_32_elements_is_cleared",)),
+    ("max_tokens, hidden or oneshot_max_tokens past what a device count holds", "ValueError naming it",
+     ("test_sizes_cpu::",)),
+    ("norm_out=allreduce_in[:T]; norm_out is residual_out; any output over an input or another output",
+     "ValueError naming the output", ("test_integrity_cpu::test_an_output_overlapping_an_input_is_named",
+                                      "test_integrity_cpu::test_two_overlapping_outputs_are_named",
+                                      "test_integrity_cpu::test_natural_memory_reuse_is_refused",
+                                      "test_call_plan_cpu::test_overlap_after_a_plan")),
+    ("residual_out is residual_in (in place)", "accepted; every family and profile correct",
+     ("test_gpu_hostile::test_residual_out_may_be_residual_in",)),
+    ("EmulatedWorld: one rank's output over another rank's tensor", "ValueError naming per_rank_kwargs[r]",
+     ("test_gpu_hostile::test_an_output_over_another_ranks_tensor_is_refused",)),
+    ("ranks that disagree (dtype, hidden, max_tokens, one-shot capacity, split, deadline, buffer size, "
+     "programs, backend, host, GPU)", "the same ValueError naming the field on every rank, before allocating",
+     ("test_rendezvous_cpu::", "test_symm_mem_cpu::test_a_backend_mismatch")),
+    ("two processes on one GPU", "ValueError naming device on both",
+     ("test_gpu_reliability::test_two_processes_on_one_gpu_are_refused",)),
+    ("a late rank inside a captured CUDA graph, then five more replays and a PDL-queued call",
+     "every later output NaN (quant bytes 0x7F), no exchange; the host raises; reset() recovers",
+     ("test_gpu_faults::test_after_a_timeout_graph_replays_write_the_poisoned_output",)),
+    ("eps 0 / NaN / inf, routed_scaling_factor NaN, bools for ints, timeout_s NaN / inf / over a day, "
+     "oneshot_max_tokens outside 1..max_tokens", "ValueError naming it",
+     ("test_integrity_cpu::test_a_bad_scalar_is_named", "test_rendezvous_cpu::test_timeout_limits",
+      "test_rendezvous_cpu::test_a_bad_constructor_argument_on_any_rank_is_named_on_every_rank")),
+    ("global_scale, fp8_scale, quant_out or scale_out with a quant that does not use it",
+     "ValueError naming it", ("test_integrity_cpu::test_an_argument_the_quant_does_not_use_is_named",)),
+    ("device global_scale / fp8_scale 0, -0, negative, NaN, +-inf, subnormal, huge",
+     "the documented bytes (dispatch/API.md), equal to the reference",
+     ("test_gpu_hostile::test_special_device_scale_bytes_follow_the_rule",)),
+    ("a planted cubin in a foreign or group/world-writable cache directory; a symlinked entry; 4 threads "
+     "and 4 processes filling one entry", "never loaded / never followed / the right cubin", ("test_cache_cpu::",)),
+    ("a constructor failing on one rank (out of memory, IPC)", "everything freed; every rank raises",
+     ("test_gpu_reliability::test_emulated_world_allocation_failure_frees_every_rank",
+      "test_rendezvous_cpu::test_a_constructor_step_failing_on_one_rank_frees_everything_on_every_rank")),
+    ("a workspace dropped without close()", "leaves the live set; dispatch.check() unaffected",
+     ("test_rendezvous_cpu::test_live_workspaces_are_held_weakly_and_checked",)),
+)
+
+
+def load_junit(path) -> dict:
+    """{"file::test[id]": "passed" | "failed" | "skipped"} from pytest's JUnit XML."""
+    import xml.etree.ElementTree as ET
+    out = {}
+    for case in ET.parse(path).getroot().iter("testcase"):
+        status = "passed"
+        for child in case:
+            if child.tag in ("failure", "error"):
+                status = "failed"
+            elif child.tag == "skipped" and status == "passed":
+                status = "skipped"
+        out[f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"] = status
+    return out
+
+
+def hostile_table(junit: dict) -> tuple[list, bool]:
+    """Markdown rows of HOSTILE_CASES with their tests' outcomes, and whether all that ran passed."""
+    rows, ok = [], True
+    for given, outcome, prefixes in HOSTILE_CASES:
+        ran = {k: v for k, v in junit.items() if any(k.startswith(p) for p in prefixes)}
+        passed = sum(v == "passed" for v in ran.values())
+        failed = sum(v == "failed" for v in ran.values())
+        ok &= failed == 0
+        result = "FAIL" if failed else ("PASS" if passed else "not run")
+        rows.append([given, outcome, ", ".join(p.rstrip(":") for p in prefixes), f"{passed} passed, {failed} failed",
+                     result])
+    return rows, ok
 
 
 def load_soak(path) -> dict:
@@ -95,7 +170,7 @@ def _soak_passed(s: dict) -> bool:
             and not s.get("hangs") and not s.get("full_check_failures"))
 
 
-def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None) -> tuple[str, bool]:
+def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None, junit=None) -> tuple[str, bool]:
     """(markdown, all passed)."""
     rel = [t for t in tests if is_reliability(t)]
     others = [t for t in tests if not is_reliability(t)]
@@ -131,6 +206,14 @@ def summarize(tests: list, soaks: list, *, machine=None, commit=None, date=None)
         ["reliability tests passed / run", f"{len(rel) - len(rel_failed)} / {len(rel)}"],
     ])
     lines.append("")
+
+    if junit:
+        rows, hostile_ok = hostile_table(junit)
+        ok = ok and hostile_ok
+        lines[0] = f"# Reliability: faults, soak, hostile input, lifetimes ({'PASS' if ok else 'FAIL'})"
+        lines += ["## Hostile cases (never silently wrong)", ""]
+        lines += _table(["input", "what happens", "tests", "outcome", "result"], rows)
+        lines.append("")
 
     lines += ["## Soak", ""]
     if soaks:
@@ -211,18 +294,22 @@ def main(argv=None) -> int:
     parser.add_argument("--machine", default=None)
     parser.add_argument("--commit", default=None)
     parser.add_argument("--date", default=None)
+    parser.add_argument("--junit", nargs="*", default=[], help="pytest JUnit XML files (GPU and CPU runs)")
     parser.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
     args = parser.parse_args(argv)
     try:
         tests = load_jsonl(args.tests) if args.tests else []
         soaks = [load_soak(s) for s in args.soak]
+        junit = {}
+        for path in args.junit:
+            junit.update(load_junit(path))
     except (OSError, ValueError) as e:
         print(f"reliability_summary: {e}", file=sys.stderr)
         return 2
     if not tests and not soaks:
         print("reliability_summary: nothing to summarize (give --tests and/or --soak)", file=sys.stderr)
         return 2
-    text, ok = summarize(tests, soaks, machine=args.machine, commit=args.commit, date=args.date)
+    text, ok = summarize(tests, soaks, machine=args.machine, commit=args.commit, date=args.date, junit=junit)
     if args.out:
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
