@@ -4,7 +4,7 @@ Reads only generated/ (verified against its manifest first). Programs are
 compiled with NVRTC through CuPy's low-level bindings at first use, for the
 GPU's own target (sm_90a on H100/H200, sm_100a on B200), and kept in a disk
 cache keyed by a sha256 of everything compiled: the self-contained source text
-(body inlined), the options, the target and the NVRTC version. A cache entry
+(body headers inlined), the options, the target and the NVRTC version. A cache entry
 carries its own checksum (bound to its key); a corrupt entry is recompiled,
 never loaded. Only a directory the user owns and nobody else can write is used
 (created 0700); entries are written 0600 through a fresh temporary file and an
@@ -289,7 +289,7 @@ def cached_cubin(name: str, target: str) -> tuple[bytes, dict]:
     """The program's cubin, from the disk cache, from memory or freshly compiled. Returns (cubin, info);
     info["source"] is "cache", "memory" or "compiled"."""
     ps = program_set()
-    source = _manifest.source_for(ps.manifest, ps.dir, name)  # re-verifies both files
+    source = _manifest.source_for(ps.manifest, ps.dir, name)  # re-verifies every file it inlines
     key = _cache_key(source, target)
     path = cache_dir() / f"{name}-{target}-{key[:32]}.cubin"
     info = {"program": name, "target": target, "cache": str(path)}

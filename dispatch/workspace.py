@@ -512,7 +512,7 @@ def _split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
     return RowSplit(max_tokens, threads, -(-nvec // threads))
 
 
-# What the kernel's 32-bit counts hold (templates/moe_finalize_allreduce.cuh.j2): T times small factors
+# What the kernel's 32-bit counts hold (kernels/): T times small factors
 # stays an int (the largest, FP8-group scale offsets: (H / 128 - 1) * roundup(T, 4) < 2^31), and a buffer's
 # extent is kept in 16-byte vectors in a 32-bit state word.
 MAX_TOKENS = 1 << 24

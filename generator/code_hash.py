@@ -64,7 +64,7 @@ def code_tokens(text: str) -> list[str]:
     return tokens
 
 
-@functools.lru_cache(maxsize=16)  # the body is hashed once with every program
+@functools.lru_cache(maxsize=64)  # the body headers are hashed again with every program
 def _code_bytes(text: str) -> bytes:
     return " ".join(code_tokens(text)).encode("utf-8")
 

@@ -2,10 +2,12 @@
 
 Compares two manifests cell by cell (family x dtype x world size x profile):
 a program that appeared or vanished, a program whose compiled code changed
-(code_sha256: its tokens and the body's, comments and layout aside), and
-selection boundaries that moved. Also whole-table facts: body, parameter plan,
-targets. The revision's code hashes are computed afresh from its files, so a
-change in how the hash is defined never shows as a code change.
+(code_sha256: its tokens and those of the body headers it includes, comments and
+layout aside), and selection boundaries that moved. Also whole-table facts: body,
+parameter plan, targets. The revision's code hashes are computed afresh from its
+files, so a change in how the hash is defined never shows as a code change. A
+revision whose body is split into other files (manifest format 2 had one body
+file) hashes other texts: the diff then says so instead of comparing programs.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import subprocess
 
 from . import spec, tuning
 from .code_hash import code_sha256
+from .verify import ManifestError, inline_includes
 
 # Manifests of format 1 called the first two profiles by their numeric codes.
 _FORMAT1_PROFILES = {"110": spec.PLAIN, "111": "nvfp4"}
@@ -36,22 +39,48 @@ def _git_files(rev: str, root, paths: list[str]) -> dict[str, bytes]:
     return files
 
 
+def body_files(manifest: dict) -> list[str]:
+    """The body's files in the order a program inlines them (format 2: the one body file)."""
+    body = manifest["body"]
+    return [h["file"] for h in body["headers"]] if "headers" in body else [body["file"]]
+
+
+def body_entry(manifest: dict) -> str:
+    """The body file a program includes."""
+    body = manifest["body"]
+    return body["entry"] if "headers" in body else body["file"]
+
+
 def _with_todays_code_hashes(manifest: dict, rev: str, root, generated: str) -> dict:
-    """The manifest with every code_sha256 computed from rev's files as generator/render.py does today."""
+    """The manifest with every code_sha256 computed from rev's files as generator/render.py does today:
+    a program's text, then the text of each body file it includes (inlined as verify.source_for does)."""
     body = manifest.get("body")
     if body is None:
         return manifest
     entries = manifest["programs"]
-    files = _git_files(rev, root, [f"{generated}/{rel}" for rel in [body["file"], *(e["file"] for e in entries)]])
-    body_text = files.get(f"{generated}/{body['file']}")
-    if body_text is None:
+    headers = body_files(manifest)
+    include_dir = body.get("include_dir", headers[0].rsplit("/", 1)[0])
+    files = _git_files(rev, root, [f"{generated}/{rel}" for rel in [*headers, *(e["file"] for e in entries)]])
+    texts = {rel: files[f"{generated}/{rel}"].decode("utf-8") for rel in headers if f"{generated}/{rel}" in files}
+    if len(texts) != len(headers):
         return manifest
-    body_text = body_text.decode("utf-8")
-    body["code_sha256"] = code_sha256(body_text)
+
+    def read(rel: str, including: str) -> str:
+        if rel not in texts:
+            raise ManifestError(f"{including} includes {rel}, which is not a body file")
+        return texts[rel]
+
+    body["code_sha256"] = code_sha256(*(texts[rel] for rel in headers))
     for entry in entries:
         text = files.get(f"{generated}/{entry['file']}")
-        if text is not None:
-            entry["code_sha256"] = code_sha256(text.decode("utf-8"), body_text)
+        if text is None:
+            continue
+        text = text.decode("utf-8")
+        try:
+            included = inline_includes(text, entry["file"], include_dir, read)[1]
+        except ManifestError:
+            continue  # not a tree this generator can read: its recorded hash stays
+        entry["code_sha256"] = code_sha256(text, *(texts[rel] for rel in included))
     return manifest
 
 
@@ -90,7 +119,7 @@ def _label(key: tuple) -> str:
 
 
 def _code_hash(entry: dict) -> str:
-    return entry.get("code_sha256", entry["sha256"])
+    return entry["code_sha256"] if "code_sha256" in entry else entry["sha256"]
 
 
 def _shown_bound(value) -> str:
@@ -102,6 +131,14 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
     """Human-readable change lines, old -> new; empty when nothing changed."""
     old = old or {"programs": [], "holes": [], "selection": {"boundaries": []}}
     lines = []
+    # Code hashes cover the texts of the body's files, so they compare only within one split of the body.
+    same_layout = "body" not in old or body_files(old) == body_files(new)
+    if not same_layout:
+        before, after = body_files(old), body_files(new)
+        lines.append(f"~ kernel body layout changed: {len(before)} file{'s' if len(before) > 1 else ''} "
+                     f"({', '.join(before)}) -> {len(after)} files ({', '.join(after)}); the programs' code "
+                     f"hashes cover other texts, so code changes of programs present in both cannot be told "
+                     f"from them and are not listed (compare the compiled cubins instead)")
     old_programs = {_cell_key(p): p for p in old["programs"]}
     new_programs = {_cell_key(p): p for p in new["programs"]}
     new_holes = {_cell_key(h): h for h in new["holes"]}
@@ -116,7 +153,7 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             hole = new_holes.get(key)
             why = f" (now a hole -> {hole['fallback_family']}: {hole['reason']})" if hole else ""
             lines.append(f"- {_label(key)}: vanished, {before['name']}{why}")
-        elif _code_hash(before) != _code_hash(after) or before["name"] != after["name"]:
+        elif before["name"] != after["name"] or (same_layout and _code_hash(before) != _code_hash(after)):
             lines.append(f"~ {_label(key)}: program changed, {after['name']} "
                          f"code sha256 {_code_hash(before)[:12]} -> {_code_hash(after)[:12]}")
     for key in sorted(set(old_holes) & set(new_holes)):
@@ -145,8 +182,8 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
     if old.get("selection", {}).get("ladder") not in (None, new["selection"]["ladder"]):
         lines.append(f"~ regime ladder: {json.dumps(old['selection']['ladder'])} -> "
                      f"{json.dumps(new['selection']['ladder'])}")
-    if "body" in old and _code_hash(old["body"]) != _code_hash(new["body"]):
-        lines.append(f"~ kernel body {new['body']['file']} changed "
+    if "body" in old and same_layout and _code_hash(old["body"]) != _code_hash(new["body"]):
+        lines.append(f"~ kernel body {body_entry(new)} changed "
                      f"(code sha256 {_code_hash(old['body'])[:12]} -> {_code_hash(new['body'])[:12]})")
     for field, what in (("param_plan", "parameter plan"), ("targets", "targets"),
                         ("compile_options", "compile options")):

@@ -1,12 +1,12 @@
 """Where gen-programs reads its inputs and the generated tree.
 
-Two layouts hold the same files under one root folder: templates/, generated/ and
+Two layouts hold the same files under one root folder: templates/, kernels/, generated/ and
 bench_results/<tuning.BENCH_FILE>.
 
 - A source checkout (or an editable install of one): the folder above this package. `gen-programs`
   regenerates its generated/.
 - An installed wheel: the package data `moe_ar_data` (pyproject.toml maps the three folders into
-  it). Read-only: `list`, `tables`, `compile` and `--check` read it, `--out DIR` renders from it.
+  it, and kernels/). Read-only: `list`, `tables`, `compile` and `--check` read it, `--out DIR` renders from it.
 
 The checkout comes first, so code run from a checkout (PYTHONPATH=.) never pairs with another
 installation's files.
@@ -17,8 +17,8 @@ import importlib.resources
 import pathlib
 
 DATA_PACKAGE = "moe_ar_data"
-# A file every layout has (render.BODY_TEMPLATE); a folder without it is not one of ours.
-_MARKER = ("templates", "moe_finalize_allreduce.cuh.j2")
+# A file every layout has (the kernel body's entry header); a folder without it is not one of ours.
+_MARKER = ("kernels", "moe_finalize_allreduce.cuh")
 
 
 def _holds_sources(root: pathlib.Path) -> bool:

@@ -43,10 +43,13 @@ def _file_entry(rel: str, data: bytes) -> dict:
 
 
 def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha256: dict,
-          generated_info: dict, body_file: str, table_files: dict, selection_file: str) -> dict:
+          generated_info: dict, body: dict, table_files: dict, selection_file: str) -> dict:
     """files: relative path -> bytes of every other generated file.
-    code_sha256: program name (and body_file) -> generator.code_hash.code_sha256 of what it
-    compiles (for a program, its text and the body's): it changes exactly when compiled code may."""
+    body: entry (the header a program includes), include_dir, headers (every body header, in the
+    order a program inlines them), sources (header -> the file it comes from).
+    code_sha256: program name (and body["entry"]) -> generator.code_hash.code_sha256 of what it
+    compiles (for a program, its text and the headers it includes): it changes whenever compiled
+    code may."""
     programs = []
     for program in sorted(enumeration.programs, key=lambda s: s.name):
         family = spec.FAMILY_BY_NAME[program.family]
@@ -94,7 +97,14 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
                           "protocol": f.protocol, "regime": f.regime, "shared_prefetch": f.shared_prefetch}
                          for f in spec.FAMILY_BY_NAME.values()],
         },
-        "body": {**_file_entry(body_file, files[body_file]), "code_sha256": code_sha256[body_file]},
+        # The kernel body: a program's `#include "name"` lines are replaced by include_dir/name,
+        # recursively (verify.source_for); headers in that order.
+        "body": {
+            "entry": body["entry"],
+            "include_dir": body["include_dir"],
+            "headers": [{**_file_entry(rel, files[rel]), "source": body["sources"][rel]} for rel in body["headers"]],
+            "code_sha256": code_sha256[body["entry"]],
+        },
         "param_plan": [[name, ctype, ctypes] for name, ctype, ctypes, _ in abi.PARAMS],
         "limits": {
             "max_world_size": abi.MAX_WORLD_SIZE,

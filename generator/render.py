@@ -4,11 +4,13 @@
 written. `write_tree` writes only files whose bytes changed and removes stale
 ones; `compare_tree` is the `--check` gate.
 
-Every file starts with a do-not-edit header naming its template, the generator
-and how to regenerate it. Only the manifest carries `inputs_sha256` (a hash over
-the relative paths and contents of every input: generator/*.py, templates/*, the
-benchmark results; never absolute paths, never timestamps), so an input change
-that renders the same text rewrites the manifest alone.
+Every rendered file starts with a do-not-edit header naming its template, the
+generator and how to regenerate it. The kernel body's hand-written headers
+(kernels/*.cuh) are copied into generated/kernels/ byte for byte, next to the
+rendered params.cuh. Only the manifest carries `inputs_sha256` (a hash over the
+relative paths and contents of every input: generator/*.py, templates/*,
+kernels/*, the benchmark results; never absolute paths, never timestamps), so an
+input change that renders the same text rewrites the manifest alone.
 """
 from __future__ import annotations
 
@@ -24,17 +26,22 @@ import jinja2
 from . import abi, manifest, spec, tuning
 from .code_hash import code_sha256
 from .enumeration import Enumeration, enumerate_programs
-from .verify import MANIFEST_NAME, REGENERATE
+from .verify import MANIFEST_NAME, REGENERATE, ManifestError, inline_includes
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATOR = "gen-programs, generator/"
 
-BODY_TEMPLATE = "moe_finalize_allreduce.cuh.j2"
+PARAMS_TEMPLATE = "params.cuh.j2"
 PROGRAM_TEMPLATE = "program.cu.j2"
 FAMILY_TABLE_TEMPLATE = "family_table.h.j2"
 SELECTION_TEMPLATE = "selection.h.j2"
 
-BODY_FILE = "kernels/moe_finalize_allreduce.cuh"
+# The kernel body: hand-written headers in KERNEL_DIR (repository) = BODY_DIR (generated/), where
+# params.cuh is rendered next to them; a program includes BODY_ENTRY, which includes the rest.
+KERNEL_DIR = "kernels"
+BODY_DIR = "kernels"
+BODY_ENTRY = f"{BODY_DIR}/moe_finalize_allreduce.cuh"
+PARAMS_FILE = f"{BODY_DIR}/params.cuh"
 SELECTION_FILE = "tables/selection.h"
 
 
@@ -47,11 +54,12 @@ def table_file(family: str) -> str:
 def _inputs(root: pathlib.Path) -> dict[str, pathlib.Path]:
     """Repo-relative POSIX path -> file, of everything that decides the output: the code (root's
     generator/; under an installed wheel's moe_ar_data, which has none, this generator's own files,
-    the same ones), the templates and the benchmark under root."""
+    the same ones), the templates, the kernel headers and the benchmark under root."""
     root = pathlib.Path(root)
     code = root / "generator" if (root / "generator").is_dir() else pathlib.Path(__file__).resolve().parent
     found = {f"generator/{p.name}": p for p in code.glob("*.py") if p.is_file()}
-    found.update((p.relative_to(root).as_posix(), p) for p in (root / "templates").rglob("*")
+    found.update((p.relative_to(root).as_posix(), p) for folder in ("templates", KERNEL_DIR)
+                 for p in (root / folder).rglob("*")
                  if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
                                             for part in p.relative_to(root).parts))
     # the measurements the selection boundaries come from
@@ -81,7 +89,7 @@ def cpp_header(template: str) -> str:
 
 def json_header(inputs: str) -> dict:
     return {
-        "do_not_edit": "GENERATED FILE, DO NOT EDIT; edit generator/ or templates/ and run `gen-programs`",
+        "do_not_edit": "GENERATED FILE, DO NOT EDIT; edit generator/, templates/ or kernels/ and run `gen-programs`",
         "generator": GENERATOR,
         "template": "none: generator/manifest.py writes this file",
         "inputs_sha256": inputs,
@@ -229,17 +237,46 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
     def render(template: str, **context) -> str:
         return env.get_template(template).render(**context)
 
-    body = render(BODY_TEMPLATE,
-                  params=[{"name": n, "ctype": c, "meaning": m} for n, c, _, m in abi.PARAMS],
-                  max_world_size=abi.MAX_WORLD_SIZE,
-                  max_vec_per_thread=abi.MAX_VEC_PER_THREAD,
-                  max_threads=abi.MAX_THREADS)
-    out.add(BODY_FILE, cpp_header(BODY_TEMPLATE) + body)
-    # What the compiled code depends on, comments and layout aside: the body, and for a program
-    # its own text and the body's.
-    code_hashes = {BODY_FILE: code_sha256(body)}
+    # The body: the rendered params.cuh and the hand-written headers, copied as they are.
+    body_texts = {PARAMS_FILE: cpp_header(PARAMS_TEMPLATE) + render(
+        PARAMS_TEMPLATE,
+        params=[{"name": n, "ctype": c, "meaning": m} for n, c, _, m in abi.PARAMS],
+        max_world_size=abi.MAX_WORLD_SIZE,
+        max_vec_per_thread=abi.MAX_VEC_PER_THREAD,
+        max_threads=abi.MAX_THREADS)}
+    body_sources = {PARAMS_FILE: f"templates/{PARAMS_TEMPLATE}"}
+    for path in sorted((root / KERNEL_DIR).glob("*.cuh")):
+        rel = f"{BODY_DIR}/{path.name}"
+        if rel in body_texts:
+            raise GenerateError(f"{KERNEL_DIR}/{path.name}: the generator writes {rel} itself")
+        body_texts[rel] = path.read_bytes().decode("utf-8")
+        body_sources[rel] = f"{KERNEL_DIR}/{path.name}"
+    for rel, text in body_texts.items():
+        out.add(rel, text)
 
-    body_name = pathlib.PurePosixPath(BODY_FILE).name
+    def inlined(text: str, origin: str) -> list[str]:
+        """The body headers a file includes, in the order they are inlined (verify.source_for's)."""
+        def read(rel: str, including: str) -> str:
+            if rel not in body_texts:
+                raise GenerateError(f"{body_sources.get(including, including)}: includes "
+                                    f"{rel.rsplit('/', 1)[-1]!r}, which is neither in {KERNEL_DIR}/ nor generated")
+            return body_texts[rel]
+        try:
+            return inline_includes(text, origin, BODY_DIR, read)[1]
+        except ManifestError as e:
+            raise GenerateError(str(e)) from None
+
+    body_name = BODY_ENTRY[len(BODY_DIR) + 1:]
+    body_order = inlined(f'#include "{body_name}"\n', "programs/")
+    unused = sorted(set(body_texts) - set(body_order))
+    if unused:
+        raise GenerateError(f"{', '.join(body_sources[rel] for rel in unused)}: included by no program "
+                            f"(add it to {KERNEL_DIR}/{body_name} or remove it)")
+    # What the compiled code depends on, comments and layout aside: the body's headers in the order
+    # they are inlined, and for a program its own text and the headers it includes.
+    code_hashes = {BODY_ENTRY: code_sha256(*(body_texts[rel] for rel in body_order))}
+    body = {"entry": BODY_ENTRY, "include_dir": BODY_DIR, "headers": body_order, "sources": body_sources}
+
     for program in enumeration.programs:
         family = spec.FAMILY_BY_NAME[program.family]
         profile = spec.PROFILE_BY_NAME[program.profile]
@@ -259,7 +296,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       profile_quant="None" if profile.quant is None else f'"{profile.quant}"',
                       profile_meaning=profile.meaning)
         out.add(program.file_name, cpp_header(PROGRAM_TEMPLATE) + text)
-        code_hashes[program.name] = code_sha256(text, body)
+        code_hashes[program.name] = code_sha256(text, *(body_texts[rel] for rel in inlined(text, program.file_name)))
 
     table_files = {}
     for family in spec.FAMILY_BY_NAME.values():
@@ -270,7 +307,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
             + render(SELECTION_TEMPLATE, **_selection_context(selection)))
 
     doc = manifest.build(enumeration, selection, out.as_dict(), code_hashes, json_header(inputs),
-                         BODY_FILE, table_files, SELECTION_FILE)
+                         body, table_files, SELECTION_FILE)
     out.add(MANIFEST_NAME, manifest.dumps(doc))
     return Result(out, enumeration, inputs)
 

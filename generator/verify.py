@@ -7,9 +7,12 @@ the runtime never imports the generator.
     manifest = load_verified_manifest(generated_dir)   # raises ManifestError
     text = source_for(manifest, generated_dir, "moe_ar_ts_bf16_ws4_o110")
 
-`source_for` returns one self-contained translation unit (the program with its
-`#include` of the body replaced by the body's text), so a compile cache keyed
-on the source string changes whenever either file changes.
+`source_for` returns one self-contained translation unit: the program with each
+`#include "name"` line replaced by the text of the body header
+generated/<include_dir>/name, recursively, a header with `#pragma once` only at
+its first include. Every file is checked against the manifest before it is
+used, and a compile cache keyed on the source string changes whenever any of
+them changes. `#include <...>` lines stay for NVRTC (the CUDA headers).
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import pathlib
 MANIFEST_NAME = "manifest.json"
 # 2: records of families and output profiles (profiles named by their quant= value), the regime
 # ladder in `selection`, code_sha256 blind to comments.
-FORMAT = 2
+# 3: the body is a set of headers (`body`: entry, include_dir, headers), inlined recursively.
+FORMAT = 3
 REGENERATE = "run `gen-programs` to regenerate"
 
 
@@ -70,8 +74,8 @@ def verify_manifest(manifest: dict, generated_dir: pathlib.Path) -> None:
     files = manifest["files"]
     for rel in sorted(files):
         _read_checked(generated_dir, rel, files[rel]["sha256"], files[rel]["bytes"])
-    # The per-program and body entries must agree with the file list.
-    for entry in [manifest["body"], *manifest["programs"]]:
+    # The per-program and body header entries must agree with the file list.
+    for entry in [*manifest["body"]["headers"], *manifest["programs"]]:
         listed = files.get(entry["file"])
         if listed is None or listed["sha256"] != entry["sha256"] or listed["bytes"] != entry["bytes"]:
             raise ManifestError(f"{MANIFEST_NAME}: entry for generated/{entry['file']} disagrees with its "
@@ -92,23 +96,91 @@ def program_entry(manifest: dict, program_name: str) -> dict:
     raise ManifestError(f"{MANIFEST_NAME}: no program {program_name!r} (a hole, or not generated); {REGENERATE}")
 
 
-def source_for(manifest: dict, generated_dir: pathlib.Path, program_name: str) -> str:
-    """The program's translation unit with the body inlined: what NVRTC compiles.
+def quoted_include(line: str) -> str | None:
+    """The name in a line `#include "name"` (a trailing // comment allowed), else None."""
+    text = line.strip()
+    if not text.startswith("#"):
+        return None
+    rest = text[1:].lstrip()
+    if not rest.startswith("include"):
+        return None
+    rest = rest[len("include"):].lstrip()
+    if not rest.startswith('"') or '"' not in rest[1:]:
+        return None
+    end = rest.index('"', 1)
+    tail = rest[end + 1:].strip()
+    if tail and not tail.startswith("//"):
+        return None
+    return rest[1:end]
 
-    The program file holds exactly one line `#include "<body file name>"`; it is
-    replaced by the body's text. Both files are re-checked against the manifest.
-    """
+
+def has_pragma_once(text: str) -> bool:
+    return any("".join(line.split()) == "#pragmaonce" for line in text.splitlines())
+
+
+def inline_includes(text: str, origin: str, include_dir: str, read) -> tuple[str, list[str]]:
+    """text (the file `origin`, relative to generated/) with every `#include "name"` line replaced by
+    the text of include_dir/name, recursively, as the preprocessor would include it: a header with
+    `#pragma once` at its first include only (later includes of it become nothing), one without at
+    every include (every such line counts: the body headers put none in comments or #if blocks).
+    read(rel, including) returns the text of header rel, included by file `including`, or raises
+    ManifestError. Returns the source and the headers in the order they were first inlined."""
+    out: list[str] = []
+    order: list[str] = []
+    once: set[str] = set()
+
+    def expand(body: str, where: str, stack: tuple[str, ...]) -> None:
+        for line in body.splitlines(keepends=True):
+            name = quoted_include(line)
+            if name is None:
+                out.append(line)
+                continue
+            rel = f"{include_dir}/{name}"
+            if rel in once:
+                continue
+            if rel in stack:
+                raise ManifestError(f"generated/{where}: includes {name!r} within itself "
+                                    f"({' -> '.join(stack + (rel,))}); {REGENERATE}")
+            header = read(rel, where)
+            if has_pragma_once(header):
+                once.add(rel)
+            if rel not in order:
+                order.append(rel)
+            expand(header if header.endswith("\n") else header + "\n", rel, stack + (rel,))
+
+    expand(text, origin, (origin,))
+    return "".join(out), order
+
+
+def _checked_header_reader(manifest: dict, generated_dir: pathlib.Path):
+    """read(rel, including) for inline_includes: a body header listed in the manifest, checked."""
+    headers = {h["file"]: h for h in manifest["body"]["headers"]}
+
+    def read(rel: str, including: str) -> str:
+        entry = headers.get(rel)
+        if entry is None:
+            raise ManifestError(f"generated/{including}: includes {rel.rsplit('/', 1)[-1]!r}, which is not a "
+                                f"body header of {MANIFEST_NAME}; {REGENERATE}")
+        return _read_checked(generated_dir, rel, entry["sha256"], entry["bytes"]).decode("utf-8")
+    return read
+
+
+def source_for(manifest: dict, generated_dir: pathlib.Path, program_name: str) -> str:
+    """The program's translation unit with the body headers inlined: what NVRTC compiles.
+    The program and every header it includes are re-checked against the manifest."""
     entry = program_entry(manifest, program_name)
-    body = manifest["body"]
-    body_text = _read_checked(generated_dir, body["file"], body["sha256"], body["bytes"]).decode("utf-8")
     program_text = _read_checked(generated_dir, entry["file"], entry["sha256"], entry["bytes"]).decode("utf-8")
-    include = f'#include "{pathlib.PurePosixPath(body["file"]).name}"'
-    lines = program_text.splitlines(keepends=True)
-    hits = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == include]
-    if len(hits) != 1:
-        raise ManifestError(f"generated/{entry['file']}: expected exactly one line {include!r}, "
-                            f"found {len(hits)}; {REGENERATE}")
-    if not body_text.endswith("\n"):
-        body_text += "\n"
-    lines[hits[0]] = body_text
-    return "".join(lines)
+    source, _ = inline_includes(program_text, entry["file"], manifest["body"]["include_dir"],
+                                _checked_header_reader(manifest, generated_dir))
+    return source
+
+
+def body_source(manifest: dict, generated_dir: pathlib.Path) -> str:
+    """The body alone (its entry header with everything it includes inlined), checked: what a
+    program includes, for code that calls the body's device functions."""
+    body = manifest["body"]
+    entry = body["entry"]
+    name = entry[len(body["include_dir"]) + 1:]
+    source, _ = inline_includes(f'#include "{name}"\n', "programs/", body["include_dir"],
+                                _checked_header_reader(manifest, generated_dir))
+    return source

@@ -34,7 +34,7 @@ def run_cli(args, cwd, env_extra=None, pythonpath=None):
 
 def copy_repo(dest: pathlib.Path) -> pathlib.Path:
     """The generator's inputs and the committed outputs, in a scratch folder."""
-    for name in ("generator", "templates", "generated", "bench_results"):
+    for name in ("generator", "templates", "kernels", "generated", "bench_results"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
@@ -241,13 +241,19 @@ def test_generation_is_deterministic_across_runs_dirs_cwd_and_hash_seed(rendered
 
 
 def test_outputs_name_no_absolute_path_and_carry_header(rendered):
-    """Every file says it is generated, from which template, and how to regenerate it; only the
-    manifest carries the inputs hash."""
+    """Every rendered file says it is generated, from which template, and how to regenerate it; the
+    hand-written kernel headers are their sources byte for byte; only the manifest carries the inputs
+    hash."""
+    copied = {f"{render.BODY_DIR}/{p.name}" for p in (ROOT / render.KERNEL_DIR).glob("*.cuh")}
+    assert copied and render.BODY_ENTRY in copied and render.PARAMS_FILE not in copied
     for rel, data in rendered.outputs.items():
         text = data.decode("utf-8")
         assert str(ROOT) not in text and "/tmp" not in text and "/home" not in text, rel
         assert text.endswith("\n"), rel
-        if rel.endswith((".cu", ".cuh", ".h")):
+        if rel in copied:
+            assert data == (ROOT / render.KERNEL_DIR / rel.rsplit("/", 1)[1]).read_bytes(), rel
+            assert rendered.inputs_sha256 not in text, rel
+        elif rel.endswith((".cu", ".cuh", ".h")):
             first, second = text.splitlines()[:2]
             assert first.startswith("// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from "
                                     "templates/") and first.endswith(".j2."), rel
@@ -260,7 +266,8 @@ def test_outputs_name_no_absolute_path_and_carry_header(rendered):
 def test_inputs_hash_covers_generator_and_templates():
     files = render.input_files(ROOT)
     assert "generator/spec.py" in files and "templates/program.cu.j2" in files
-    assert "templates/moe_finalize_allreduce.cuh.j2" in files
+    assert "templates/params.cuh.j2" in files and "kernels/moe_finalize_allreduce.cuh" in files
+    assert {f"kernels/{p.name}" for p in (ROOT / "kernels").glob("*.cuh")} <= set(files)
     assert all(not f.startswith("/") for f in files) and files == sorted(files)
 
 
@@ -421,10 +428,28 @@ def test_code_hash_ignores_comments_and_layout_only():
 
 
 def test_code_sha256_of_the_committed_programs_ignores_their_comments(rendered, manifest):
-    body = rendered.outputs[manifest["body"]["file"]].decode()
-    assert manifest["body"]["code_sha256"] == code_hash.code_sha256(body)  # the header is a comment
+    # every program includes the whole body, in the manifest's order (params.cuh's header is a comment)
+    headers = [rendered.outputs[h["file"]].decode() for h in manifest["body"]["headers"]]
+    assert manifest["body"]["code_sha256"] == code_hash.code_sha256(*headers)
     for entry in manifest["programs"][:5]:
-        assert entry["code_sha256"] == code_hash.code_sha256(rendered.outputs[entry["file"]].decode(), body)
+        assert entry["code_sha256"] == code_hash.code_sha256(rendered.outputs[entry["file"]].decode(), *headers)
+
+
+def test_the_body_is_every_kernel_header_in_include_order(rendered, manifest):
+    body = manifest["body"]
+    files = [h["file"] for h in body["headers"]]
+    assert body["entry"] == render.BODY_ENTRY == files[0] and body["include_dir"] == render.BODY_DIR
+    assert set(files) == {rel for rel, _ in rendered.outputs.items() if rel.startswith(render.BODY_DIR + "/")}
+    assert {h["file"]: h["source"] for h in body["headers"]} == {
+        **{f"{render.BODY_DIR}/{p.name}": f"{render.KERNEL_DIR}/{p.name}" for p in (ROOT / render.KERNEL_DIR).glob("*.cuh")},
+        render.PARAMS_FILE: f"templates/{render.PARAMS_TEMPLATE}"}
+    # the entry lists the others in the order they are inlined; each is a plain header
+    entry_text = rendered.outputs[render.BODY_ENTRY].decode()
+    listed = [verify.quoted_include(line) for line in entry_text.splitlines() if verify.quoted_include(line)]
+    assert [f"{render.BODY_DIR}/{name}" for name in listed] == files[1:]
+    for rel in files:
+        text = rendered.outputs[rel].decode()
+        assert verify.has_pragma_once(text) and "{{" not in text and "{%" not in text, rel
 
 
 def _changed(before: render.Outputs, after: render.Outputs) -> set[str]:
@@ -438,30 +463,35 @@ def _edit(path: pathlib.Path, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def test_a_comment_change_rewrites_at_most_the_manifest_and_the_body(rendered, manifest, tmp_path):
-    """A comment-only (or whitespace-only) change of the body template rewrites the body and the
-    manifest, nothing else, and no code_sha256 moves; a generator .py change that renders the same
-    text rewrites the manifest alone; a real code change moves the body's and every program's
-    code_sha256."""
+@pytest.mark.parametrize("header", ["lamport.cuh", "moe_finalize_allreduce.cuh"])
+def test_a_comment_change_rewrites_at_most_the_manifest_and_the_body(rendered, manifest, tmp_path, header):
+    """A comment-only (or whitespace-only) change of a body header rewrites its copy in generated/
+    and the manifest, nothing else, and no code_sha256 moves; so does one of the params template
+    (its rendered header); a generator .py change that renders the same text rewrites the manifest
+    alone; a real code change moves the body's and every program's code_sha256."""
     repo = copy_repo(tmp_path / "repo")
-    body_template = repo / "templates" / render.BODY_TEMPLATE
-    _edit(body_template, "#pragma once\n", "#pragma once\n// a comment added by the test\n\n")
-    text = body_template.read_text()
-    indented = next(line for line in text.splitlines() if line.startswith("  ") and line.strip().endswith(";"))
-    body_template.write_text(text.replace(indented + "\n", "  " + indented + "\n", 1))  # whitespace only
+    source = repo / render.KERNEL_DIR / header
+    _edit(source, "#pragma once\n", "#pragma once\n// a comment added by the test\n\n")
+    text = source.read_text()
+    indented = next(line for line in text.splitlines() if line.startswith("#include"))
+    source.write_text(text.replace(indented + "\n", indented + "  \n", 1))  # whitespace only
+    params = repo / "templates" / render.PARAMS_TEMPLATE
+    _edit(params, "struct Params {", "// a comment added by the test\nstruct Params {")
     commented = render.render_all(repo)
-    assert _changed(rendered.outputs, commented.outputs) == {"manifest.json", render.BODY_FILE}
+    assert _changed(rendered.outputs, commented.outputs) == {
+        "manifest.json", f"{render.BODY_DIR}/{header}", render.PARAMS_FILE}
     new = json.loads(commented.outputs["manifest.json"])
     assert new["_generated"]["inputs_sha256"] != manifest["_generated"]["inputs_sha256"]
     assert new["body"]["code_sha256"] == manifest["body"]["code_sha256"]
     assert [p["code_sha256"] for p in new["programs"]] == [p["code_sha256"] for p in manifest["programs"]]
     assert diff_manifests(manifest, new) == []
 
-    shutil.copy(ROOT / "templates" / render.BODY_TEMPLATE, body_template)
+    shutil.copy(ROOT / render.KERNEL_DIR / header, source)
+    shutil.copy(ROOT / "templates" / render.PARAMS_TEMPLATE, params)
     _edit(repo / "generator" / "spec.py", "# ---- dtypes and world sizes", "# ---- dtypes and world sizes (edited)")
     assert _changed(rendered.outputs, render.render_all(repo).outputs) == {"manifest.json"}
 
-    _edit(body_template, "kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u")
+    _edit(repo / render.KERNEL_DIR / "lamport.cuh", "kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u")
     new = json.loads(render.render_all(repo).outputs["manifest.json"])
     assert new["body"]["code_sha256"] != manifest["body"]["code_sha256"]
     assert all(a["code_sha256"] != b["code_sha256"] for a, b in zip(manifest["programs"], new["programs"]))
@@ -492,6 +522,38 @@ def test_diff_recomputes_the_revisions_code_hashes_and_profile_names(tmp_path):
     assert {p["profile"] for p in at_rev["programs"]} == set(spec.OUTPUT_PROFILES)
     r = run_cli(["diff", "HEAD"], cwd=repo)
     assert r.returncode == 0 and r.stdout.strip() == "no changes", r.stdout + r.stderr
+
+
+def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
+    """A revision of manifest format 2 had the body in one file: `diff` hashes its programs as that
+    layout compiles them (the program and the body), and says that the layouts differ instead of
+    calling every program changed."""
+    repo = copy_repo(tmp_path / "repo")
+    gen = repo / "generated"
+    current = json.loads((gen / "manifest.json").read_text())
+    body_text = verify.body_source(current, gen)
+    for header in current["body"]["headers"]:
+        (gen / header["file"]).unlink()
+    (gen / "kernels" / "moe_finalize_allreduce.cuh").write_text(body_text)
+    old = dict(current, format=2, body={"file": "kernels/moe_finalize_allreduce.cuh", "code_sha256": "0" * 64,
+                                        "sha256": verify.sha256_bytes(body_text.encode()), "bytes": len(body_text)})
+    (gen / "manifest.json").write_text(json.dumps(old))
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "one body file")
+    at_rev = manifest_at("HEAD", repo)
+    assert at_rev["body"]["code_sha256"] == code_hash.code_sha256(body_text)
+    for entry in at_rev["programs"][:3]:
+        program = (gen / entry["file"]).read_text()
+        assert entry["code_sha256"] == code_hash.code_sha256(program, body_text)
+    assert run_cli([], cwd=repo).returncode == 0  # today's layout
+    r = run_cli(["diff", "HEAD"], cwd=repo)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 0 and len(lines) == 1, r.stdout + r.stderr
+    assert lines[0].startswith("~ kernel body layout changed: 1 file (kernels/moe_finalize_allreduce.cuh) -> "
+                               f"{len(current['body']['headers'])} files (kernels/moe_finalize_allreduce.cuh, "
+                               "kernels/params.cuh, "), lines
+    assert "code changes of programs present in both cannot be told" in lines[0]
 
 
 # ---- the emitted C++ tables ---------------------------------------------------------
@@ -567,9 +629,63 @@ def test_verify_accepts_a_fresh_tree_and_inlines_the_body(generated_copy, manife
     loaded = verify.load_verified_manifest(generated_copy)
     name = loaded["programs"][0]["name"]
     source = verify.source_for(loaded, generated_copy, name)
-    body = (generated_copy / loaded["body"]["file"]).read_text()
-    assert '#include "moe_finalize_allreduce.cuh"' not in source
-    assert body in source and f" {name}(" in source
+    assert not any(verify.quoted_include(line) for line in source.splitlines())
+    assert f" {name}(" in source and source.startswith((generated_copy / loaded["programs"][0]["file"]).read_text()
+                                                       .split('#include "', 1)[0])
+    # every header once, in the manifest's order, each line of it kept but its includes
+    headers = [h["file"] for h in loaded["body"]["headers"]]
+    assert source.count("#pragma once") == len(headers)
+    at = [source.index("".join(line for line in (generated_copy / rel).read_text().splitlines(keepends=True)
+                               if not verify.quoted_include(line))) for rel in headers]
+    assert at == sorted(at)
+    body = verify.body_source(loaded, generated_copy)
+    assert body in source and source.count("namespace moe_ar {") == body.count("namespace moe_ar {") > 1
+
+
+def _tree(tmp_path, files: dict[str, str]) -> tuple[dict, pathlib.Path]:
+    """A generated/ tree with one program prog.cu and the given body headers (kernels/<name>)."""
+    gen = tmp_path / "gen"
+    entries = {}
+    for rel, text in {"programs/prog.cu": files.pop("programs/prog.cu"),
+                      **{f"kernels/{n}": t for n, t in files.items()}}.items():
+        (gen / rel).parent.mkdir(parents=True, exist_ok=True)
+        (gen / rel).write_text(text)
+        entries[rel] = {"file": rel, "sha256": verify.sha256_bytes(text.encode()), "bytes": len(text.encode())}
+    manifest = {"format": verify.FORMAT, "files": {rel: {k: e[k] for k in ("sha256", "bytes")} for rel, e in entries.items()},
+                "programs": [{**entries["programs/prog.cu"], "name": "prog"}],
+                "body": {"entry": "kernels/a.h", "include_dir": "kernels",
+                         "headers": [e for rel, e in entries.items() if rel.startswith("kernels/")]}}
+    return manifest, gen
+
+
+def test_source_for_inlines_as_the_preprocessor_includes(tmp_path):
+    """#pragma once headers once (at their first include), headers without it at every include,
+    recursively; a trailing comment on the include line; #include <...> stays."""
+    manifest, gen = _tree(tmp_path, {
+        "programs/prog.cu": '#include "a.h"  // the body\n#include "b.h"\nint main_;\n',
+        "a.h": '#pragma once\n#include <cuda_fp16.h>\n#include "b.h"\n#include "c.h"\n#include "c.h"\nint a;\n',
+        "b.h": "#pragma once\n#include \"a.h\"\nint b;",  # no newline at the end
+        "c.h": "#ifndef C\n#define C\nint c;\n#endif\n"})
+    source = verify.source_for(manifest, gen, "prog")
+    assert source == ("#pragma once\n#include <cuda_fp16.h>\n#pragma once\nint b;\n"
+                      "#ifndef C\n#define C\nint c;\n#endif\n#ifndef C\n#define C\nint c;\n#endif\nint a;\nint main_;\n")
+    assert verify.inline_includes('#include "a.h"\n', "x", "kernels",
+                                  lambda rel, _: (gen / rel).read_text())[1] == ["kernels/a.h", "kernels/b.h", "kernels/c.h"]
+
+
+def test_source_for_refuses_an_unlisted_include_a_cycle_and_a_tampered_header(tmp_path):
+    manifest, gen = _tree(tmp_path, {"programs/prog.cu": '#include "a.h"\n', "a.h": '#include "d.h"\n'})
+    with pytest.raises(verify.ManifestError, match=r"generated/kernels/a.h: includes 'd.h', which is not a body header"):
+        verify.source_for(manifest, gen, "prog")
+    manifest, gen = _tree(tmp_path / "2", {"programs/prog.cu": '#include "a.h"\n', "a.h": '#include "b.h"\n',
+                                           "b.h": '#include "a.h"\n'})
+    with pytest.raises(verify.ManifestError, match=r"includes 'a.h' within itself \(programs/prog.cu -> kernels/a.h "
+                                                   r"-> kernels/b.h -> kernels/a.h\)"):
+        verify.source_for(manifest, gen, "prog")
+    manifest, gen = _tree(tmp_path / "3", {"programs/prog.cu": '#include "a.h"\n', "a.h": "#pragma once\n"})
+    (gen / "kernels" / "a.h").write_text("#pragma once\nint x;\n")
+    with pytest.raises(verify.ManifestError, match="generated/kernels/a.h: does not match"):
+        verify.source_for(manifest, gen, "prog")
 
 
 def test_verify_refuses_a_tampered_file(generated_copy, manifest):
@@ -583,7 +699,7 @@ def test_verify_refuses_a_tampered_file(generated_copy, manifest):
 
 @pytest.mark.parametrize("which", ["program", "body", "table"])
 def test_verify_refuses_a_missing_file(generated_copy, manifest, which):
-    rel = {"program": manifest["programs"][0]["file"], "body": manifest["body"]["file"],
+    rel = {"program": manifest["programs"][0]["file"], "body": manifest["body"]["headers"][-1]["file"],
            "table": manifest["tables"]["twoshot"]}[which]
     (generated_copy / rel).unlink()
     with pytest.raises(verify.ManifestError) as e:
@@ -591,11 +707,14 @@ def test_verify_refuses_a_missing_file(generated_copy, manifest, which):
     assert f"generated/{rel}: missing" in str(e.value) and "gen-programs" in str(e.value)
 
 
-def test_source_for_rechecks_the_body(generated_copy, manifest):
+@pytest.mark.parametrize("header", ["kernels/moe_finalize_allreduce.cuh", "kernels/lamport.cuh", "kernels/params.cuh"])
+def test_source_for_rechecks_the_body(generated_copy, manifest, header):
     loaded = verify.load_verified_manifest(generated_copy)
-    (generated_copy / loaded["body"]["file"]).write_text("// edited\n")
-    with pytest.raises(verify.ManifestError, match="kernels/moe_finalize_allreduce.cuh"):
+    (generated_copy / header).write_text("// edited\n")
+    with pytest.raises(verify.ManifestError, match=f"generated/{header}: does not match"):
         verify.source_for(loaded, generated_copy, loaded["programs"][0]["name"])
+    with pytest.raises(verify.ManifestError, match=f"generated/{header}: does not match"):
+        verify.body_source(loaded, generated_copy)
 
 
 def test_verify_refuses_a_missing_manifest(tmp_path):

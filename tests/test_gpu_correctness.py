@@ -241,13 +241,14 @@ def test_nvfp4_ref_on_gpu_equals_cpu(seed_for):
 # ---- the body's NVFP4 encoders, for every float --------------------------------------------------
 
 def _probe_module(probe_source: str, name: str):
-    """The kernel body (generated/kernels/) followed by probe kernels that call its device functions,
-    compiled with the programs' options for this GPU and loaded."""
+    """The kernel body (generated/kernels/, its headers inlined) followed by probe kernels that call its
+    device functions, compiled with the programs' options for this GPU and loaded."""
     import cupy
     from cupy.cuda import function
+    from dispatch import manifest as runtime_manifest
     from dispatch import registry
     ps = registry.program_set()
-    body = (ps.dir / ps.manifest["body"]["file"]).read_text()
+    body = runtime_manifest.body_source(ps.manifest, ps.dir)
     cc = cupy.cuda.Device().compute_capability
     target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
     cubin, _ = registry.compile_cubin(body + probe_source, name, target)

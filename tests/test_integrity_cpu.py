@@ -50,11 +50,11 @@ def test_corrupt_cache_entry_is_recompiled_not_loaded(cache):
 
 
 def test_cache_key_covers_the_inlined_body(cache):
-    # The cache key hashes the self-contained source: the body text is part of it.
+    # The cache key hashes the self-contained source: the text of every body header is part of it.
     ps = registry.program_set()
     source = runtime_manifest.source_for(ps.manifest, ps.dir, PROGRAM)
-    body = (ps.dir / ps.manifest["body"]["file"]).read_text()
-    assert body in source and "#include \"moe_finalize_allreduce.cuh\"" not in source
+    assert runtime_manifest.body_source(ps.manifest, ps.dir) in source
+    assert not any(runtime_manifest.quoted_include(line) for line in source.splitlines())
     assert registry._cache_key(source, "sm_90a") != registry._cache_key(source + "\n", "sm_90a")
 
 
@@ -76,11 +76,11 @@ def test_tampered_program_source_is_refused_by_name(generated_copy):
 
 
 def test_tampered_body_and_mismatched_manifest_are_refused(generated_copy):
-    body = generated_copy / "kernels" / "moe_finalize_allreduce.cuh"
-    body.write_text(body.read_text().replace("kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u"))
-    with pytest.raises(runtime_manifest.ManifestError, match="kernels/moe_finalize_allreduce.cuh"):
+    header = generated_copy / "kernels" / "lamport.cuh"
+    header.write_text(header.read_text().replace("kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u"))
+    with pytest.raises(runtime_manifest.ManifestError, match="generated/kernels/lamport.cuh: does not match"):
         runtime_manifest.load_verified_manifest(generated_copy)
-    shutil.copy(ROOT / "generated" / "kernels" / "moe_finalize_allreduce.cuh", body)
+    shutil.copy(ROOT / "generated" / "kernels" / "lamport.cuh", header)
     m = generated_copy / "manifest.json"
     known = runtime_manifest.FORMAT  # a format this reader does not know: the next one
     m.write_text(m.read_text().replace(f'"format": {known},', f'"format": {known + 1},'))

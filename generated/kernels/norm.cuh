@@ -1,0 +1,61 @@
+// The epilogue of a token row: RMSNorm of residual_out into norm_out, then the quantized output of
+// the profile (nvfp4.cuh, fp8.cuh).
+#pragma once
+#include "block_sum.cuh"
+#include "call.cuh"
+#include "fp8.cuh"
+#include "nvfp4.cuh"
+#include "params.cuh"
+#include "vector.cuh"
+
+namespace moe_ar {
+
+// Epilogue of one token row: residual_out values (in the dtype, held in registers)
+// -> RMSNorm -> norm_out (+ NVFP4 or FP8). The whole block calls it for the same row.
+// kOverlapQuantRounds, kFewestQuantInstructions: see quantize_row_nvfp4. kStreamingStores: the
+// stores of norm_out and of the quantized row evict first (see pipelined_two_shot).
+template <typename D, Profile P, bool kOverlapQuantRounds = false, bool kFewestQuantInstructions = true,
+          bool kStreamingStores = false>
+__device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  // The global scale of the quantized output, like gamma read before the block reduction, which hides
+  // its latency (read per NVFP4 vector, it was on each vector's dependent chain).
+  const float quant_scale = P == Profile::kFp8Tensor || P == Profile::kNvfp4 ? __ldg(p.quant_scale) : 0.f;
+  uint4 gamma[kMaxVecPerThread];  // loaded before the block reduction, which hides their latency
+  float sumsq = 0.f;
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    gamma[r] = make_uint4(0, 0, 0, 0);
+    if (r < vpt && v < nvec) {
+      gamma[r] = load_readonly(static_cast<const D*>(p.norm_weight) + v * kElemsPerVec);
+      float x[8];
+      Vec<D>::to_float(res[r], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sumsq = fmaf(x[i], x[i], sumsq);
+    }
+  }
+  const float rms = rsqrtf(__fdiv_rn(block_sum(sumsq), (float)H) + p.eps);
+  D* norm_out = static_cast<D*>(p.norm_out) + (long long)t * H;
+  uint4 normed[kMaxVecPerThread];  // norm_out in the dtype: what the quantized outputs encode
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    normed[r] = make_uint4(0, 0, 0, 0);
+    if (r >= vpt || v >= nvec) continue;
+    float g[8], x[8], y[8];
+    Vec<D>::to_float(gamma[r], g);
+    Vec<D>::to_float(res[r], x);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = __fmul_rn(__fmul_rn(x[i], rms), g[i] + p.weight_bias);
+    normed[r] = Vec<D>::from_float(y);
+    if (kStreamingStores) __stcs(reinterpret_cast<uint4*>(norm_out) + v, normed[r]);
+    else reinterpret_cast<uint4*>(norm_out)[v] = normed[r];
+  }
+  if (P == Profile::kNvfp4)
+    quantize_row_nvfp4<D, kOverlapQuantRounds, kFewestQuantInstructions, kStreamingStores>(p, t, normed, quant_scale);
+  if (P == Profile::kFp8Group128) quantize_row_fp8_group<D, kStreamingStores>(p, t, normed);
+  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D, kStreamingStores>(p, t, normed, quant_scale);
+}
+
+}  // namespace moe_ar
