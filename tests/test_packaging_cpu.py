@@ -130,8 +130,9 @@ def test_a_checkout_reads_its_own_tree():
     assert registry._generated_dir() == ROOT / "generated"
 
 
-def test_the_layout_marker_is_the_body_template():
-    assert locations._MARKER == ("templates", render.BODY_TEMPLATE)
+def test_the_layout_marker_is_the_body_entry_header():
+    assert locations._MARKER == (render.KERNEL_DIR, render.BODY_ENTRY.split("/")[-1])
+    assert (ROOT / render.KERNEL_DIR / render.BODY_ENTRY.split("/")[-1]).is_file()
 
 
 def test_the_generator_hashes_its_own_code():
