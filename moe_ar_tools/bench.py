@@ -19,6 +19,12 @@ What it measures, per shape (hidden, top_k, shared expert), token count T and ou
   symm+torch   the same torch ops around torch's symmetric-memory all-reduce, one-shot and
                two-shot (peer loads/stores, never NVLink multicast), where the installed torch
                offers it. Profile 110 only. Records carry `variant`.
+  nccl+compiled, symm+compiled
+               the same two steps with the finalize and the residual + RMSNorm epilogue each
+               wrapped in torch.compile (inductor, fullgraph, static shapes; compiled per shape
+               before capture, the compiled code captured in the graph around the all-reduce):
+               the best unfused step a user gets without our kernel. A compile failure skips
+               them for the rest of the run, with the reason recorded.
   auto         dispatch.moe_finalize_allreduce with the dispatcher choosing the program.
   auto+quant   FP8 profiles only: the unfused alternative to a fused FP8 output, i.e. auto with
                plain output (profile 110) followed by a separate FP8 quantization kernel
@@ -32,7 +38,8 @@ round (A C B, B A C, ...: no system always follows the same one or comes first).
 timed with CUDA events on every rank; a replay's time is the maximum over ranks (the slowest
 rank is the step time), divided by `calls`. A record's median_us is the median over `reps`
 replays; ratios are medians of per-replay ratios against the baseline replayed in the same
-round, so drift cancels.
+round, so drift cancels. ratio_vs_best_baseline is against the unfused baseline (nccl/symm, torch
+or compiled, any variant) with the smallest median at that point in the same run.
 
 Correctness: outputs are checked against a float64 reference (each rank's partial rounded to
 the dtype once, summed across ranks in float64, residual rounded once, RMSNorm in float64)
@@ -79,9 +86,12 @@ REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 DEFAULT_SHAPES = "7168:8:shared,7168:8,7168:4:shared,4096:8"
 DEFAULT_TOKENS = ",".join(str(2 ** i) for i in range(15))  # 1 .. 16384
-DEFAULT_SYSTEMS = "nccl+torch,symm+torch,auto,auto+quant,programs"
-BASELINES = ("nccl+torch", "symm+torch", "auto+quant")
-SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "auto+quant", "programs")
+DEFAULT_SYSTEMS = "nccl+torch,symm+torch,nccl+compiled,symm+compiled,auto,auto+quant,programs"
+# the unfused finalize + all-reduce + epilogue steps; "best baseline" is the fastest of these
+UNFUSED_BASELINES = ("nccl+torch", "symm+torch", "nccl+compiled", "symm+compiled")
+BASELINES = UNFUSED_BASELINES + ("auto+quant",)
+SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "nccl+compiled", "symm+compiled", "auto+quant", "programs")
+COMPILED_SYSTEMS = ("nccl+compiled", "symm+compiled")
 # output profile -> quant argument
 PROFILES = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 FP8_PROFILES = ("fp8_group128", "fp8_tensor")
@@ -270,7 +280,8 @@ def slowest_rank(per_rank_times) -> list[float]:
 
 RECORD_KEYS = ("system", "world_size", "emulated", "dtype", "hidden", "top_k", "shared", "profile",
                "tokens", "median_us", "roofline_us", "valid")
-RATIO_KEYS = ("ratio_vs_nccl_torch", "ratio_vs_symm_torch", "ratio_vs_best_program")
+RATIO_KEYS = ("ratio_vs_nccl_torch", "ratio_vs_symm_torch", "ratio_vs_nccl_compiled", "ratio_vs_symm_compiled",
+              "ratio_vs_best_baseline", "ratio_vs_best_program")
 
 
 def make_record(*, system: str, world_size: int, dtype: str, hidden: int, top_k: int, shared: bool,
@@ -334,6 +345,9 @@ def summary_rows(records: list[dict]) -> list[dict]:
         auto = best(lambda r: r["system"] == "auto")
         nccl = best(lambda r: r["system"] == "nccl+torch")
         symm = best(lambda r: r["system"] == "symm+torch")
+        nccl_c = best(lambda r: r["system"] == "nccl+compiled")
+        symm_c = best(lambda r: r["system"] == "symm+compiled")
+        base = best(lambda r: r["system"] in UNFUSED_BASELINES)
         prog = best(lambda r: r["system"] not in ("auto",) + BASELINES)
         hidden, top_k, shared, profile, tokens = key
         rows.append({
@@ -341,9 +355,14 @@ def summary_rows(records: list[dict]) -> list[dict]:
             "auto_us": auto and auto["median_us"], "auto_program": auto and auto.get("program"),
             "nccl_torch_us": nccl and nccl["median_us"],
             "symm_torch_us": symm and symm["median_us"], "symm_variant": symm and symm.get("variant"),
+            "nccl_compiled_us": nccl_c and nccl_c["median_us"],
+            "symm_compiled_us": symm_c and symm_c["median_us"],
+            "best_baseline": base and base["system"] + (f"/{base['variant']}" if base.get("variant") else ""),
+            "best_baseline_us": base and base["median_us"],
             "best_program": prog and prog["system"], "best_program_us": prog and prog["median_us"],
             "auto_vs_nccl": auto and auto.get("ratio_vs_nccl_torch"),
             "auto_vs_symm": auto and auto.get("ratio_vs_symm_torch"),
+            "auto_vs_best_baseline": auto and auto.get("ratio_vs_best_baseline"),
             "auto_vs_best": auto and auto.get("ratio_vs_best_program"),
             "auto_vs_plus_quant": auto and auto.get("ratio_vs_auto_plus_quant"),
             "auto_vs_auto_110": auto and auto.get("ratio_of_medians_vs_auto_110"),
@@ -371,20 +390,25 @@ def format_summary(rows: list[dict]) -> str:
     def ratio(v):
         return f"{v:6.2f}" if v is not None else f"{'-':>6}"
 
-    head = (f"{'H/K[s]':<8} {'profile':>12} {'T':>5} {'auto':>8} {'nccl+t':>8} {'symm+t':>8} {'bestprog':>8} "
-            f"{'a/nccl':>6} {'a/symm':>6} {'a/best':>6} {'a/a+q':>6} {'a/a110':>6} {'roof':>8} {'%roof':>5} auto;best")
-    lines = ["us per call; a/x = median per-replay time ratio auto/x (<1: auto faster); a+q = auto plain + a "
+    head = (f"{'H/K[s]':<8} {'profile':>12} {'T':>5} {'auto':>8} {'nccl+t':>8} {'symm+t':>8} {'nccl+c':>8} "
+            f"{'symm+c':>8} {'bestprog':>8} {'a/nccl':>6} {'a/symm':>6} {'a/bbl':>6} {'a/best':>6} {'a/a+q':>6} "
+            f"{'a/a110':>6} {'roof':>8} {'%roof':>5} auto;best;bbl")
+    lines = ["us per call; a/x = median per-replay time ratio auto/x (<1: auto faster); +t / +c = torch ops eager / "
+             "under torch.compile; bbl = the fastest unfused baseline at the point; a+q = auto plain + a "
              "separate FP8 quantization kernel; a/a110 = ratio of medians, auto at this profile / auto at 110; "
              "%roof = roofline/auto; H/K[s]: hidden/top_k, s = shared expert", head, "-" * len(head)]
     for r in rows:
         shape = f"{r['hidden']}/{r['top_k']}{'s' if r['shared'] else ''}"
         frac = f"{100 * r['roofline_fraction']:5.0f}" if r["roofline_fraction"] is not None else f"{'-':>5}"
-        names = f"{short_program(r['auto_program'])};{short_program(r['best_program'])}"
+        names = (f"{short_program(r['auto_program'])};{short_program(r['best_program'])};"
+                 f"{r.get('best_baseline') or '-'}")
         if r["invalid"]:
             names += " INVALID:" + ",".join(short_program(n) for n in r["invalid"])
         lines.append(f"{shape:<8} {r['profile']:>12} {r['tokens']:>5} {us(r['auto_us'])} {us(r['nccl_torch_us'])} "
-                     f"{us(r['symm_torch_us'])} {us(r['best_program_us'])} {ratio(r['auto_vs_nccl'])} "
-                     f"{ratio(r['auto_vs_symm'])} {ratio(r['auto_vs_best'])} {ratio(r.get('auto_vs_plus_quant'))} "
+                     f"{us(r['symm_torch_us'])} {us(r.get('nccl_compiled_us'))} {us(r.get('symm_compiled_us'))} "
+                     f"{us(r['best_program_us'])} {ratio(r['auto_vs_nccl'])} {ratio(r['auto_vs_symm'])} "
+                     f"{ratio(r.get('auto_vs_best_baseline'))} {ratio(r['auto_vs_best'])} "
+                     f"{ratio(r.get('auto_vs_plus_quant'))} "
                      f"{ratio(r.get('auto_vs_auto_110'))} {us(r['roofline_us'])} {frac} {names}")
     return "\n".join(lines)
 
@@ -655,28 +679,54 @@ class System:
         return self.name + (f"/{self.variant}" if self.variant else "")
 
 
-def torch_finalize(inputs: InputSet, partial) -> None:
+def finalize_into(partial, allreduce_in, idx, scale, shared) -> None:
     """partial[T, H] = rsf * sum_k scale[t, k] * allreduce_in[idx[t, k]] + shared, with torch ops as
     an engine without fusion runs them: gather the rows, one batched matmul [1, K] x [K, H] per
-    token (fp32 accumulation, dtype output), add the shared expert."""
+    token (fp32 accumulation, dtype output), add the shared expert. Tensors only, so that
+    torch.compile traces it as is (compiled_fns)."""
     import torch
-    T, K = inputs.idx.shape
-    H = inputs.allreduce_in.shape[1]
-    rows = inputs.allreduce_in.index_select(0, inputs.idx.view(-1)).view(T, K, H)
-    weights = (inputs.scale * ROUTED_SCALING_FACTOR).to(rows.dtype).unsqueeze(1)
+    T, K = idx.shape
+    H = allreduce_in.shape[1]
+    rows = allreduce_in.index_select(0, idx.view(-1)).view(T, K, H)
+    weights = (scale * ROUTED_SCALING_FACTOR).to(rows.dtype).unsqueeze(1)
     torch.bmm(weights, rows, out=partial.view(T, 1, H))
-    if inputs.shared is not None:
-        partial.add_(inputs.shared)
+    if shared is not None:
+        partial.add_(shared)
 
 
-def torch_epilogue(reduced, inputs: InputSet, out: dict) -> None:
+def epilogue_into(residual_out, norm_out, reduced, residual, norm_weight) -> None:
     """residual_out = reduced + residual_in; norm_out = RMSNorm (fp32 statistics, as in vLLM's
     native RMSNorm: normalize in fp32, round, multiply by gamma)."""
     import torch
-    torch.add(reduced, inputs.residual, out=out["residual_out"])
-    hidden = out["residual_out"].float()
+    torch.add(reduced, residual, out=residual_out)
+    hidden = residual_out.float()
     hidden = hidden * torch.rsqrt(hidden.square().mean(-1, keepdim=True) + EPS)
-    torch.mul(hidden.to(reduced.dtype), inputs.norm_weight, out=out["norm_out"])
+    torch.mul(hidden.to(reduced.dtype), norm_weight, out=norm_out)
+
+
+def torch_finalize(inputs: InputSet, partial, fn=finalize_into) -> None:
+    """finalize_into on an input set; fn: its compiled form for the +compiled baselines."""
+    fn(partial, inputs.allreduce_in, inputs.idx, inputs.scale, inputs.shared)
+
+
+def torch_epilogue(reduced, inputs: InputSet, out: dict, fn=epilogue_into) -> None:
+    """epilogue_into on an input set; fn: its compiled form for the +compiled baselines."""
+    fn(out["residual_out"], out["norm_out"], reduced, inputs.residual, inputs.norm_weight)
+
+
+def compiled_fns(backend: str = "inductor") -> tuple:
+    """(finalize, epilogue): finalize_into and epilogue_into under torch.compile, fullgraph and
+    static shapes (compiled at each new shape's first call). Dynamo keeps one cache per code
+    object, so its recompile limit is raised to hold every shape of a sweep: hitting it would
+    silently fall back to eager."""
+    import torch
+    import torch._dynamo.config as dynamo_config
+    for name, least in (("recompile_limit", 4096), ("cache_size_limit", 4096),
+                        ("accumulated_recompile_limit", 65536), ("accumulated_cache_size_limit", 65536)):
+        if hasattr(dynamo_config, name):
+            setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
+    return tuple(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+                 for fn in (finalize_into, epilogue_into))
 
 
 def _alloc_outputs(tokens: int, hidden: int, dtype, quant, n_sets: int, device) -> list:
@@ -829,6 +879,8 @@ class Bench:
         self.skipped: list = []
         self.workspaces: dict = {}
         self.symm: dict = {}
+        self.compiled = None        # (finalize, epilogue) under torch.compile, made at first use
+        self.compile_failed = False  # a compile failure turns the +compiled baselines off for the run
         self.truncated = False
 
     # -- agreement helpers (CPU collectives; never touch the GPU stream) --
@@ -917,11 +969,37 @@ class Bench:
                 obj, err = None, f"{type(e).__name__}: {e}"
             if not self.all_true(obj is not None):
                 errs = [e for e in self.gather(err) if e]
-                self.skip("symmetric memory unavailable: " + "; ".join(errs[:2]), system="symm+torch",
-                          hidden=hidden)
+                self.skip("symmetric memory unavailable: " + "; ".join(errs[:2]),
+                          system="symm+torch,symm+compiled", hidden=hidden)
                 obj = None
             self.symm[hidden] = obj
         return self.symm[hidden]
+
+    def compiled_for(self, T: int, H: int, inputs: InputSet, where: dict):
+        """The compiled (finalize, epilogue), compiled for this point's shapes by one call on scratch
+        tensors (setup, outside the timing), or None when torch.compile failed on some rank (the
+        reason recorded once; the +compiled baselines are then off for the rest of the run)."""
+        import torch
+        if self.compile_failed:
+            return None
+        err = None
+        try:
+            if self.compiled is None:
+                self.compiled = compiled_fns()
+            partial = torch.empty(T, H, dtype=self.dtype, device=self.device)
+            outs = _alloc_outputs(T, H, self.dtype, None, 1, self.device)[0]
+            torch_finalize(inputs, partial, self.compiled[0])
+            torch_epilogue(partial, inputs, outs, self.compiled[1])
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - any failure means: no compiled baseline here
+            err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        if not self.all_true(err is None):
+            errs = [e for e in self.gather(err) if e]
+            self.skip("torch.compile failed (compiled baselines off for the rest of the run): " +
+                      "; ".join(errs[:2]), system=",".join(COMPILED_SYSTEMS), **where)
+            self.compile_failed = True
+            return None
+        return self.compiled
 
     # -- systems at one point --
     def build_systems(self, shape: Shape, T: int, profile: str, sets: list, gs) -> list[System]:
@@ -935,36 +1013,43 @@ class Bench:
         wanted = set(self.cfg.systems)
         where = dict(hidden=H, top_k=shape.top_k, shared=shape.shared, profile=profile, tokens=T)
 
-        if profile == "110" and "nccl+torch" in wanted:
-            partial = torch.empty(T, H, dtype=dtype, device=device)
-            outs = _alloc_outputs(T, H, dtype, None, n_sets, device)
+        # the unfused baselines: eager torch ops, and the same functions under torch.compile
+        flavours = [("torch", finalize_into, epilogue_into)]
+        if profile == "110" and wanted & set(COMPILED_SYSTEMS):
+            compiled = self.compiled_for(T, H, sets[0], where)
+            if compiled is not None:
+                flavours.append(("compiled",) + tuple(compiled))
+        for flavour, fin, epi in flavours if profile == "110" else ():
+            if f"nccl+{flavour}" in wanted:
+                partial = torch.empty(T, H, dtype=dtype, device=device)
+                outs = _alloc_outputs(T, H, dtype, None, n_sets, device)
 
-            def nccl_step(i, partial=partial, outs=outs):
-                torch_finalize(sets[i], partial)
-                dist.all_reduce(partial, group=self.group)
-                torch_epilogue(partial, sets[i], outs[i])
-            systems.append(System("nccl+torch", "two_shot", nccl_step, outs))
+                def nccl_step(i, partial=partial, outs=outs, fin=fin, epi=epi):
+                    torch_finalize(sets[i], partial, fin)
+                    dist.all_reduce(partial, group=self.group)
+                    torch_epilogue(partial, sets[i], outs[i], epi)
+                systems.append(System(f"nccl+{flavour}", "two_shot", nccl_step, outs))
 
-        if profile == "110" and "symm+torch" in wanted:
-            symm = self.symm_for(H)
+            symm = self.symm_for(H) if f"symm+{flavour}" in wanted else None
             if symm is not None:
                 buf = symm.buffer[:T]
                 reduced = torch.empty(T, H, dtype=dtype, device=device)
                 outs1 = _alloc_outputs(T, H, dtype, None, n_sets, device)
                 outs2 = _alloc_outputs(T, H, dtype, None, n_sets, device)
 
-                def symm1_step(i, outs=outs1):
-                    torch_finalize(sets[i], buf)
+                def symm1_step(i, outs=outs1, buf=buf, reduced=reduced, symm=symm, fin=fin, epi=epi):
+                    torch_finalize(sets[i], buf, fin)
                     symm.ops.one_shot_all_reduce_out(buf, "sum", symm.group_name, reduced)
-                    torch_epilogue(reduced, sets[i], outs[i])
+                    torch_epilogue(reduced, sets[i], outs[i], epi)
 
-                def symm2_step(i, outs=outs2):
-                    torch_finalize(sets[i], buf)
+                def symm2_step(i, outs=outs2, buf=buf, symm=symm, fin=fin, epi=epi):
+                    torch_finalize(sets[i], buf, fin)
                     symm.ops.two_shot_all_reduce_(buf, "sum", symm.group_name)
-                    torch_epilogue(buf, sets[i], outs[i])
+                    torch_epilogue(buf, sets[i], outs[i], epi)
                 detail = {"symm_backend": symm.backend}
-                systems.append(System("symm+torch", "one_shot", symm1_step, outs1, variant="one_shot", detail=detail))
-                systems.append(System("symm+torch", "two_shot", symm2_step, outs2, variant="two_shot", detail=detail))
+                name = f"symm+{flavour}"
+                systems.append(System(name, "one_shot", symm1_step, outs1, variant="one_shot", detail=detail))
+                systems.append(System(name, "two_shot", symm2_step, outs2, variant="two_shot", detail=detail))
 
         ws = self.workspace(H)
 
@@ -1168,6 +1253,9 @@ class Bench:
             return min(cands, key=lambda s: med[id(s)]) if cands else None
         nccl = best(lambda s: s.name == "nccl+torch")
         symm = best(lambda s: s.name == "symm+torch")
+        nccl_c = best(lambda s: s.name == "nccl+compiled")
+        symm_c = best(lambda s: s.name == "symm+compiled")
+        base = best(lambda s: s.name in UNFUSED_BASELINES)  # the strongest unfused baseline here
         prog = best(lambda s: s.name not in ("auto",) + BASELINES)
         plus_quant = best(lambda s: s.name == "auto+quant")
         # auto at the plain profile at this point (measured in its own leg, before this one)
@@ -1184,11 +1272,13 @@ class Bench:
             nvlink = nvlink_bytes(T, shape.hidden, self.W, system.regime, elem)
             roof = roofline(hbm["total"], nvlink, bandwidth["hbm_GBps"], bandwidth["nvlink_GBps"] or float("inf"))
             extra = {}
-            for key, base in (("ratio_vs_nccl_torch", nccl), ("ratio_vs_symm_torch", symm),
-                              ("ratio_vs_best_program", prog), ("ratio_vs_auto_plus_quant", plus_quant)):
-                if base is not None and base is not system:
-                    extra[key] = pair_ratio(replay_us, series[id(base)])
-                elif base is system:
+            for key, other in (("ratio_vs_nccl_torch", nccl), ("ratio_vs_symm_torch", symm),
+                               ("ratio_vs_nccl_compiled", nccl_c), ("ratio_vs_symm_compiled", symm_c),
+                               ("ratio_vs_best_baseline", base),
+                               ("ratio_vs_best_program", prog), ("ratio_vs_auto_plus_quant", plus_quant)):
+                if other is not None and other is not system:
+                    extra[key] = pair_ratio(replay_us, series[id(other)])
+                elif other is system:
                     extra[key] = 1.0
             if profile != "110" and plain_nccl is not None:
                 extra["ratio_of_medians_vs_nccl_torch_110"] = med[id(system)] / plain_nccl
@@ -1198,6 +1288,10 @@ class Bench:
                 extra["best_program"] = prog.name
             if symm is not None:
                 extra["symm_variant"] = symm.variant
+            if symm_c is not None:
+                extra["symm_compiled_variant"] = symm_c.variant
+            if base is not None:
+                extra["best_baseline"] = base.label
             extra.update(system.detail)
             if system.variant:
                 extra["variant"] = system.variant
@@ -1426,7 +1520,8 @@ def measure_cold_start(program: str) -> dict:
                                                    "fp8_group128, fp8_tensor")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16")
 @click.option("--systems", default=DEFAULT_SYSTEMS,
-              help="of nccl+torch, symm+torch, auto, programs (every generated program), or program names")
+              help="of nccl+torch, symm+torch, nccl+compiled, symm+compiled, auto, auto+quant, programs "
+                   "(every generated program), or program names")
 @click.option("--reps", default=50, help="timed replays per system and point (docs/measurement.md: at least 50)")
 @click.option("--calls", default=10, help="back-to-back calls captured in one CUDA graph")
 @click.option("--warmup", default=3, help="eager calls before capture")

@@ -195,6 +195,29 @@ def test_summary_picks_best_and_reports_ratios():
     assert "7168/8s" in text and "os;os" in text and "INVALID:ts" in text and "0.31" in text
 
 
+def test_summary_reports_the_strongest_baseline():
+    recs = [
+        _record(system="nccl+torch", median_us=40.0),
+        _record(system="symm+torch", variant="two_shot", median_us=30.0),
+        _record(system="nccl+compiled", median_us=25.0),
+        _record(system="symm+compiled", variant="one_shot", median_us=21.0),
+        _record(system="symm+compiled", variant="two_shot", median_us=18.0, valid=False),  # wrong: ignored
+        _record(system="auto", median_us=7.0, ratio_vs_best_baseline=0.33),
+    ]
+    r = bench.summary_rows(recs)[0]
+    assert r["nccl_compiled_us"] == 25.0 and r["symm_compiled_us"] == 21.0
+    assert r["best_baseline"] == "symm+compiled/one_shot" and r["best_baseline_us"] == 21.0
+    assert r["auto_vs_best_baseline"] == 0.33
+    text = bench.format_summary([r])
+    assert "symm+compiled/one_shot" in text and "0.33" in text
+    # the fused-quant baseline is not an unfused step: never the best baseline
+    r = bench.summary_rows([_record(system="auto+quant", profile="fp8_tensor", median_us=1.0),
+                            _record(system="nccl+torch", profile="fp8_tensor", median_us=9.0)])[0]
+    assert r["best_baseline"] == "nccl+torch"
+    assert set(bench.UNFUSED_BASELINES) <= set(bench.BASELINES) <= set(bench.SYSTEM_CHOICES) | {"auto+quant"}
+    assert {"nccl+compiled", "symm+compiled"} <= set(bench.parse_list(bench.DEFAULT_SYSTEMS))
+
+
 def test_summary_order_follows_the_sweep():
     recs = [_record(hidden=7168, tokens=2), _record(hidden=7168, tokens=1), _record(hidden=4096, tokens=1),
             _record(hidden=7168, tokens=1, profile="111")]
@@ -237,6 +260,14 @@ def test_cli_rejects_bad_options_without_a_gpu():
     assert r.exit_code == 2 and "HIDDEN:TOP_K" in r.output
     r = runner.invoke(bench.main, ["--systems", "auto,not_a_program"])
     assert r.exit_code == 2 and "not_a_program" in r.output
+
+
+def test_cli_accepts_the_compiled_baselines(monkeypatch):
+    """--systems takes the +compiled names; the run then stops at the GPU count (none here)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    r = CliRunner().invoke(bench.main, ["--systems", "nccl+compiled,symm+compiled,nccl+torch", "--reps", "50"])
+    assert r.exit_code == 1 and "needs 2 GPUs" in r.output, r.output
+    assert "not one of" not in r.output
 
 
 def test_default_out_path():
@@ -303,3 +334,30 @@ def test_contract_outputs_are_the_references_on_one_rank(tmp_path):
                                norm_weight=x.norm_weight)], bench.EPS, 0, bench.ROUTED_SCALING_FACTOR, torch.bfloat16)
     assert torch.equal(residual, want["residual_out"].float())
     assert torch.equal(norm, want["norm_out_f64"].float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shared", [True, False])
+def test_compiled_baseline_is_the_eager_math(dtype, shared):
+    """The +compiled baselines run finalize_into / epilogue_into under torch.compile; traced by
+    dynamo and AOT autograd (backend aot_eager: no C++ compiler needed) they give the eager result
+    bit for bit, writing into a view of a larger buffer (the symmetric-memory case) and nothing
+    outside it."""
+    T, H = 5, 64
+    shape = bench.Shape(H, 4, shared)
+    x = bench.make_input_sets(shape, T, 1, dtype, rank=0, seed=11, device="cpu")[0]
+    fin, epi = bench.compiled_fns(backend="aot_eager")
+    want = torch.empty(T, H, dtype=dtype)
+    bench.torch_finalize(x, want)
+    big = torch.full((T + 3, H), float("nan"), dtype=dtype)
+    bench.torch_finalize(x, big[:T], fin)
+    assert torch.equal(big[:T].view(torch.int16), want.view(torch.int16))
+    assert torch.isnan(big[T:]).all()
+
+    def outs():
+        return {k: torch.full((T, H), float("nan"), dtype=dtype) for k in ("residual_out", "norm_out")}
+    eager, compiled = outs(), outs()
+    bench.torch_epilogue(want, x, eager)
+    bench.torch_epilogue(want, x, compiled, epi)
+    for k in eager:
+        assert torch.equal(compiled[k].view(torch.int16), eager[k].view(torch.int16)), k
