@@ -6,7 +6,7 @@
 #      program_info(), the manifest verified, one program NVRTC-compiled for sm_90a and sm_100a
 #      through the runtime (.ci/wheel_check.py), and gen-programs list / tables / --check / --out;
 #   3. another venv: the wheel alone (gen-programs compile names the extra to install), then with
-#      its cu12 extra: every program compiled by NVRTC 12 for sm_90a and sm_100a, with the spill gate.
+#      its cu12 extra: every program compiled by NVRTC 12 for sm_90a and sm_100a (spills listed, not gated).
 # One line per step with its seconds; the last line is "wheel: N passed, M failed"; exit 1 on any failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,9 +80,14 @@ same_tree() {  # gen-programs --out renders the installed tree again, byte for b
 }
 
 compile_all_12() {
-    away "$V12/bin/gen-programs" compile --arch sm_90a --arch sm_100a --jobs 2 > "$WORK/compile12.log" 2>&1
+    # Every program must build; the spill budgets are NVRTC 13's (the gate of the CPU tests), so NVRTC
+    # 12's spills are listed, not failed (README: which programs spill there).
+    away "$V12/bin/gen-programs" compile --arch sm_90a --arch sm_100a --jobs 2 --spills-as-warnings \
+        > "$WORK/compile12.log" 2>&1
     local rc=$?
     tail -n 1 "$WORK/compile12.log"
+    grep "spills" "$WORK/compile12.log" | grep -v "0 bytes spill stores, 0 bytes spill loads" | grep ": spills" \
+        | sed 's/^/      NVRTC 12: /' | head -20
     [ "$rc" -eq 0 ] || { tail -n 60 "$WORK/compile12.log"; return 1; }
     grep -q "compiled clean" "$WORK/compile12.log"
 }
@@ -115,7 +120,7 @@ step "no extra: gen-programs compile names the extra to install" \
 need "venv (cu12): the cu12 extra" "$V12/bin/pip" install --quiet "$WHEEL[cu12]"
 step "cu12: dispatch from the installed files, manifest, NVRTC 12 compile for sm_90a and sm_100a" \
     away "$V12/bin/python" "$SRC/.ci/wheel_check.py" "$SRC" 12
-step "cu12: NVRTC 12 compiles every program for sm_90a and sm_100a, spill gate" compile_all_12
+step "cu12: NVRTC 12 compiles every program for sm_90a and sm_100a" compile_all_12
 
 summary
 [ "$failed" -eq 0 ]
