@@ -262,7 +262,8 @@ _DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_exp
 
 
 def allocate_outputs(ws, kwargs: dict) -> dict:
-    """Fill in output tensors not given (used by EmulatedWorld.run before it forks streams)."""
+    """Fill in the output tensors the call did not pass, from torch's caching allocator (prepare_call,
+    so before EmulatedWorld.run forks its streams)."""
     T = kwargs["expanded_idx_to_permuted_idx"].shape[0]
     H = ws.hidden
     if kwargs.get("norm_out") is None:
@@ -636,26 +637,6 @@ class _Call:
         return self.outputs
 
 
-def _allocate_missing(ws, plan, kwargs):
-    """Outputs the call did not pass, from torch's caching allocator (as allocate_outputs)."""
-    T, H = plan.tokens, ws.hidden
-    for name in plan.missing:
-        if name == "norm_out" or name == "residual_out":
-            x = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
-        elif name == "quant_out" and plan.quant == "nvfp4":
-            x = torch.empty((T, H // 2), dtype=torch.uint8, device=ws.device)
-        elif name == "quant_out" and plan.quant in ("fp8_group128", "fp8_tensor"):
-            x = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=ws.device)
-        elif name == "scale_out" and plan.quant == "nvfp4":
-            x = torch.empty((scale_out_bytes(T, H),), dtype=torch.uint8, device=ws.device)
-        elif name == "scale_out" and plan.quant == "fp8_group128":
-            x = torch.empty(fp8_scale_shape(T, H, kwargs.get("fp8_scale_layout", "row")), dtype=torch.float32,
-                            device=ws.device)
-        else:
-            continue
-        kwargs[name] = x
-
-
 _REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
 _KNOWN = frozenset(_DEFAULTS) | frozenset(_REQUIRED)
 
@@ -680,7 +661,7 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
                 plans.clear()
             plans[signature] = plan
     if plan.missing:
-        _allocate_missing(workspace, plan, kwargs)
+        allocate_outputs(workspace, kwargs)
         for name in plan.missing:
             x = kwargs.get(name)
             if x is not None:
