@@ -355,9 +355,10 @@ class _Launcher:
         self.device_index = ws.device_index
         _driver()  # loaded here, not on the launch path
 
-    def kernel_call(self, ws, T, a) -> "_KernelCall":
+    def kernel_call(self, ws, T, a, order) -> "_KernelCall":
         """The launch state of a call signature: the kernel argument with this program's fields and the
-        call's scalars, where each data pointer goes in it, and the launch configuration."""
+        call's scalars, where the data pointers of `order` (call argument names, in kernel field
+        order) go in it, and the launch configuration."""
         params = type(self.template)()
         ctypes.memmove(ctypes.addressof(params), ctypes.addressof(self.template), ctypes.sizeof(params))
         scale = a["expert_scale_factor"]
@@ -371,23 +372,7 @@ class _Launcher:
         params.eps = a["eps"]
         params.weight_bias = float(a["weight_bias"])
         params.vec_per_thread = ws.row_splits[ws.row_split_index(T)].vec_per_thread
-        offsets = {field: getattr(type(params), field).offset for field in _POINTER_FIELDS}
-        slots = tuple((name, (offsets[_FIELD_OF[name]] - self.pointer_base) // 8)
-                      for name in self.pointer_arguments(a))
-        return _KernelCall(params, slots, self.config_for(ws, T, a["launch_with_pdl"]))
-
-    def pointer_arguments(self, a) -> tuple:
-        """The call arguments whose data pointers the kernel takes (the rest are null)."""
-        names = ["allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight", "norm_out",
-                 "residual_out"]
-        names += [n for n in ("expert_scale_factor", "shared_expert_output") if a[n] is not None]
-        if self.quant_scale_arg:
-            names.append(self.quant_scale_arg)
-        if self.writes_quant:
-            names.append("quant_out")
-        if self.writes_scales:
-            names.append("scale_out")
-        return tuple(names)
+        return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"]))
 
     def config_for(self, ws, T, pdl):
         """The launch configuration of a call of T tokens (the stream is set at each launch)."""
@@ -406,14 +391,11 @@ class _Launcher:
             config.attrs, config.numAttrs = _PDL_ATTRIBUTE, 1
         return config
 
-    def launch(self, kernel: "_KernelCall", pointers: dict) -> None:
-        values = [0] * len(_POINTER_FIELDS)
-        for name, slot in kernel.pointer_slots:
-            values[slot] = pointers[name]
-        struct.pack_into(_POINTER_FORMAT, kernel.params, self.pointer_base, *values)
-        config = kernel.config
-        config.hStream = _current_stream(self.device_index)
-        err = _cu_launch_kernel_ex(ctypes.byref(config), self.function_ptr, kernel.param_pointer, None)
+    def launch(self, kernel: "_KernelCall", pointers) -> None:
+        """Launch on the current stream; `pointers`: the data pointers in the kernel call's order."""
+        kernel.packer.pack_into(kernel.params, self.pointer_base, *pointers)
+        kernel.config.hStream = _current_stream(self.device_index)
+        err = _cu_launch_kernel_ex(kernel.config_ref, self.function_ptr, kernel.param_pointer, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: CUresult {err}")
 
@@ -421,11 +403,16 @@ class _Launcher:
 class _KernelCall:
     """A launch of one program for one call signature (everything but the data pointers and stream)."""
 
-    __slots__ = ("params", "param_pointer", "pointer_slots", "config")
+    __slots__ = ("params", "param_pointer", "packer", "config", "config_ref")
 
-    def __init__(self, params, pointer_slots, config):
-        self.params, self.pointer_slots, self.config = params, pointer_slots, config
+    def __init__(self, params, order, config):
+        self.params, self.config = params, config
         self.param_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(params))  # cuLaunchKernelEx's kernelParams
+        self.config_ref = ctypes.byref(config)
+        # The pointer fields are consecutive 8-byte words (generator/abi.py): the call's pointers go
+        # to the fields of `order`, in order; the others stay 0 (struct pad bytes).
+        fields = {_FIELD_OF[name] for name in order}
+        self.packer = struct.Struct("<" + "".join("Q" if f in fields else "8x" for f in _POINTER_FIELDS))
 
 
 # ---- the driver call -------------------------------------------------------------------------
@@ -532,6 +519,13 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     kwargs["expanded_idx_to_permuted_idx"] = expanded_idx_to_permuted_idx
     kwargs["residual_in"] = residual_in
     kwargs["norm_weight"] = norm_weight
+    plan = workspace._last_plan
+    if plan is not None and not plan.fill:  # the short path of prepare_call, without a _Call
+        workspace._ensure_open()
+        workspace._check_error_words()
+        pointers = plan.match(workspace, kwargs)
+        if pointers is not None:
+            return plan.run(pointers, kwargs)
     return prepare_call(workspace, kwargs).launch()
 
 
@@ -541,16 +535,16 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
 # of the call's signature: each argument's name and, for a tensor, its dtype, shape and device, for
 # anything else its type and value (plus the workspace's fault-injection setting). The first call
 # of a signature runs every check (_check_args) and keeps a _Plan: the program, the grid, the
-# kernel argument with the call's scalars filled in, the byte size of each tensor. A later call
-# with the same signature only checks what a signature does not fix (contiguity, alignment,
-# overlap) and writes the data pointers. Anything unexpected takes the full path,
-# which raises the ValueError naming the argument.
+# kernel argument with the call's scalars filled in, each tensor's dtype, shape and byte size. A
+# later call is first matched against the workspace's last plan (an engine repeats one signature
+# over all its layers), then looked up by signature; the plan's match compares the signature
+# directly and makes the checks a signature does not fix (contiguity, alignment, overlap) in one
+# pass over the tensors. Anything unexpected takes the full path, which raises the ValueError
+# naming the argument.
 
-_TENSOR_ARGS = _OUTPUT_NAMES + _INPUT_NAMES
 _PLANS_PER_WORKSPACE = 1024  # a workspace drops its plans past this many signatures
 _POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
                    "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
-_POINTER_FORMAT = f"<{len(_POINTER_FIELDS)}Q"  # consecutive in Params (generator/abi.py)
 # The kernel argument fields each call argument's data pointer goes to.
 _FIELD_OF = {"allreduce_in": "allreduce_in", "expanded_idx_to_permuted_idx": "expanded_idx",
              "expert_scale_factor": "expert_scale", "shared_expert_output": "shared_in", "residual_in": "residual_in",
@@ -560,81 +554,137 @@ _ALIGN = {"expanded_idx_to_permuted_idx": 4, "expert_scale_factor": 4, "global_s
           "scale_out": 4}
 
 
+def _pointer_order(a) -> tuple:
+    """The call arguments whose data pointers a checked call `a` passes to the kernel, in the
+    order of their kernel argument fields (_POINTER_FIELDS)."""
+    quant = a["quant"]
+    names = ["allreduce_in", "expanded_idx_to_permuted_idx"]
+    names += [n for n in ("expert_scale_factor", "shared_expert_output") if a[n] is not None]
+    names += ["residual_in", "norm_weight"]
+    if quant == "nvfp4":
+        names.append("global_scale")
+    elif quant == "fp8_tensor":
+        names.append("fp8_scale")
+    names += ["norm_out", "residual_out"]
+    if quant is not None:
+        names.append("quant_out")
+    if quant in ("nvfp4", "fp8_group128"):
+        names.append("scale_out")
+    return tuple(names)
+
+
 def _signature(ws, kwargs: dict):
-    """(signature, data pointers of the tensors given, all of them contiguous) in one pass over the
-    arguments; the signature is None when an argument has no cheap one."""
+    """The dictionary key of a call's plan: each argument's name and, for a tensor, dtype, shape and
+    device, for anything else type and value. None when an argument has no cheap one."""
     parts = [ws._fault_stop_after_units]
-    pointers = {}
-    contiguous = True
     try:
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor):
                 parts.append((name, value.dtype, value.shape, value.device))
-                pointers[name] = value.data_ptr()
-                if not value.is_contiguous():
-                    contiguous = False
             else:
                 parts.append((name, type(value), value))
-    except (RuntimeError, TypeError):  # a tensor without storage (meta, fake): the full checks name it
-        return None, pointers, False
-    return tuple(parts), pointers, contiguous
+        signature = tuple(parts)
+        hash(signature)
+    except (RuntimeError, TypeError):  # a tensor without metadata, an unhashable value: the full checks
+        return None
+    return signature
 
 
 class _Plan:
     """One call signature on one workspace, checked once (see above)."""
 
-    __slots__ = ("launcher", "kernel", "tokens", "tensors", "outputs_given", "missing", "quant")
+    __slots__ = ("names", "fault", "device", "scalars", "tensors", "pairs", "fill", "launcher", "kernel",
+                 "writes_quant", "writes_scales")
 
-    def __init__(self, ws, launcher, T, a: dict, given: set):
-        self.launcher, self.tokens, self.quant = launcher, T, a["quant"]
-        # (name, alignment, bytes) of each tensor the call was given
-        self.tensors = tuple((name, _ALIGN.get(name, 16), a[name].numel() * a[name].element_size())
-                             for name in _TENSOR_ARGS if name in given and isinstance(a[name], torch.Tensor))
-        self.outputs_given = any(name in given and a[name] is not None for name in _OUTPUT_NAMES)
-        self.missing = tuple(name for name in _OUTPUT_NAMES if name not in given or a[name] is None)
-        self.kernel = launcher.kernel_call(ws, T, a) if launcher is not None else None  # None: T is 0
+    def __init__(self, ws, launcher, T, a: dict, given: dict):
+        """`a`: the checked call with defaults filled in; `given`: the arguments as the caller passed them."""
+        order = _pointer_order(a)
+        tensors = [name for name in order if isinstance(given.get(name), torch.Tensor)]
+        if any(isinstance(v, torch.Tensor) and name not in tensors for name, v in given.items()):
+            raise RuntimeError("moe_finalize_allreduce: internal error: a checked call has a tensor the kernel "
+                               "does not take")
+        self.names = frozenset(given)
+        self.fault = ws._fault_stop_after_units
+        self.device = ws.device
+        self.scalars = tuple((name, type(v), v) for name, v in given.items() if not isinstance(v, torch.Tensor))
+        # (name, dtype, shape, alignment mask) of each tensor given, in kernel order
+        self.tensors = tuple((name, given[name].dtype, tuple(given[name].shape), _ALIGN.get(name, 16) - 1)
+                             for name in tensors)
+        # The overlap rule (_check_overlaps) as pairs (i, j, bytes of i, bytes of j, in place allowed)
+        # of tensors[i] an output and tensors[j] anything else, both non-empty.
+        nbytes = [given[name].numel() * given[name].element_size() for name in tensors]
+        self.pairs = tuple((i, j, nbytes[i], nbytes[j], {n, m} == {"residual_out", "residual_in"})
+                           for i, n in enumerate(tensors) if n in _OUTPUT_NAMES and nbytes[i]
+                           for j, m in enumerate(tensors)
+                           if j != i and nbytes[j] and not (m in _OUTPUT_NAMES and j < i))
+        # (position in kernel order, name) of each output the caller did not give: allocated per call
+        self.fill = tuple((i, name) for i, name in enumerate(order) if name not in tensors)
+        self.launcher = launcher
+        self.kernel = launcher.kernel_call(ws, T, a, order) if launcher is not None else None  # None: T is 0
+        self.writes_quant = a["quant"] is not None
+        self.writes_scales = a["quant"] in ("nvfp4", "fp8_group128")
 
-    def accepts(self, pointers: dict, contiguous: bool) -> bool:
-        """The checks a signature does not fix: contiguity, alignment, overlap. False: the caller runs
-        the full checks, which name the argument."""
-        if not contiguous:
-            return False
-        for name, align, _ in self.tensors:
-            if pointers[name] % align:
-                return False
-        return not self.outputs_given or _spans_apart(pointers, self.tensors)
+    def match(self, ws, kw: dict):
+        """The data pointers of the call's tensors, in kernel order, when `kw` has this plan's signature
+        and passes the checks a signature does not fix (contiguity, alignment, overlap); else None
+        (the caller looks further, and the full checks name what is wrong)."""
+        if kw.keys() != self.names or ws._fault_stop_after_units != self.fault:
+            return None
+        for name, kind, value in self.scalars:
+            v = kw[name]
+            if type(v) is not kind or v != value:
+                return None
+        device = self.device
+        pointers = []
+        misaligned = 0
+        try:
+            for name, dtype, shape, mask in self.tensors:
+                x = kw[name]
+                if x.dtype is not dtype or x.shape != shape or x.device != device or not x.is_contiguous():
+                    return None
+                p = x.data_ptr()
+                misaligned |= p & mask
+                pointers.append(p)
+        except (AttributeError, RuntimeError, TypeError):  # not a tensor, or one without storage (fake, meta)
+            return None
+        if misaligned:
+            return None
+        for i, j, ni, nj, in_place in self.pairs:
+            pi, pj = pointers[i], pointers[j]
+            if pi < pj + nj and pj < pi + ni and not (in_place and pi == pj):
+                return None
+        return pointers
 
+    def with_outputs(self, pointers, kw: dict) -> list:
+        """`pointers` with those of the outputs allocated for this call (allocate_outputs) put in."""
+        pointers = list(pointers)
+        for i, name in self.fill:
+            x = kw.get(name)
+            pointers.insert(i, x.data_ptr() if x is not None else 0)
+        return pointers
 
-def _spans_apart(ptrs: dict, tensors) -> bool:
-    """No output shares a byte with an input or another output, except residual_out exactly over
-    residual_in (the rule _check_overlaps enforces and names). One pass over the spans sorted by
-    their start; in place, residual_in stands for both and counts as an output."""
-    in_place = ptrs.get("residual_out") is not None and ptrs.get("residual_out") == ptrs.get("residual_in")
-    spans = sorted((ptrs[name], ptrs[name] + nbytes, name in _OUTPUT_NAMES or (in_place and name == "residual_in"))
-                   for name, _, nbytes in tensors if nbytes and not (in_place and name == "residual_out"))
-    end_any = end_out = 0  # the furthest end of the spans so far, and of the outputs among them
-    for lo, hi, is_out in spans:
-        if lo < (end_any if is_out else end_out):
-            return False
-        end_any = max(end_any, hi)
-        if is_out:
-            end_out = max(end_out, hi)
-    return True
+    def outputs(self, kw: dict) -> MoeFinalizeOutputs:
+        return MoeFinalizeOutputs(kw["norm_out"], kw["residual_out"], kw["quant_out"] if self.writes_quant else None,
+                                  kw["scale_out"] if self.writes_scales else None)
+
+    def run(self, pointers, kw: dict) -> MoeFinalizeOutputs:
+        """Launch (nothing when T is 0); the call's outputs."""
+        if self.kernel is not None:
+            self.launcher.launch(self.kernel, pointers)
+        return self.outputs(kw)
 
 
 class _Call:
-    """A checked call: its outputs, and the launch (nothing when T is 0)."""
+    """A checked call: its outputs, and the launch."""
 
     __slots__ = ("plan", "pointers", "outputs", "args")
 
-    def __init__(self, plan, pointers, outputs, args):
-        self.plan, self.pointers, self.outputs, self.args = plan, pointers, outputs, args
+    def __init__(self, plan, pointers, args):
+        self.plan, self.pointers, self.args = plan, pointers, args
+        self.outputs = plan.outputs(args)
 
     def launch(self) -> MoeFinalizeOutputs:
-        plan = self.plan
-        if plan.kernel is not None:
-            plan.launcher.launch(plan.kernel, self.pointers)
-        return self.outputs
+        return self.plan.run(self.pointers, self.args)
 
 
 _REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
@@ -646,31 +696,34 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     `kwargs` (the call's keyword arguments) gets the allocated outputs."""
     workspace._ensure_open()
     workspace._check_error_words()
+    plan = workspace._last_plan
+    pointers = plan.match(workspace, kwargs) if plan is not None else None
+    if pointers is None:
+        plan, pointers = _plan_for(workspace, kwargs)
+    if plan.fill:
+        allocate_outputs(workspace, kwargs)
+        pointers = plan.with_outputs(pointers, kwargs)
+    return _Call(plan, pointers, kwargs)
+
+
+def _plan_for(workspace, kwargs: dict):
+    """(plan, data pointers) of a call that did not match the workspace's last plan: its signature's
+    plan, or a new one after the full checks. It becomes the last plan."""
     plans = workspace._plans
-    signature, pointers, contiguous = _signature(workspace, kwargs)
-    try:
-        plan = plans.get(signature) if signature is not None else None
-    except TypeError:  # an unhashable argument: the full checks name it
-        signature = plan = None
-    if plan is None or not plan.accepts(pointers, contiguous):
+    signature = _signature(workspace, kwargs)
+    plan = plans.get(signature) if signature is not None else None
+    pointers = plan.match(workspace, kwargs) if plan is not None else None
+    if pointers is None:
         plan = _full_checks(workspace, kwargs)
-        if not plan.accepts(pointers, contiguous):  # cannot happen after the full checks passed
-            raise RuntimeError("moe_finalize_allreduce: internal error: a checked call failed its fast checks")
+        pointers = plan.match(workspace, kwargs)
+        if pointers is None:  # cannot happen after the full checks passed
+            raise RuntimeError("moe_finalize_allreduce: internal error: a checked call failed its plan's checks")
         if signature is not None:
             if len(plans) >= _PLANS_PER_WORKSPACE:
                 plans.clear()
             plans[signature] = plan
-    if plan.missing:
-        allocate_outputs(workspace, kwargs)
-        for name in plan.missing:
-            x = kwargs.get(name)
-            if x is not None:
-                pointers[name] = x.data_ptr()
-    quant = plan.quant
-    g = kwargs.get
-    outputs = MoeFinalizeOutputs(kwargs["norm_out"], kwargs["residual_out"], g("quant_out") if quant is not None else None,
-                                 g("scale_out") if quant in ("nvfp4", "fp8_group128") else None)
-    return _Call(plan, pointers, outputs, kwargs)
+    workspace._last_plan = plan
+    return plan, pointers
 
 
 def _full_checks(workspace, kwargs: dict) -> _Plan:
@@ -685,7 +738,7 @@ def _full_checks(workspace, kwargs: dict) -> _Plan:
     a.update(kwargs)
     T, K, R, profile = _check_args(workspace, a)
     if T == 0:
-        return _Plan(workspace, None, T, a, set(kwargs))
+        return _Plan(workspace, None, T, a, kwargs)
     name = a["program"]
     if name is None:
         name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None)
@@ -695,4 +748,4 @@ def _full_checks(workspace, kwargs: dict) -> _Plan:
     if launcher.regime == "oneshot" and T > workspace.oneshot_max_tokens:
         raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
                          f"{workspace.oneshot_max_tokens}")
-    return _Plan(workspace, launcher, T, a, set(kwargs))
+    return _Plan(workspace, launcher, T, a, kwargs)

@@ -125,6 +125,15 @@ def params_struct() -> type:
 ONESHOT_REGIME = "oneshot"
 
 
+def oneshot_boundary(world_size: int) -> int:
+    """The largest one-shot boundary of the committed selection tables for `world_size`, over dtypes
+    and output profiles: no automatic call runs the one-shot above it (a workspace's default one-shot
+    capacity). 1 when no table of that world size has a one-shot range."""
+    generated = program_set()
+    field = dict(generated.ladder)[ONESHOT_REGIME]
+    return max([1] + [bounds[field] for (_, w, _), bounds in generated.selection.items() if w == world_size])
+
+
 def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool,
                   oneshot_capacity: int) -> str:
     """The family for a call: the first regime of the manifest's ladder whose boundary in this

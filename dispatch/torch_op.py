@@ -109,26 +109,26 @@ def _as_handle(workspace) -> int:
 
 # ---- the op ---------------------------------------------------------------------------------
 
-@torch.library.custom_op(OP_NAME, mutates_args=())
-def _moe_finalize_allreduce(
-        workspace: int,
-        allreduce_in: torch.Tensor,
-        expanded_idx_to_permuted_idx: torch.Tensor,
-        residual_in: torch.Tensor,
-        norm_weight: torch.Tensor,
-        expert_scale_factor: Optional[torch.Tensor] = None,
-        routed_scaling_factor: float = 1.0,
-        shared_expert_output: Optional[torch.Tensor] = None,
-        eps: float = 1e-6,
-        weight_bias: int = 0,
-        quant: Optional[str] = None,
-        global_scale: Optional[torch.Tensor] = None,
-        launch_with_pdl: bool = False,
-        program: Optional[str] = None,
-        fp8_scale: Optional[torch.Tensor] = None,
-        fp8_scale_layout: str = "row",
-        fp8_pow2_scales: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+# Registered through torch.library.Library (schema, a CUDA kernel, a fake kernel) rather than
+# torch.library.custom_op: the same operator for the dispatcher and torch.compile, at a fraction
+# of the host time per eager call (custom_op's Python wrapper costs more than the launch).
+_OPTIONS = ('Tensor? expert_scale_factor=None, float routed_scaling_factor=1., Tensor? shared_expert_output=None, '
+            'float eps=1e-06, SymInt weight_bias=0, str? quant=None, Tensor? global_scale=None, '
+            'bool launch_with_pdl=False, str? program=None, Tensor? fp8_scale=None, str fp8_scale_layout="row", '
+            'bool fp8_pow2_scales=False')
+_INPUTS = 'SymInt workspace, Tensor allreduce_in, Tensor expanded_idx_to_permuted_idx, Tensor residual_in, ' \
+          'Tensor norm_weight'
+_lib = torch.library.Library("moe_ar", "DEF")
+_lib.define(f"moe_finalize_allreduce({_INPUTS}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
+_lib.define(f"moe_finalize_allreduce_out({_INPUTS}, Tensor(a!) norm_out, Tensor(b!) residual_out, "
+            f"Tensor(c!)? quant_out=None, Tensor(d!)? scale_out=None, {_OPTIONS}) -> ()")
+_KERNEL_KEYS = ("CUDA", "CPU")  # CPU: the runtime refuses CPU tensors by name (and CPU tests stub it)
+
+
+def _moe_finalize_allreduce(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+                            expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None,
+                            eps=1e-6, weight_bias=0, quant=None, global_scale=None, launch_with_pdl=False,
+                            program=None, fp8_scale=None, fp8_scale_layout="row", fp8_pow2_scales=False):
     from .op import moe_finalize_allreduce
     ws = workspace_from_handle(workspace)
     out = moe_finalize_allreduce(
@@ -144,6 +144,32 @@ def _moe_finalize_allreduce(
     if scale_out is None:
         scale_out = torch.empty((0,), dtype=torch.float32 if quant == "fp8_tensor" else torch.uint8, device=device)
     return out.norm_out, out.residual_out, quant_out, scale_out
+
+
+def _moe_finalize_allreduce_out(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+                                norm_out, residual_out, quant_out=None, scale_out=None, expert_scale_factor=None,
+                                routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6, weight_bias=0,
+                                quant=None, global_scale=None, launch_with_pdl=False, program=None, fp8_scale=None,
+                                fp8_scale_layout="row", fp8_pow2_scales=False):
+    from .op import moe_finalize_allreduce
+    kw = {}  # only what is given, so that the call's signature is the one a direct call has
+    if quant_out is not None:
+        kw["quant_out"] = quant_out
+    if scale_out is not None:
+        kw["scale_out"] = scale_out
+    moe_finalize_allreduce(
+        workspace_from_handle(workspace), allreduce_in=allreduce_in,
+        expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, residual_in=residual_in, norm_weight=norm_weight,
+        norm_out=norm_out, residual_out=residual_out, expert_scale_factor=expert_scale_factor,
+        routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output, eps=eps,
+        weight_bias=weight_bias, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
+        program=program, fp8_scale=fp8_scale, fp8_scale_layout=fp8_scale_layout, fp8_pow2_scales=fp8_pow2_scales,
+        **kw)
+
+
+for _key in _KERNEL_KEYS:
+    _lib.impl("moe_finalize_allreduce", _moe_finalize_allreduce, _key)
+    _lib.impl("moe_finalize_allreduce_out", _moe_finalize_allreduce_out, _key)
 
 
 def _meta_tensor(name, x, dtypes, ndim, device):
@@ -164,7 +190,7 @@ def _check_shape(name, x, shape):
                           lambda: f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
 
 
-@_moe_finalize_allreduce.register_fake
+@torch.library.register_fake(OP_NAME, lib=_lib)
 def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
                                  expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None,
                                  eps=1e-6, weight_bias=0, quant=None, global_scale=None, launch_with_pdl=False,
@@ -229,21 +255,37 @@ def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permut
     return norm_out, residual_out, quant_out, scale_out
 
 
-def _register_effect() -> bool:
-    """Mark the op as an ordered side effect (kept and ordered by compiled graphs). Returns
-    whether this torch offers the effect system; older ones fall back to FX's side-effect set."""
+@torch.library.register_fake(OP_NAME + "_out", lib=_lib)
+def _moe_finalize_allreduce_out_fake(*args, **kwargs):
+    # A collective that writes into its arguments could be dropped or reordered by a compiled
+    # graph (torch's ordered effects do not cover ops that mutate): refused where it is traced.
+    raise ValueError("moe_finalize_allreduce_out: for eager calls and CUDA-graph capture; under torch.compile "
+                     "use torch.ops.moe_ar.moe_finalize_allreduce (functional, an ordered side effect)")
+
+
+def _register_effect(qualname: str) -> bool:
+    """Mark an op as an ordered side effect (kept and ordered by compiled graphs). Returns whether
+    this torch offers the effect system; older ones fall back to FX's side-effect set."""
+    overload = getattr(torch.ops.moe_ar, qualname.split("::")[1]).default
     try:
         from torch._library.effects import EffectType
-        _moe_finalize_allreduce.register_effect(EffectType.ORDERED)
+        _lib._register_effectful_op(overload, EffectType.ORDERED)
         return True
-    except Exception:  # noqa: BLE001 - a private API: any torch where it differs takes the fallback
-        torch.fx.node.has_side_effect(torch.ops.moe_ar.moe_finalize_allreduce.default)
+    except Exception:  # noqa: BLE001 - a private API: any torch where it differs takes the next way
+        pass
+    try:
+        from torch._higher_order_ops.effects import _EffectType, _register_effectful_op
+        _register_effectful_op(overload, _EffectType.ORDERED)
+        return True
+    except Exception:  # noqa: BLE001
+        torch.fx.node.has_side_effect(overload)
         return False
 
 
-EFFECT_REGISTERED = _register_effect()
+EFFECT_REGISTERED = _register_effect(OP_NAME)
 
 moe_finalize_allreduce_custom_op = torch.ops.moe_ar.moe_finalize_allreduce
+moe_finalize_allreduce_out_custom_op = torch.ops.moe_ar.moe_finalize_allreduce_out
 
 
 def moe_finalize_allreduce_op(workspace, *, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,

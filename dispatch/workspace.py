@@ -716,7 +716,10 @@ class _WorkspaceBase:
         self.device = torch.device("cuda", device_index)
         self.device_index = device_index
         self.timeout_ns = _timeout_ns(timeout_s)
-        self.oneshot_max_tokens = min(max_tokens, 1024) if oneshot_max_tokens is None else int(oneshot_max_tokens)
+        # default: the largest one-shot boundary of the tables, so no automatic call loses its one-shot
+        # and no memory is held for one-shot calls only a forced program= would make
+        self.oneshot_max_tokens = (min(max_tokens, registry.oneshot_boundary(world_size)) if oneshot_max_tokens is None
+                                   else int(oneshot_max_tokens))
         self.vec_per_thread = vec_per_thread
         check_sizes(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.buffer_elems = buffer_elems_for(world_size, max_tokens, hidden, self.oneshot_max_tokens)
@@ -740,6 +743,7 @@ class _WorkspaceBase:
                              f"threads for hidden {hidden}, more than {limits['max_threads']}")
         self._launchers = {}
         self._plans = {}  # call signature -> op._Plan
+        self._last_plan = None  # the plan of the last call (op.prepare_call)
         self._closed = False
         # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
         # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
@@ -789,7 +793,8 @@ class Workspace(_WorkspaceBase):
     Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer, 0..86400;
     0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, 1..max_tokens, default
-    min(max_tokens, 1024)), `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every
+    min(max_tokens, B): B the largest one-shot boundary of the selection tables for the world size,
+    dispatch.registry.oneshot_boundary(W); a forced one-shot program= above it needs it larger), `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every
     call; default None: per call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above),
     `backend` ("ipc", the default: cudaMalloc and CUDA IPC, one host; "symm_mem": torch symmetric
     memory, one host or one multi-node NVLink domain; "auto": "symm_mem" where every rank can use
@@ -986,6 +991,7 @@ class Workspace(_WorkspaceBase):
             self._closed = True
             self._launchers.clear()
             self._plans.clear()
+            self._last_plan = None
             _live_workspaces.discard(self)
             self._unmap_then_free("close")
 
@@ -1007,6 +1013,7 @@ class _EmulatedRank(_WorkspaceBase):
             self._closed = True
             self._launchers.clear()
             self._plans.clear()
+            self._last_plan = None
             _live_workspaces.discard(self)
             self._memory.free()
 

@@ -950,8 +950,11 @@ class Bench:
     def workspace(self, hidden: int):
         import dispatch
         if hidden not in self.workspaces:
+            # the sweeps force the one-shot up to 1,024 tokens (to fit the tables): more than the
+            # default capacity, which is the committed tables' one-shot boundary
             self.workspaces[hidden] = dispatch.Workspace(self.group, self.max_tokens, hidden, self.dtype,
                                                          timeout_s=self.cfg.timeout_s,
+                                                         oneshot_max_tokens=min(self.max_tokens, 1024),
                                                          vec_per_thread=self.cfg.vec_per_thread)
         return self.workspaces[hidden]
 

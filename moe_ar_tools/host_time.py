@@ -8,12 +8,15 @@ streams (the kernels need both ranks); only the host time of each rank's own cal
 shuffled each round:
 
     call        dispatch.moe_finalize_allreduce on a rank's workspace, outputs given: the path a real
-                process takes (checks against the call's plan, launch)
+                process takes (the call matched against the workspace's last plan, launch)
+    call_by_signature  the same with the last plan forgotten first: the plan found by the call's
+                signature (a workspace whose calls alternate between signatures)
     checks      op.prepare_call alone (a plan exists: the per-call checks; nothing launched)
     first_call  every check of a call whose signature has no plan yet (op._full_checks)
     launch      the launch of a call already prepared (op.prepare_call outside the timing)
     empty_launch  an empty kernel through the same driver call (op's cuLaunchKernelEx), for scale
     custom_op   torch.ops.moe_ar.moe_finalize_allreduce (functional: allocates its outputs)
+    custom_op_out  torch.ops.moe_ar.moe_finalize_allreduce_out (outputs given)
     torch_add   torch.add(x, y, out=z) on [T, H] bf16 tensors of the same GPU
     rms_norm    torch.nn.functional.rms_norm of [T, H] bf16
 
@@ -59,27 +62,35 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     import dispatch
     from dispatch import op
     device = torch.device("cuda", torch.cuda.current_device())
-    world = dispatch.EmulatedWorld(2, max_tokens=max(tokens, 16), hidden=hidden, dtype=torch.bfloat16)
+    # One world for the direct calls, one for each custom op: each keeps the plan of its own
+    # signature as its last plan (the op passes every option, so its call's signature differs).
+    world, op_world, out_world = (dispatch.EmulatedWorld(2, max_tokens=max(tokens, 16), hidden=hidden,
+                                                         dtype=torch.bfloat16) for _ in range(3))
     ranks = world.workspaces
     kws = [_inputs(tokens, top_k, hidden, r, device, quant) for r in range(2)]
-    handles = [dispatch.workspace_handle(w) for w in ranks]
+    handles = [dispatch.workspace_handle(w) for w in op_world.workspaces]
+    out_handles = [dispatch.workspace_handle(w) for w in out_world.workspaces]
     op_inputs = [{k: v for k, v in kw.items() if k not in ("norm_out", "residual_out", "quant_out", "scale_out")}
                  for kw in kws]
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     y, z = torch.randn_like(x), torch.empty_like(x)
     weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
 
-    def both(fn):
+    def both(fn, on=world):
         """fn(rank) on each rank's stream; the host ns of each rank's fn."""
         out = []
         for r in range(2):
-            with torch.cuda.stream(world.streams[r]):
+            with torch.cuda.stream(on.streams[r]):
                 t0 = time.perf_counter_ns()
                 fn(r)
                 out.append(time.perf_counter_ns() - t0)
         return out
 
     def call(r):
+        dispatch.moe_finalize_allreduce(ranks[r], **kws[r])
+
+    def call_by_signature(r):
+        ranks[r]._last_plan = None
         dispatch.moe_finalize_allreduce(ranks[r], **kws[r])
 
     def checks(r):
@@ -115,6 +126,14 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
             shared_expert_output=op_inputs[r]["shared_expert_output"], quant=quant,
             global_scale=op_inputs[r].get("global_scale"))
 
+    def custom_op_out(r):
+        kw = kws[r]
+        torch.ops.moe_ar.moe_finalize_allreduce_out(
+            out_handles[r], kw["allreduce_in"], kw["expanded_idx_to_permuted_idx"], kw["residual_in"], kw["norm_weight"],
+            kw["norm_out"], kw["residual_out"], kw.get("quant_out"), kw.get("scale_out"),
+            expert_scale_factor=kw["expert_scale_factor"], shared_expert_output=kw["shared_expert_output"],
+            quant=quant, global_scale=kw.get("global_scale"))
+
     def timed_single(fn):
         t0 = time.perf_counter_ns()
         fn()
@@ -122,11 +141,13 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
 
     systems = {
         "call": lambda: both(call),
+        "call_by_signature": lambda: both(call_by_signature),
         "checks": lambda: both(checks),
         "launch": lambda: (prepare_both(), both(launch))[1],
         "empty_launch": lambda: timed_single(empty_launch),
         "first_call": lambda: both(first_call),
-        "custom_op": lambda: both(custom_op),
+        "custom_op": lambda: both(custom_op, op_world),
+        "custom_op_out": lambda: both(custom_op_out, out_world),
         "torch_add": lambda: timed_single(lambda: torch.add(x, y, out=z)),
         "rms_norm": lambda: timed_single(lambda: torch.nn.functional.rms_norm(x, (hidden,), weight, 1e-6)),
     }
@@ -145,7 +166,8 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
             torch.cuda.synchronize()  # outside any timed region: keeps the launch queue short
     torch.cuda.synchronize()
     dispatch.check()
-    world.close()
+    for w in (world, op_world, out_world):
+        w.close()
     med = {name: statistics.median(v) / 1e3 for name, v in samples.items()}
     return {"tokens": tokens, "hidden": hidden, "top_k": top_k, "quant": quant, "rounds": rounds,
             "median_us": med, "ratio_to_torch_add": {k: v / med["torch_add"] for k, v in med.items()},

@@ -6,6 +6,7 @@ same ValueError the full checks raise on a fresh workspace; a good call must reu
 """
 from __future__ import annotations
 
+import ctypes
 import types
 
 import pytest
@@ -26,14 +27,14 @@ class _FakeLauncher:
     def __init__(self, ws, name):
         self.name = name
 
-    def kernel_call(self, ws, T, a):
+    def kernel_call(self, ws, T, a, order):
         return None  # nothing to launch: the plan only checks
 
 
 def _workspace():
     ws = types.SimpleNamespace(dtype=D, dtype_name="bf16", hidden=H, device=torch.device("cpu"), device_index=-1,
                                max_tokens=MAX_T, world_size=2, oneshot_max_tokens=MAX_T, _plans={},
-                               _fault_stop_after_units=0, _launchers={})
+                               _fault_stop_after_units=0, _launchers={}, _last_plan=None)
     ws._ensure_open = lambda: None
     ws._check_error_words = lambda: None
     return ws
@@ -92,9 +93,47 @@ def test_a_repeated_signature_takes_the_short_path(full_checks):
     assert full_checks[0] == 2 and len(ws._plans) == 2
 
 
-def _outcome(ws, a):
+def test_the_last_plan_is_matched_before_any_signature(full_checks, monkeypatch):
+    ws = _workspace()
+    op.moe_finalize_allreduce(ws, **_valid())
+    plan = ws._last_plan
+    monkeypatch.setattr(op, "_signature", lambda *a: pytest.fail("looked up by signature"))
+    for _ in range(3):
+        out = op.moe_finalize_allreduce(ws, **_valid())
+        assert ws._last_plan is plan and out.quant_out is not None and out.scale_out is not None
+    assert full_checks[0] == 1
+
+
+@pytest.mark.parametrize("quant", [None, "nvfp4", "fp8_group128", "fp8_tensor"])
+@pytest.mark.parametrize("optional", [(), ("expert_scale_factor",), ("shared_expert_output",),
+                                      ("expert_scale_factor", "shared_expert_output")])
+def test_each_pointer_reaches_its_kernel_field(quant, optional):
+    """The plan's packer writes the i-th pointer of its order to that argument's Params field and
+    leaves every other pointer field 0 (the kernel reads a null pointer as "not given")."""
+    from dispatch import registry
+    a = dict(op._DEFAULTS, quant=quant, **{name: object() for name in optional})
+    order = op._pointer_order(a)
+    params = registry.params_struct()()
+    ctypes_fill = bytes(range(256)) * (ctypes.sizeof(params) // 256 + 1)
+    ctypes.memmove(ctypes.addressof(params), ctypes_fill, ctypes.sizeof(params))  # every field non-zero first
+    kernel = op._KernelCall(params, order, op._LaunchConfig())
+    pointers = [0x10000 * (i + 1) + 0x40 for i in range(len(order))]
+    kernel.packer.pack_into(params, type(params).allreduce_in.offset, *pointers)
+    want = {op._FIELD_OF[name]: p for name, p in zip(order, pointers)}
+    assert len(want) == len(order)
+    for field in op._POINTER_FIELDS:
+        assert (getattr(params, field) or 0) == want.get(field, 0), field
+    base, end = type(params).allreduce_in.offset, type(params).allreduce_in.offset + 8 * len(op._POINTER_FIELDS)
+    raw = ctypes.string_at(ctypes.addressof(params), ctypes.sizeof(params))
+    assert raw[:base] == ctypes_fill[:base] and raw[end:] == ctypes_fill[end:ctypes.sizeof(params)]  # nothing else
+
+
+def _outcome(ws, a, entry=op.prepare_call):
     try:
-        op.prepare_call(ws, dict(a))
+        if entry is op.prepare_call:
+            op.prepare_call(ws, dict(a))
+        else:
+            op.moe_finalize_allreduce(ws, **a)
     except ValueError as e:
         return str(e)
     return None
@@ -102,15 +141,20 @@ def _outcome(ws, a):
 
 def _expect_same_error(mutate, must_raise=True):
     """The mutated call has the same outcome (the same ValueError, or none) on a fresh workspace and
-    after a good call of the same signature."""
+    after a good call of the same signature: through prepare_call (the plan looked up by signature)
+    and through moe_finalize_allreduce (the workspace's last plan matched first)."""
     a = _valid()
     mutate(a)
     fresh = _outcome(_workspace(), a)
     if must_raise:
         assert fresh is not None, "the mutation should make a bad call"
-    ws = _workspace()
-    op.prepare_call(ws, _valid())
-    assert _outcome(ws, a) == fresh
+    for entry in (op.prepare_call, op.moe_finalize_allreduce):
+        ws = _workspace()
+        _outcome(ws, _valid(), entry)
+        assert ws._last_plan is not None
+        assert _outcome(ws, a, entry) == fresh
+        ws._last_plan = None  # the plan found by its signature
+        assert _outcome(ws, a, entry) == fresh
 
 
 def _shift(name):
@@ -215,7 +259,8 @@ def test_outputs_not_given_are_allocated_on_the_short_path(full_checks):
             del a[name]
         call = op.prepare_call(ws, a)
         assert call.outputs.norm_out.shape == (T, H) and call.outputs.scale_out.numel() == op.scale_out_bytes(T, H)
-        assert set(call.pointers) >= {"norm_out", "residual_out", "quant_out", "scale_out"}
+        order = op._pointer_order(dict(op._DEFAULTS, **a))
+        assert [a[name].data_ptr() for name in order] == call.pointers
     assert full_checks[0] == 1
 
 

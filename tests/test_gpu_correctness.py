@@ -36,6 +36,9 @@ pytestmark = pytest.mark.gpu
 HIDDENS = (2048, 2880, 4096, 5120, 7168, 8192)
 ODD_COLUMN_HIDDEN = 2064  # H/16 = 129 scale columns: exercises the column padding of the scale layout
 MAX_TOKENS = 512
+# Worlds whose tests force every program at every T keep the one-shot capacity of any T tested
+# (the default is the tables' one-shot boundary: a forced one-shot above it is refused).
+FORCED_ONESHOT_CAP = 1024
 SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s)),
                key=lambda s: (s.world_size, s.dtype, s.profile, s.family))
 PROFILE_QUANT = dict(gspec.PROFILE_QUANT)  # output profile -> the call's quant= argument
@@ -75,7 +78,8 @@ class _Worlds:
         key = (ws, max_tokens, hidden, dtype, tuple(devices) if devices else None)
         if key != self.key:
             self.close()
-            self.world = _dispatch().EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0)
+            self.world = _dispatch().EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0,
+                                                   oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
             self.key = key
         return self.world
 
@@ -492,7 +496,8 @@ def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
     dtype = ref.NAME_TO_DTYPE[dname]
     names = [s.name for s in SPECS if s.world_size == ws and s.dtype == dname]
     max_tokens = 384
-    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, timeout_s=10.0)
+    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, timeout_s=10.0,
+                                   oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
     try:
         with recording(record_result, program=f"all ws{ws} {dname}", hidden=hidden) as info:
             for j, name in enumerate(names):
@@ -537,7 +542,8 @@ def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, 
     shared_variants = [s.name for s in cls if s.family.endswith("_shared")]
     assert shared_variants, f"no shared variant at ws{ws} {dname} {profile}"
     max_tokens = 384
-    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0)
+    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0,
+                                                   oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
     try:
         with recording(record_result, program=f"mixed lamport2 ws{ws} {dname} {profile}", hidden=hidden,
                        devices=devices_kind) as info:
@@ -589,7 +595,8 @@ def test_pipelined_mixes_with_the_two_shot_class(profile, devices_kind, seed_for
     others = [n for n in cls if n != pipelined]
     assert others, cls
     max_tokens = 384
-    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0)
+    world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0,
+                                                   oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
     try:
         with recording(record_result, program=f"mixed lamport2 ws2 {dname} {profile} (pipelined)", hidden=hidden,
                        devices=devices_kind) as info:

@@ -54,7 +54,8 @@ class _Worlds:
         key = (ws, hidden, dtype)
         if key != self.key:
             self.close()
-            self.world = _dispatch().EmulatedWorld(ws, MAX_TOKENS, hidden, dtype, timeout_s=10.0)
+            self.world = _dispatch().EmulatedWorld(ws, MAX_TOKENS, hidden, dtype, timeout_s=10.0,
+                                                   oneshot_max_tokens=min(MAX_TOKENS, 1024))
             self.key = key
         return self.world
 

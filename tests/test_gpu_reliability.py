@@ -804,7 +804,8 @@ def test_emulated_world_allocation_failure_frees_every_rank(monkeypatch, seed_fo
             t0 = time.monotonic()
             try:
                 with pytest.raises(RuntimeError, match="rank 1") as e:
-                    dispatch.EmulatedWorld(2, max_tokens, hidden, D, timeout_s=10.0)
+                    dispatch.EmulatedWorld(2, max_tokens, hidden, D, timeout_s=10.0,
+                                           oneshot_max_tokens=min(max_tokens, 1024))
             finally:
                 monkeypatch.undo()
                 del filler

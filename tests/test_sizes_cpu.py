@@ -66,3 +66,54 @@ def test_a_workspace_of_unsafe_sizes_is_refused_before_it_allocates():
         ws._init_common(world_size=2, rank=0, max_tokens=2 ** 20, hidden=16384, dtype=torch.bfloat16,
                         device_index=0, timeout_s=10.0, oneshot_max_tokens=None, ranks_on_device=1)
     assert list(workspace._live_workspaces) == before
+
+
+# ---- the default one-shot capacity: the tables' one-shot boundary -------------------------------
+
+def test_default_oneshot_capacity_is_the_largest_table_boundary():
+    from dispatch import registry
+    generated = registry.program_set()
+    field = dict(generated.ladder)[registry.ONESHOT_REGIME]
+    for W in (2, 4, 8, 16):
+        bounds = [b[field] for (_, w, _), b in generated.selection.items() if w == W]
+        assert bounds and registry.oneshot_boundary(W) == max(bounds)
+    assert registry.oneshot_boundary(3) == 1  # no tables: the smallest capacity
+
+
+def test_default_oneshot_capacity_changes_no_automatic_selection():
+    """Every cell of every table selects the same family at every T with the default capacity as
+    with the capacity of 1,024 tokens the workspace had before (and as with an unbounded one)."""
+    from dispatch import registry
+    generated = registry.program_set()
+    checked = 0
+    for (dtype, W, profile) in generated.selection:
+        for max_tokens in (1, 7, 64, 512, 1536):
+            default = min(max_tokens, registry.oneshot_boundary(W))
+            for T in range(1, max_tokens + 1, 1 if max_tokens <= 64 else 5):
+                for shared in (False, True):
+                    got = registry.select_family(dtype, W, profile, T, shared, default)
+                    assert got == registry.select_family(dtype, W, profile, T, shared, min(max_tokens, 1024))
+                    assert got == registry.select_family(dtype, W, profile, T, shared, 1 << 30)
+                    checked += 1
+    assert checked > 10000
+
+
+def test_workspace_default_capacity_uses_the_boundary(monkeypatch):
+    """_init_common (every Workspace and EmulatedWorld rank) takes min(max_tokens, boundary) unless given."""
+    from dispatch import registry
+    seen = {}
+
+    class Probe(workspace._WorkspaceBase):
+        pass
+
+    for W, max_tokens, given, want in ((8, 1024, None, 16), (8, 10, None, 10), (4, 1024, 1024, 1024),
+                                       (16, 4096, None, 8), (2, 1024, None, 512)):
+        ws = Probe.__new__(Probe)
+        try:
+            ws._init_common(W, 0, max_tokens, 7168, torch.bfloat16, 0, 10.0, given, 1)
+        except Exception:  # noqa: BLE001 - past the sizes, the geometry may need a GPU's limits
+            pass
+        assert ws.oneshot_max_tokens == want, (W, max_tokens, given)
+        assert ws.buffer_elems == buffer_elems_for(W, max_tokens, 7168, want)
+        seen[W] = registry.oneshot_boundary(W)
+    assert seen == {8: 16, 4: 64, 16: 8, 2: 512}

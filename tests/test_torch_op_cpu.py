@@ -43,6 +43,7 @@ class StubWorkspace:
         self.world_size, self.rank, self.max_tokens = world_size, rank, max_tokens
         self.oneshot_max_tokens = min(max_tokens, 1024)
         self._launchers, self._plans, self._fault_stop_after_units = {}, {}, 0
+        self._last_plan = None
         self.closed = False
         self.launched = []
 
@@ -260,13 +261,13 @@ class CpuLauncher:
         self.name, self.family, self.profile, self.regime = name, info["family"], info["profile"], info["regime"]
         self.ws = ws
 
-    def kernel_call(self, ws, T, a):
+    def kernel_call(self, ws, T, a, order):
         return dict(T=T, K=a["expanded_idx_to_permuted_idx"].shape[1], R=a["allreduce_in"].shape[0],
                     pdl=a["launch_with_pdl"])
 
-    def run(self, call):
+    def run(self, plan, a):
         """In place of the kernel launch: what the kernel would write, computed on the CPU."""
-        ws, k, a = self.ws, call.plan.kernel, call.args
+        ws, k = self.ws, plan.kernel
         ws.launched.append(dict(program=self.name, T=k["T"], K=k["K"], R=k["R"], pdl=k["pdl"], quant=a.get("quant")))
         res, norm = cpu_math(dict(dop._DEFAULTS, **a), k["T"], k["K"], ws.hidden, ws.world_size)
         a["residual_out"].copy_(res)
@@ -276,17 +277,17 @@ class CpuLauncher:
             a["scale_out"].fill_(0x33)
 
 
-def _cpu_launch(call):
-    if call.plan.kernel is not None:
-        call.plan.launcher.run(call)
-    return call.outputs
+def _cpu_run(plan, pointers, kw):
+    if plan.kernel is not None:
+        plan.launcher.run(plan, kw)
+    return plan.outputs(kw)
 
 
 @pytest.fixture
 def cpu_runtime(monkeypatch):
     """A CPU stub workspace whose calls run dispatch.op for real up to the kernel launch."""
     monkeypatch.setattr(dop, "_launcher", lambda ws, name: ws._launchers.setdefault(name, CpuLauncher(ws, name)))
-    monkeypatch.setattr(dop._Call, "launch", _cpu_launch)
+    monkeypatch.setattr(dop._Plan, "run", _cpu_run)
     return StubWorkspace("cpu", hidden=256)
 
 
@@ -329,6 +330,49 @@ def test_real_impl_errors_are_the_runtimes(cpu_runtime):
     cpu_runtime.closed = True
     with pytest.raises(ValueError, match=r"^workspace: this workspace was closed"):
         OP(h, *pos)
+
+
+OUT_OP = torch.ops.moe_ar.moe_finalize_allreduce_out
+
+
+@pytest.mark.parametrize("quant", [None, "nvfp4"])
+def test_out_variant_writes_the_given_outputs(cpu_runtime, quant):
+    """moe_ar::moe_finalize_allreduce_out: the same call with outputs given, written in place."""
+    ws = cpu_runtime
+    h = dispatch.workspace_handle(ws)
+    T, K, H = 6, 3, 256
+    pos, extra = make_args(T, K, H, device="cpu", rows=T * K + 5, scale=torch.float32, shared=True, seed=4)
+    norm_out, residual_out = torch.full((T, H), float("nan"), dtype=torch.bfloat16), torch.empty(T, H, dtype=torch.bfloat16)
+    residual_out.fill_(float("nan"))
+    q = torch.zeros(T, H // 2, dtype=torch.uint8) if quant else None
+    sc = torch.zeros(dispatch.scale_out_bytes(T, H), dtype=torch.uint8) if quant else None
+    gs = torch.tensor([3.0]) if quant else None
+    assert OUT_OP(h, *pos, norm_out, residual_out, q, sc, **extra, routed_scaling_factor=1.75, eps=1e-3,
+                  weight_bias=1, quant=quant, global_scale=gs) is None
+    a = dict(allreduce_in=pos[0], expanded_idx_to_permuted_idx=pos[1], residual_in=pos[2], norm_weight=pos[3],
+             **extra, routed_scaling_factor=1.75, eps=1e-3, weight_bias=1)
+    res, norm = cpu_math(a, T, K, H, ws.world_size)
+    assert torch.equal(residual_out, res) and torch.equal(norm_out, norm)
+    if quant:
+        assert bool((q == 0x5A).all()) and bool((sc == 0x33).all())
+    assert ws.launched[-1]["program"] == dispatch.select_program(ws, T, quant, True)
+    with pytest.raises(ValueError, match=r"^norm_out: shape \(5, 256\), expected \(6, 256\)"):
+        OUT_OP(h, *pos, norm_out[:5], residual_out, q, sc, **extra, quant=quant, global_scale=gs)
+    with pytest.raises(ValueError, match=r"^norm_out: overlaps residual_in"):
+        OUT_OP(h, *pos, pos[2], residual_out, q, sc, **extra, quant=quant, global_scale=gs)
+
+
+def test_out_variant_is_refused_under_compile():
+    torch._dynamo.reset()
+    h = handle_of(StubWorkspace("meta", hidden=256))
+
+    def f(a):
+        n, r = torch.empty_like(a["residual_in"]), torch.empty_like(a["residual_in"])
+        OUT_OP(h, a["allreduce_in"], a["expanded_idx_to_permuted_idx"], a["residual_in"], a["norm_weight"], n, r)
+        return a["residual_in"] + 1
+
+    with pytest.raises(Exception, match="moe_finalize_allreduce_out: for eager calls and CUDA-graph capture"):
+        torch.compile(f, backend="aot_eager", fullgraph=True)(meta_inputs(3, 2, 256))
 
 
 @pytest.mark.parametrize("quant", [None, "nvfp4"])
