@@ -519,10 +519,11 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     kwargs["expanded_idx_to_permuted_idx"] = expanded_idx_to_permuted_idx
     kwargs["residual_in"] = residual_in
     kwargs["norm_weight"] = norm_weight
-    plan = workspace._last_plan
-    if plan is not None and not plan.fill:  # the short path of prepare_call, without a _Call
+    recent = workspace._recent_plans
+    if recent and not recent[0].fill:  # the short path of prepare_call, without a _Call
         workspace._ensure_open()
         workspace._check_error_words()
+        plan = recent[0]
         pointers = plan.match(workspace, kwargs)
         if pointers is not None:
             return plan.run(pointers, kwargs)
@@ -536,13 +537,14 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
 # anything else its type and value (plus the workspace's fault-injection setting). The first call
 # of a signature runs every check (_check_args) and keeps a _Plan: the program, the grid, the
 # kernel argument with the call's scalars filled in, each tensor's dtype, shape and byte size. A
-# later call is first matched against the workspace's last plan (an engine repeats one signature
-# over all its layers), then looked up by signature; the plan's match compares the signature
-# directly and makes the checks a signature does not fix (contiguity, alignment, overlap) in one
-# pass over the tensors. Anything unexpected takes the full path, which raises the ValueError
+# later call is first matched against the workspace's most recent plans (an engine repeats one
+# signature over all its layers, or alternates between a few), then looked up by signature; a
+# plan's match compares the signature directly, stopping at the first difference, and makes the
+# checks a signature does not fix (contiguity, alignment, overlap) in one pass over the tensors. Anything unexpected takes the full path, which raises the ValueError
 # naming the argument.
 
 _PLANS_PER_WORKSPACE = 1024  # a workspace drops its plans past this many signatures
+_RECENT_PLANS = 4  # plans matched before any signature is built, most recently used first
 _POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
                    "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
 # The kernel argument fields each call argument's data pointer goes to.
@@ -696,10 +698,17 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     `kwargs` (the call's keyword arguments) gets the allocated outputs."""
     workspace._ensure_open()
     workspace._check_error_words()
-    plan = workspace._last_plan
-    pointers = plan.match(workspace, kwargs) if plan is not None else None
-    if pointers is None:
+    recent = workspace._recent_plans
+    for i, plan in enumerate(recent):
+        pointers = plan.match(workspace, kwargs)
+        if pointers is not None:
+            if i:
+                recent.insert(0, recent.pop(i))
+            break
+    else:
         plan, pointers = _plan_for(workspace, kwargs)
+        recent.insert(0, plan)
+        del recent[_RECENT_PLANS:]
     if plan.fill:
         allocate_outputs(workspace, kwargs)
         pointers = plan.with_outputs(pointers, kwargs)
@@ -707,8 +716,8 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
 
 
 def _plan_for(workspace, kwargs: dict):
-    """(plan, data pointers) of a call that did not match the workspace's last plan: its signature's
-    plan, or a new one after the full checks. It becomes the last plan."""
+    """(plan, data pointers) of a call that matched none of the workspace's recent plans: its
+    signature's plan, or a new one after the full checks."""
     plans = workspace._plans
     signature = _signature(workspace, kwargs)
     plan = plans.get(signature) if signature is not None else None
@@ -722,7 +731,6 @@ def _plan_for(workspace, kwargs: dict):
             if len(plans) >= _PLANS_PER_WORKSPACE:
                 plans.clear()
             plans[signature] = plan
-    workspace._last_plan = plan
     return plan, pointers
 
 

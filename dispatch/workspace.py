@@ -743,7 +743,7 @@ class _WorkspaceBase:
                              f"threads for hidden {hidden}, more than {limits['max_threads']}")
         self._launchers = {}
         self._plans = {}  # call signature -> op._Plan
-        self._last_plan = None  # the plan of the last call (op.prepare_call)
+        self._recent_plans = []  # op.prepare_call's most recently used plans, first the last call's
         self._closed = False
         # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
         # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
@@ -991,7 +991,7 @@ class Workspace(_WorkspaceBase):
             self._closed = True
             self._launchers.clear()
             self._plans.clear()
-            self._last_plan = None
+            self._recent_plans.clear()
             _live_workspaces.discard(self)
             self._unmap_then_free("close")
 
@@ -1013,7 +1013,7 @@ class _EmulatedRank(_WorkspaceBase):
             self._closed = True
             self._launchers.clear()
             self._plans.clear()
-            self._last_plan = None
+            self._recent_plans.clear()
             _live_workspaces.discard(self)
             self._memory.free()
 

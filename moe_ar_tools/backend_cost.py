@@ -63,7 +63,7 @@ class Run:
     def __init__(self, args):
         import torch
         import torch.distributed as dist
-        from dispatch import bench
+        from moe_ar_tools import bench
         os.environ.update(bench.REQUIRED_ENV)  # never NVLink multicast, whatever the caller's shell says
         self.args = args
         self.local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -134,7 +134,7 @@ class Run:
     def calls(self, workspaces: dict) -> list:
         import torch
         import dispatch
-        from dispatch import bench
+        from moe_ar_tools import bench
         shape = bench.Shape(HIDDEN, TOP_K, True)
         names = sorted({dispatch.select_program(ws, T, None, True) for ws in workspaces.values()
                         for T in self.args.tokens})
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     import dispatch
-    from dispatch import bench
+    from moe_ar_tools import bench
     run = Run(args)
     run.log(f"backend_cost: {run.W} ranks, {torch.cuda.get_device_name(run.device)}; constructions ...")
     result = None

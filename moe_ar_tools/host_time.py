@@ -9,8 +9,9 @@ shuffled each round:
 
     call        dispatch.moe_finalize_allreduce on a rank's workspace, outputs given: the path a real
                 process takes (the call matched against the workspace's last plan, launch)
-    call_by_signature  the same with the last plan forgotten first: the plan found by the call's
-                signature (a workspace whose calls alternate between signatures)
+    call_by_signature  the same with the recent plans forgotten first: the plan found by the call's
+                signature (a workspace whose calls go round more signatures than it keeps recent)
+    call_alternating  calls of 16 and of 8 tokens in turn: the plan matched among the recent ones
     checks      op.prepare_call alone (a plan exists: the per-call checks; nothing launched)
     first_call  every check of a call whose signature has no plan yet (op._full_checks)
     launch      the launch of a call already prepared (op.prepare_call outside the timing)
@@ -62,12 +63,14 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     import dispatch
     from dispatch import op
     device = torch.device("cuda", torch.cuda.current_device())
-    # One world for the direct calls, one for each custom op: each keeps the plan of its own
-    # signature as its last plan (the op passes every option, so its call's signature differs).
-    world, op_world, out_world = (dispatch.EmulatedWorld(2, max_tokens=max(tokens, 16), hidden=hidden,
-                                                         dtype=torch.bfloat16) for _ in range(3))
+    # One world for the direct calls, one for each custom op and one for the alternating calls: each
+    # keeps its own signatures as its recent plans (the ops pass every option: other signatures).
+    world, op_world, out_world, alt_world = (dispatch.EmulatedWorld(2, max_tokens=max(tokens, 16), hidden=hidden,
+                                                                    dtype=torch.bfloat16) for _ in range(4))
     ranks = world.workspaces
     kws = [_inputs(tokens, top_k, hidden, r, device, quant) for r in range(2)]
+    kws_half = [_inputs(max(tokens // 2, 1), top_k, hidden, r, device, quant) for r in range(2)]
+    turn = [0, 0]
     handles = [dispatch.workspace_handle(w) for w in op_world.workspaces]
     out_handles = [dispatch.workspace_handle(w) for w in out_world.workspaces]
     op_inputs = [{k: v for k, v in kw.items() if k not in ("norm_out", "residual_out", "quant_out", "scale_out")}
@@ -89,8 +92,12 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     def call(r):
         dispatch.moe_finalize_allreduce(ranks[r], **kws[r])
 
+    def call_alternating(r):
+        turn[r] ^= 1
+        dispatch.moe_finalize_allreduce(alt_world.workspaces[r], **(kws[r] if turn[r] else kws_half[r]))
+
     def call_by_signature(r):
-        ranks[r]._last_plan = None
+        ranks[r]._recent_plans.clear()
         dispatch.moe_finalize_allreduce(ranks[r], **kws[r])
 
     def checks(r):
@@ -142,6 +149,7 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     systems = {
         "call": lambda: both(call),
         "call_by_signature": lambda: both(call_by_signature),
+        "call_alternating": lambda: both(call_alternating, alt_world),
         "checks": lambda: both(checks),
         "launch": lambda: (prepare_both(), both(launch))[1],
         "empty_launch": lambda: timed_single(empty_launch),
@@ -166,7 +174,7 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
             torch.cuda.synchronize()  # outside any timed region: keeps the launch queue short
     torch.cuda.synchronize()
     dispatch.check()
-    for w in (world, op_world, out_world):
+    for w in (world, op_world, out_world, alt_world):
         w.close()
     med = {name: statistics.median(v) / 1e3 for name, v in samples.items()}
     return {"tokens": tokens, "hidden": hidden, "top_k": top_k, "quant": quant, "rounds": rounds,

@@ -140,3 +140,27 @@ def record_result(request):
             f.write(json.dumps(line, sort_keys=True, default=str) + "\n")
 
     return rec
+
+
+@pytest.fixture(scope="module")
+def worlds():
+    """gpu_worlds.Worlds: the last emulated world of a module, kept for its next test with the same key."""
+    from gpu_worlds import Worlds
+    w = Worlds()
+    yield w
+    w.close()
+
+
+@pytest.fixture
+def full_checks(monkeypatch):
+    """[n]: how many calls took dispatch.op's full checks (a new plan) during the test."""
+    from dispatch import op
+    count = [0]
+    real = op._full_checks
+
+    def counting(ws, kwargs):
+        count[0] += 1
+        return real(ws, kwargs)
+
+    monkeypatch.setattr(op, "_full_checks", counting)
+    return count

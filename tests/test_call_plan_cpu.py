@@ -34,7 +34,7 @@ class _FakeLauncher:
 def _workspace():
     ws = types.SimpleNamespace(dtype=D, dtype_name="bf16", hidden=H, device=torch.device("cpu"), device_index=-1,
                                max_tokens=MAX_T, world_size=2, oneshot_max_tokens=MAX_T, _plans={},
-                               _fault_stop_after_units=0, _launchers={}, _last_plan=None)
+                               _fault_stop_after_units=0, _launchers={}, _recent_plans=[])
     ws._ensure_open = lambda: None
     ws._check_error_words = lambda: None
     return ws
@@ -44,20 +44,6 @@ def _workspace():
 def fake_launcher(monkeypatch):
     monkeypatch.setattr(op, "_launcher", lambda ws, name: _FakeLauncher(ws, name))
     monkeypatch.setattr(op, "select_program", lambda ws, T, quant, shared: "moe_ar_ts_bf16_ws2_o111")
-
-
-@pytest.fixture
-def full_checks(monkeypatch):
-    """Counts the calls that took the full checks."""
-    count = [0]
-    real = op._full_checks
-
-    def counting(ws, kwargs):
-        count[0] += 1
-        return real(ws, kwargs)
-
-    monkeypatch.setattr(op, "_full_checks", counting)
-    return count
 
 
 def _valid():
@@ -96,12 +82,40 @@ def test_a_repeated_signature_takes_the_short_path(full_checks):
 def test_the_last_plan_is_matched_before_any_signature(full_checks, monkeypatch):
     ws = _workspace()
     op.moe_finalize_allreduce(ws, **_valid())
-    plan = ws._last_plan
+    plan = ws._recent_plans[0]
     monkeypatch.setattr(op, "_signature", lambda *a: pytest.fail("looked up by signature"))
     for _ in range(3):
         out = op.moe_finalize_allreduce(ws, **_valid())
-        assert ws._last_plan is plan and out.quant_out is not None and out.scale_out is not None
+        assert ws._recent_plans == [plan] and out.quant_out is not None and out.scale_out is not None
     assert full_checks[0] == 1
+
+
+def test_recent_plans_serve_alternating_signatures(full_checks, monkeypatch):
+    """Up to _RECENT_PLANS signatures in turn are matched without building a signature; one more
+    evicts the least recently used, which is then found by its signature (no new full checks)."""
+    ws = _workspace()
+
+    def call(eps):
+        a = _valid()
+        a["eps"] = eps
+        op.moe_finalize_allreduce(ws, **a)
+
+    epss = [1e-6 * (i + 1) for i in range(op._RECENT_PLANS + 1)]
+    for eps in epss[:-1]:
+        call(eps)
+    assert full_checks[0] == op._RECENT_PLANS and len(ws._recent_plans) == op._RECENT_PLANS
+    real_signature = op._signature
+    monkeypatch.setattr(op, "_signature", lambda *a: pytest.fail("looked up by signature"))
+    for _ in range(3):
+        for eps in epss[:-1]:
+            call(eps)
+    monkeypatch.setattr(op, "_signature", real_signature)
+    call(epss[-1])  # a new signature: the least recent (epss[0]) leaves the recent plans
+    assert full_checks[0] == op._RECENT_PLANS + 1 and len(ws._recent_plans) == op._RECENT_PLANS
+    looked_up = []
+    monkeypatch.setattr(op, "_signature", lambda *a: looked_up.append(1) or real_signature(*a))
+    call(epss[0])
+    assert looked_up == [1] and full_checks[0] == op._RECENT_PLANS + 1  # found by its signature
 
 
 @pytest.mark.parametrize("quant", [None, "nvfp4", "fp8_group128", "fp8_tensor"])
@@ -151,9 +165,9 @@ def _expect_same_error(mutate, must_raise=True):
     for entry in (op.prepare_call, op.moe_finalize_allreduce):
         ws = _workspace()
         _outcome(ws, _valid(), entry)
-        assert ws._last_plan is not None
+        assert ws._recent_plans
         assert _outcome(ws, a, entry) == fresh
-        ws._last_plan = None  # the plan found by its signature
+        ws._recent_plans.clear()  # the plan found by its signature
         assert _outcome(ws, a, entry) == fresh
 
 

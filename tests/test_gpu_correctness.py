@@ -19,14 +19,13 @@ Set MOE_AR_RESULTS=path to append a JSON line per test summary.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import random
-import time
 
 import pytest
 import torch
 
+from gpu_worlds import FORCED_ONESHOT_CAP, recording
 from moe_ar_tools import reference as ref
 from generator import policy
 from generator import spec as gspec
@@ -36,9 +35,6 @@ pytestmark = pytest.mark.gpu
 HIDDENS = (2048, 2880, 4096, 5120, 7168, 8192)
 ODD_COLUMN_HIDDEN = 2064  # H/16 = 129 scale columns: exercises the column padding of the scale layout
 MAX_TOKENS = 512
-# Worlds whose tests force every program at every T keep the one-shot capacity of any T tested
-# (the default is the tables' one-shot boundary: a forced one-shot above it is refused).
-FORCED_ONESHOT_CAP = 1024
 SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s)),
                key=lambda s: (s.world_size, s.dtype, s.profile, s.family))
 PROFILE_QUANT = dict(gspec.PROFILE_QUANT)  # output profile -> the call's quant= argument
@@ -65,49 +61,6 @@ def _devices(kind: str, ws: int):
 def _sync(world):
     for d in sorted(set(world.devices)):
         torch.cuda.synchronize(d)
-
-
-class _Worlds:
-    """Keeps the last emulated world alive for consecutive tests with the same key."""
-
-    def __init__(self):
-        self.key = None
-        self.world = None
-
-    def get(self, ws, max_tokens, hidden, dtype, devices):
-        key = (ws, max_tokens, hidden, dtype, tuple(devices) if devices else None)
-        if key != self.key:
-            self.close()
-            self.world = _dispatch().EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0,
-                                                   oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
-            self.key = key
-        return self.world
-
-    def close(self):
-        if self.world is not None:
-            w, self.world, self.key = self.world, None, None
-            w.close()
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = _Worlds()
-    yield w
-    w.close()
-
-
-@contextlib.contextmanager
-def recording(record_result, **fields):
-    info = dict(fields, cases=0)
-    t0 = time.time()
-    try:
-        yield info
-    except pytest.skip.Exception:
-        raise
-    except BaseException as e:
-        record_result(**info, passed=False, error=str(e)[:2000], seconds=round(time.time() - t0, 2))
-        raise
-    record_result(**info, passed=True, seconds=round(time.time() - t0, 2))
 
 
 def fp8_options(i):

@@ -17,14 +17,13 @@ Seeds from conftest (--seed N reproduces); MOE_AR_RESULTS=path appends a JSON li
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import random
-import time
 
 import pytest
 import torch
 
+from gpu_worlds import recording
 from moe_ar_tools import reference as ref
 from generator import policy
 from generator import spec as gspec
@@ -42,48 +41,6 @@ PROFILE_QUANT = dict(gspec.PROFILE_QUANT)
 def _dispatch():
     import dispatch
     return dispatch
-
-
-class _Worlds:
-    """Keeps the last emulated world alive for consecutive tests with the same key."""
-
-    def __init__(self):
-        self.key = self.world = None
-
-    def get(self, ws, hidden, dtype):
-        key = (ws, hidden, dtype)
-        if key != self.key:
-            self.close()
-            self.world = _dispatch().EmulatedWorld(ws, MAX_TOKENS, hidden, dtype, timeout_s=10.0,
-                                                   oneshot_max_tokens=min(MAX_TOKENS, 1024))
-            self.key = key
-        return self.world
-
-    def close(self):
-        if self.world is not None:
-            w, self.world, self.key = self.world, None, None
-            w.close()
-
-
-@pytest.fixture(scope="module")
-def worlds():
-    w = _Worlds()
-    yield w
-    w.close()
-
-
-@contextlib.contextmanager
-def recording(record_result, **fields):
-    info = dict(fields, cases=0)
-    t0 = time.time()
-    try:
-        yield info
-    except pytest.skip.Exception:
-        raise
-    except BaseException as e:
-        record_result(**info, passed=False, error=str(e)[:2000], seconds=round(time.time() - t0, 2))
-        raise
-    record_result(**info, passed=True, seconds=round(time.time() - t0, 2))
 
 
 def _hidden(base_seed, ws, dname):
@@ -154,7 +111,7 @@ def test_residual_out_may_be_residual_in(target, worlds, seed_for, base_seed, re
         program = target
     s = gspec.parse(program)
     dtype = ref.NAME_TO_DTYPE[s.dtype]
-    world = worlds.get(s.world_size, _hidden(base_seed, s.world_size, s.dtype), dtype)
+    world = worlds.get(s.world_size, MAX_TOKENS, _hidden(base_seed, s.world_size, s.dtype), dtype)
     with recording(record_result, program=program, hidden=world.hidden, hostile="residual_out is residual_in") as info:
         for i, T in enumerate((rnd.randint(1, 16), rnd.randint(17, MAX_TOKENS))):
             _inplace_call(world, program, T, seed_for(f"case{i}"), rnd, program, ("cpu", DEVICE)[i])
@@ -213,7 +170,7 @@ def test_special_device_scale_bytes_follow_the_rule(profile, value, worlds, seed
     dname = rnd.choice(gspec.DTYPES)
     programs = [s.name for s in SPECS if s.world_size == 2 and s.dtype == dname and s.profile == profile]
     assert {gspec.parse(p).family for p in programs} >= {"oneshot", "twoshot", "twoshot_pipelined"}, programs
-    world = worlds.get(2, _hidden(base_seed, 2, dname), ref.NAME_TO_DTYPE[dname])
+    world = worlds.get(2, MAX_TOKENS, _hidden(base_seed, 2, dname), ref.NAME_TO_DTYPE[dname])
     arg = "global_scale" if profile == "nvfp4" else "fp8_scale"
     with recording(record_result, program=f"ws2 {dname} {profile}", hidden=world.hidden,
                    hostile=f"{arg}={value}") as info:
@@ -265,7 +222,7 @@ CROSS_RANK = {
 @pytest.mark.parametrize("what", list(CROSS_RANK))
 def test_an_output_over_another_ranks_tensor_is_refused(what, worlds, seed_for, base_seed, record_result):
     """Refused before any rank launches (no rank left waiting for its peers), then a valid call works."""
-    world = worlds.get(2, _hidden(base_seed, 2, "bf16"), torch.bfloat16)
+    world = worlds.get(2, MAX_TOKENS, _hidden(base_seed, 2, "bf16"), torch.bfloat16)
     seed = seed_for("case")
     case = ref.make_case(2, 6, world.hidden, 2, world.dtype, seed=seed, device=DEVICE)
     provided = ref.alloc_outputs(case, "nvfp4")

@@ -43,7 +43,7 @@ class StubWorkspace:
         self.world_size, self.rank, self.max_tokens = world_size, rank, max_tokens
         self.oneshot_max_tokens = min(max_tokens, 1024)
         self._launchers, self._plans, self._fault_stop_after_units = {}, {}, 0
-        self._last_plan = None
+        self._recent_plans = []
         self.closed = False
         self.launched = []
 
