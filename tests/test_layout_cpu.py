@@ -71,7 +71,7 @@ def test_the_example_does_not_import_the_benchmark():
 
 def test_tests_hold_no_tools():
     """Every Python file in tests/ is a test module, the pytest setup, or a helper the tests import."""
-    helpers = {"conftest.py", "multiproc.py"}
+    helpers = {"conftest.py", "multiproc.py", "gpu_worlds.py"}
     strays = [p.name for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_") and p.name not in helpers]
     assert not strays, strays
 
