@@ -39,7 +39,16 @@ Design:
   allocator on the current stream, so a CUDA-graph capture takes them from its private pool).
   Before capturing, run each shape once eagerly, so that programs are compiled and loaded and
   the workspace's launch state is built outside the capture.
-* No autograd formula: the op is for inference.
+* No autograd formula: the op is for inference. Autograd falls through it (its outputs do not
+  require grad, whatever its inputs do): no gradient flows back through it, rather than a wrong one.
+* Registered with torch.library.Library (schema, CUDA and CPU kernels, the fake), not
+  torch.library.custom_op, whose Python wrapper costs more host time per eager call than the
+  launch. The CPU kernel is the same function: the runtime refuses CPU tensors by name.
+* ``torch.ops.moe_ar.moe_finalize_allreduce_out`` takes the outputs as arguments it writes
+  (``Tensor(a!)`` .. ``Tensor(d!)``) and allocates nothing, for eager code and CUDA-graph capture.
+  torch.compile refuses it (its fake raises): torch's ordered effects do not cover an op that
+  mutates, and a compiled graph dropped a call whose outputs were unused, which for a collective
+  is a hang on the other ranks. Compiled code uses the functional op.
 """
 from __future__ import annotations
 
@@ -167,9 +176,13 @@ def _moe_finalize_allreduce_out(workspace, allreduce_in, expanded_idx_to_permute
         **kw)
 
 
-for _key in _KERNEL_KEYS:
-    _lib.impl("moe_finalize_allreduce", _moe_finalize_allreduce, _key)
-    _lib.impl("moe_finalize_allreduce_out", _moe_finalize_allreduce_out, _key)
+for _name, _kernel in (("moe_finalize_allreduce", _moe_finalize_allreduce),
+                      ("moe_finalize_allreduce_out", _moe_finalize_allreduce_out)):
+    for _key in _KERNEL_KEYS:
+        _lib.impl(_name, _kernel, _key)
+    # Not differentiable: autograd passes through, and outputs never require grad (without this,
+    # torch's fallback would give them a grad_fn that backpropagates a wrong gradient, with a warning).
+    _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 
 def _meta_tensor(name, x, dtypes, ndim, device):

@@ -279,7 +279,8 @@ class CpuLauncher:
 
 def _cpu_run(plan, pointers, kw):
     if plan.kernel is not None:
-        plan.launcher.run(plan, kw)
+        with torch.no_grad():  # a kernel launch records no autograd history
+            plan.launcher.run(plan, kw)
     return plan.outputs(kw)
 
 
@@ -360,6 +361,22 @@ def test_out_variant_writes_the_given_outputs(cpu_runtime, quant):
         OUT_OP(h, *pos, norm_out[:5], residual_out, q, sc, **extra, quant=quant, global_scale=gs)
     with pytest.raises(ValueError, match=r"^norm_out: overlaps residual_in"):
         OUT_OP(h, *pos, pos[2], residual_out, q, sc, **extra, quant=quant, global_scale=gs)
+
+
+def test_autograd_falls_through_both_ops(cpu_runtime):
+    """Inputs that require grad (a Parameter norm_weight, eager code outside no_grad): the ops run,
+    their outputs do not require grad, and a backward through them is an error, not a gradient."""
+    h = dispatch.workspace_handle(cpu_runtime)
+    pos, extra = make_args(6, 3, 256, device="cpu", scale=torch.float32, shared=True, seed=5)
+    weight = torch.nn.Parameter(pos[3].clone())
+    with torch.enable_grad():
+        outs = OP(h, pos[0], pos[1], pos[2], weight, **extra)
+        n, r = torch.empty_like(pos[2]), torch.empty_like(pos[2])
+        OUT_OP(h, pos[0], pos[1], pos[2], weight, n, r, **extra)
+    assert not any(t.requires_grad for t in (*outs, n, r))
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        outs[0].float().sum().backward()
+    assert weight.grad is None
 
 
 def test_out_variant_is_refused_under_compile():
