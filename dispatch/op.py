@@ -312,9 +312,6 @@ class _Launcher:
         self.profile = info["profile"]
         self.sliced_units = info["sliced_units"]  # a work unit is a row slice, not a whole row
         self.column_units = info["column_units"]  # a work unit is a column: a token of each rank
-        self.quant_scale_arg = {"nvfp4": "global_scale", "fp8_tensor": "fp8_scale"}.get(self.profile)
-        self.writes_quant = "quant_out" in info["outputs"]
-        self.writes_scales = "scale_out" in info["outputs"]
         prog = registry.load(name, ws.device_index)
         sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
         # Every block of every rank on this GPU must be resident at once: blocks spin on peers.
@@ -540,8 +537,8 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
 # later call is first matched against the workspace's most recent plans (an engine repeats one
 # signature over all its layers, or alternates between a few), then looked up by signature; a
 # plan's match compares the signature directly, stopping at the first difference, and makes the
-# checks a signature does not fix (contiguity, alignment, overlap) in one pass over the tensors. Anything unexpected takes the full path, which raises the ValueError
-# naming the argument.
+# checks a signature does not fix (contiguity, alignment, overlap) in one pass over the tensors.
+# Anything unexpected takes the full path, which raises the ValueError naming the argument.
 
 _PLANS_PER_WORKSPACE = 1024  # a workspace drops its plans past this many signatures
 _RECENT_PLANS = 4  # plans matched before any signature is built, most recently used first

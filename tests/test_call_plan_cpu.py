@@ -302,3 +302,16 @@ def test_any_bad_tensor_after_a_plan_is_named_as_without(name, how):
         else:
             a[name] = torch.empty(x.shape, dtype=x.dtype, device="meta")
     _expect_same_error(mutate, must_raise=False)  # a longer scale_out is a good call
+
+
+def test_the_pointer_order_writes_what_each_program_writes():
+    """The outputs whose pointers a plan passes are the outputs each program's manifest entry says it
+    writes, and the scale input it passes is its profile's (every program, every quant)."""
+    from dispatch import registry
+    quant_of = {profile: quant for quant, profile in registry.program_set().profile_of_quant.items()}
+    for name in registry.programs():
+        info = registry.program_info(name)
+        order = op._pointer_order(dict(op._DEFAULTS, quant=quant_of[info["profile"]]))
+        assert [n for n in order if n in op._OUTPUT_NAMES] == list(info["outputs"]), name
+        scale_inputs = {n for n in order if n in ("global_scale", "fp8_scale")}
+        assert scale_inputs == {"nvfp4": {"global_scale"}, "fp8_tensor": {"fp8_scale"}}.get(info["profile"], set())
