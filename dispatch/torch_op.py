@@ -161,7 +161,12 @@ def _moe_finalize_allreduce_out(workspace, allreduce_in, expanded_idx_to_permute
                                 quant=None, global_scale=None, launch_with_pdl=False, program=None, fp8_scale=None,
                                 fp8_scale_layout="row", fp8_pow2_scales=False):
     from .op import moe_finalize_allreduce
-    kw = {}  # only what is given, so that the call's signature is the one a direct call has
+    # every output the quant writes must be given: one left None would be allocated and dropped
+    if quant is not None and quant_out is None:
+        raise ValueError(f"quant_out: required by moe_finalize_allreduce_out with quant={quant!r}")
+    if quant in ("nvfp4", "fp8_group128") and scale_out is None:
+        raise ValueError(f"scale_out: required by moe_finalize_allreduce_out with quant={quant!r}")
+    kw = {}  # quant_out / scale_out only when given (the runtime names one given with a quant that has none)
     if quant_out is not None:
         kw["quant_out"] = quant_out
     if scale_out is not None:
@@ -181,7 +186,7 @@ for _name, _kernel in (("moe_finalize_allreduce", _moe_finalize_allreduce),
     for _key in _KERNEL_KEYS:
         _lib.impl(_name, _kernel, _key)
     # Not differentiable: autograd passes through, and outputs never require grad (without this,
-    # torch's fallback would give them a grad_fn that backpropagates a wrong gradient, with a warning).
+    # torch's fallback gives them a grad_fn whose backward only warns and passes no gradient).
     _lib.impl(_name, torch.library.fallthrough_kernel, "Autograd")
 
 

@@ -794,8 +794,9 @@ class Workspace(_WorkspaceBase):
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer, 0..86400;
     0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, 1..max_tokens, default
     min(max_tokens, B): B the largest one-shot boundary of the selection tables for the world size,
-    dispatch.registry.oneshot_boundary(W); a forced one-shot program= above it needs it larger), `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every
-    call; default None: per call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above),
+    dispatch.registry.oneshot_boundary(W); a forced one-shot program= above it needs it larger),
+    `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every call; default None: per
+    call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above),
     `backend` ("ipc", the default: cudaMalloc and CUDA IPC, one host; "symm_mem": torch symmetric
     memory, one host or one multi-node NVLink domain; "auto": "symm_mem" where every rank can use
     it, else "ipc" with a RuntimeWarning saying why). `backend` and `backend_reason` hold the choice.

@@ -361,6 +361,11 @@ def test_out_variant_writes_the_given_outputs(cpu_runtime, quant):
         OUT_OP(h, *pos, norm_out[:5], residual_out, q, sc, **extra, quant=quant, global_scale=gs)
     with pytest.raises(ValueError, match=r"^norm_out: overlaps residual_in"):
         OUT_OP(h, *pos, pos[2], residual_out, q, sc, **extra, quant=quant, global_scale=gs)
+    if quant:  # an output the quant writes left out is refused, not allocated and dropped
+        with pytest.raises(ValueError, match=r"^quant_out: required"):
+            OUT_OP(h, *pos, norm_out, residual_out, None, sc, **extra, quant=quant, global_scale=gs)
+        with pytest.raises(ValueError, match=r"^scale_out: required"):
+            OUT_OP(h, *pos, norm_out, residual_out, q, None, **extra, quant=quant, global_scale=gs)
 
 
 def test_autograd_falls_through_both_ops(cpu_runtime):
