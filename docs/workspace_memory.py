@@ -38,6 +38,16 @@ def human(n: float) -> str:
     return f"{n:.0f} B"
 
 
+def table(title: str, cell) -> None:
+    """A markdown table of cell(W, T) per max_tokens (rows) and world size (columns), under `title`."""
+    print(title + "\n")
+    print("| max_tokens | " + " | ".join(f"W = {W}" for W in WORLD_SIZES) + " |")
+    print("|---:|" + "---:|" * len(WORLD_SIZES))
+    for T in MAX_TOKENS:
+        print(f"| {T} | " + " | ".join(cell(W, T) for W in WORLD_SIZES) + " |")
+    print()
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.parse_args(argv)
@@ -45,41 +55,24 @@ def main(argv=None) -> None:
     print(f"H {HIDDEN}, {ELEM_BYTES}-byte elements (bf16); device bytes of one rank: 3 buffers + "
           f"{STATE_WORDS * 4} B of state; plus {ERROR_WORDS * 4} B of host-mapped error words (pinned host memory)\n")
 
-    print("Default one-shot capacity, oneshot_max_tokens = min(max_tokens, B), B = the largest one-shot boundary "
+    def default(W, T):
+        dev, _, which = rank_bytes(W, T, min(T, bounds[W]))
+        return f"{human(dev)} [{which}]"
+
+    def forced(W, T):
+        base = rank_bytes(W, T, min(T, bounds[W]))[0]
+        dev, _, which = rank_bytes(W, T, min(T, FORCED_CAP))
+        more = dev - base
+        return f"{human(dev)} [{which}]" + (f", {human(more)} more (the default saves {100 * more / dev:.0f}%)"
+                                            if more else ", same")
+
+    table("Default one-shot capacity, oneshot_max_tokens = min(max_tokens, B), B = the largest one-shot boundary "
           "of the committed tables for W (" + ", ".join(f"W {W}: B = {bounds[W]}" for W in WORLD_SIZES) +
-          "); [which layout sizes the buffer]\n")
-    print("| max_tokens | " + " | ".join(f"W = {W}" for W in WORLD_SIZES) + " |")
-    print("|---:|" + "---:|" * len(WORLD_SIZES))
-    for T in MAX_TOKENS:
-        cells = []
-        for W in WORLD_SIZES:
-            dev, _, which = rank_bytes(W, T, min(T, bounds[W]))
-            cells.append(f"{human(dev)} [{which}]")
-        print(f"| {T} | " + " | ".join(cells) + " |")
-    print()
-
-    print("Emulated world on one GPU (EmulatedWorld: all W ranks' workspaces on one device), default capacity\n")
-    print("| max_tokens | " + " | ".join(f"W = {W}" for W in WORLD_SIZES) + " |")
-    print("|---:|" + "---:|" * len(WORLD_SIZES))
-    for T in MAX_TOKENS:
-        print(f"| {T} | " + " | ".join(human(W * rank_bytes(W, T, min(T, bounds[W]))[0])
-                                        for W in WORLD_SIZES) + " |")
-    print()
-
-    print(f"With oneshot_max_tokens = min(max_tokens, {FORCED_CAP}) (room for a one-shot forced with program= up "
-          f"to {FORCED_CAP} tokens; the default before the tables sized it): how much more than the default\n")
-    print("| max_tokens | " + " | ".join(f"W = {W}" for W in WORLD_SIZES) + " |")
-    print("|---:|" + "---:|" * len(WORLD_SIZES))
-    for T in MAX_TOKENS:
-        cells = []
-        for W in WORLD_SIZES:
-            default, _, _ = rank_bytes(W, T, min(T, bounds[W]))
-            forced, _, which = rank_bytes(W, T, min(T, FORCED_CAP))
-            more = forced - default
-            cells.append(f"{human(forced)} [{which}]" + (f", {human(more)} more (the default saves "
-                                                         f"{100 * more / forced:.0f}%)" if more else ", same"))
-        print(f"| {T} | " + " | ".join(cells) + " |")
-    print()
+          "); [which layout sizes the buffer]", default)
+    table("Emulated world on one GPU (EmulatedWorld: all W ranks' workspaces on one device), default capacity",
+          lambda W, T: human(W * rank_bytes(W, T, min(T, bounds[W]))[0]))
+    table(f"With oneshot_max_tokens = min(max_tokens, {FORCED_CAP}) (room for a one-shot forced with program= up "
+          f"to {FORCED_CAP} tokens; the default before the tables sized it): how much more than the default", forced)
 
 
 if __name__ == "__main__":
