@@ -16,7 +16,7 @@ import pathlib
 import sys
 import tempfile
 
-PROGRAM = "moe_ar_os_bf16_ws2_o110"
+PROGRAM = "moe_ar_os_bf16_ws2_plain"
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ jinja2, torch or cupy): the runtime keeps a verbatim copy of this module, since
 the runtime never imports the generator.
 
     manifest = load_verified_manifest(generated_dir)   # raises ManifestError
-    text = source_for(manifest, generated_dir, "moe_ar_ts_bf16_ws4_o110")
+    text = source_for(manifest, generated_dir, "moe_ar_ts_bf16_ws4_plain")
 
 `source_for` returns one self-contained translation unit: the program with each
 `#include "name"` line replaced by the text of the body header

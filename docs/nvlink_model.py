@@ -146,7 +146,7 @@ def calibration(s: Shape, alpha, fixed):
     beta, hbm = doc["bandwidth"]["nvlink_GBps"], doc["bandwidth"]["hbm_GBps"]
     meas = {}
     for r in doc["records"]:
-        if (r["hidden"], r["top_k"], bool(r["shared"]), r["profile"]) == (s.hidden, s.top_k, s.shared, "110") \
+        if (r["hidden"], r["top_k"], bool(r["shared"]), r["profile"]) == (s.hidden, s.top_k, s.shared, "plain") \
                 and r["system"].startswith("moe_ar_") and r.get("valid", True):
             meas[(r["system"].split("_")[2], r["tokens"])] = r["median_us"]
     if not meas:

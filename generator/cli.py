@@ -185,11 +185,11 @@ def tables(ctx):
     axes = manifest["axes"]
     families, profiles = axes["families"], axes["output_profiles"]
     profile_names = [profile["name"] for profile in profiles]
-    click.echo("program names: moe_ar_<family code>_<dtype>_ws<world size>_<profile code>")
+    click.echo("program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>")
     _print_rows([("  " + family["code"], family["name"], family["title"]) for family in families],
                 ("  family code", "family", "what it is"))
-    _print_rows([("  " + profile["code"], profile["name"], "None" if profile["quant"] is None else profile["quant"])
-                 for profile in profiles], ("  profile code", "output profile", "quant="))
+    _print_rows([("  " + profile["name"], "None" if profile["quant"] is None else profile["quant"])
+                 for profile in profiles], ("  output profile", "quant="))
     click.echo()
     programs = {_cell(entry): entry for entry in manifest["programs"]}
     holes = {_cell(hole): hole for hole in manifest["holes"]}

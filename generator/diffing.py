@@ -81,7 +81,19 @@ def _with_todays_code_hashes(manifest: dict, rev: str, root, generated: str) -> 
         except ManifestError:
             continue  # not a tree this generator can read: its recorded hash stays
         entry["code_sha256"] = code_sha256(text, *(texts[rel] for rel in included))
+        today = _name_today(entry)
+        if today not in (None, entry["name"]):  # renamed since: its hash as if it had today's name
+            entry["code_sha256_as_named_today"] = code_sha256(text.replace(entry["name"], today),
+                                                              *(texts[rel] for rel in included))
     return manifest
+
+
+def _name_today(entry: dict) -> str | None:
+    """The name today's generator gives the entry's cell; None where the cell no longer exists."""
+    try:
+        return spec.ProgramSpec(entry["family"], entry["dtype"], entry["world_size"], entry["profile"]).name
+    except ValueError:
+        return None
 
 
 def _with_profile_names(manifest: dict) -> dict:
@@ -153,7 +165,12 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             hole = new_holes.get(key)
             why = f" (now a hole -> {hole['fallback_family']}: {hole['reason']})" if hole else ""
             lines.append(f"- {_label(key)}: vanished, {before['name']}{why}")
-        elif before["name"] != after["name"] or (same_layout and _code_hash(before) != _code_hash(after)):
+        elif before["name"] != after["name"]:
+            same = same_layout and before.get("code_sha256_as_named_today") == _code_hash(after)
+            lines.append(f"~ {_label(key)}: renamed {before['name']} -> {after['name']}, "
+                         + ("same code but the name" if same else
+                            f"code sha256 {_code_hash(before)[:12]} -> {_code_hash(after)[:12]}"))
+        elif same_layout and _code_hash(before) != _code_hash(after):
             lines.append(f"~ {_label(key)}: program changed, {after['name']} "
                          f"code sha256 {_code_hash(before)[:12]} -> {_code_hash(after)[:12]}")
     for key in sorted(set(old_holes) & set(new_holes)):

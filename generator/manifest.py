@@ -89,8 +89,8 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
             "dtypes": list(spec.DTYPES),
             "world_sizes": list(spec.WORLD_SIZES),
             "table_index": ["dtype", "world_size", "profile"],
-            # Records in table order; program names spell a family and a profile by its `code`.
-            "output_profiles": [{"name": p.name, "quant": p.quant, "code": p.code, "meaning": p.meaning,
+            # Records in table order; program names spell a family by its `code`, a profile by its name.
+            "output_profiles": [{"name": p.name, "quant": p.quant, "meaning": p.meaning,
                                  "outputs": ["norm_out", "residual_out", *p.extra_outputs]}
                                 for p in spec.PROFILE_BY_NAME.values()],
             "families": [{"name": f.name, "code": f.code, "title": f.title, "meaning": f.meaning, "base": f.base,

@@ -39,9 +39,7 @@ PLAIN = "plain"
 @dataclasses.dataclass(frozen=True)
 class OutputProfile:
     """What a program writes besides norm_out and residual_out (both in the input dtype)."""
-    name: str                   # the call's quant= value; PLAIN for quant=None
-    code: str                   # its part of program names (o110, o111: which of norm_out, residual_out,
-                                # quant_out are written, docs/operation.md; else the name)
+    name: str                   # the call's quant= value, PLAIN for quant=None; also its part of program names
     meaning: str
     cpp: str                    # template argument of the kernel body
     extra_outputs: tuple[str, ...]
@@ -56,17 +54,17 @@ class OutputProfile:
 
 
 PROFILE_BY_NAME = _by_name(
-    OutputProfile(PLAIN, code="o110", meaning="norm_out + residual_out (input dtype)",
+    OutputProfile(PLAIN, meaning="norm_out + residual_out (input dtype)",
                   cpp="moe_ar::Profile::kPlain", extra_outputs=(), pipelined_loads=None),
-    OutputProfile("nvfp4", code="o111",
+    OutputProfile("nvfp4",
                   meaning="norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)",
                   cpp="moe_ar::Profile::kNvfp4", extra_outputs=("quant_out", "scale_out"), pipelined_loads=(4, True)),
-    OutputProfile("fp8_group128", code="fp8_group128",
+    OutputProfile("fp8_group128",
                   meaning="norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token "
                           "group (row- or column-major, optionally power-of-two)",
                   cpp="moe_ar::Profile::kFp8Group128", extra_outputs=("quant_out", "scale_out"),
                   pipelined_loads=(4, True)),
-    OutputProfile("fp8_tensor", code="fp8_tensor",
+    OutputProfile("fp8_tensor",
                   meaning="norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device",
                   cpp="moe_ar::Profile::kFp8Tensor", extra_outputs=("quant_out",), pipelined_loads=None),
 )
@@ -249,9 +247,9 @@ class ProgramSpec:
 
     @property
     def name(self) -> str:
-        """e.g. moe_ar_tss_bf16_ws4_o111, moe_ar_os_bf16_ws2_fp8_group128; also the kernel symbol."""
+        """e.g. moe_ar_tss_bf16_ws4_nvfp4, moe_ar_os_bf16_ws2_plain; also the kernel symbol."""
         return (f"{PREFIX}_{FAMILY_BY_NAME[self.family].code}_{self.dtype}_ws{self.world_size}_"
-                f"{PROFILE_BY_NAME[self.profile].code}")
+                f"{self.profile}")
 
     @property
     def symbol(self) -> str:
@@ -271,16 +269,15 @@ class ProgramSpec:
 
 
 _FAMILY_BY_CODE = {f.code: f.name for f in FAMILY_BY_NAME.values()}
-_PROFILE_BY_CODE = {p.code: p.name for p in PROFILE_BY_NAME.values()}
 _NAME_RE = re.compile(rf"^{PREFIX}_([a-z]+)_([a-z0-9]+)_ws(\d+)_([a-z0-9_]+)$")
 
 
 def parse(name: str) -> ProgramSpec:
     match = _NAME_RE.match(name)
-    if not match or match.group(1) not in _FAMILY_BY_CODE or match.group(4) not in _PROFILE_BY_CODE:
-        raise ValueError(f"name: {name!r} is not a program name like {PREFIX}_ts_bf16_ws2_o110")
+    if not match or match.group(1) not in _FAMILY_BY_CODE or match.group(4) not in PROFILE_BY_NAME:
+        raise ValueError(f"name: {name!r} is not a program name like {PREFIX}_ts_bf16_ws2_plain")
     return ProgramSpec(_FAMILY_BY_CODE[match.group(1)], match.group(2), int(match.group(3)),
-                       _PROFILE_BY_CODE[match.group(4)])
+                       match.group(4))
 
 
 def all_cells():

@@ -6,19 +6,19 @@ unfused baselines, following docs/measurement.md.
 on a machine with at least --world GPUs (default 2). It writes the JSON (--out, default
 bench_results/<machine>-<date>.json; rewritten after every shape, so a killed run keeps what it
 measured), a PNG plot and a .summary.txt table beside it, and prints the table. The default
-sweep (docs/measurement.md's four shapes, 1..16384 tokens, profiles 110 and 111) is sized for about 8
+sweep (docs/measurement.md's four shapes, 1..16384 tokens, profiles plain and nvfp4) is sized for about 8
 minutes on 2x H200; --time-budget-s stops it early (the JSON then says "truncated": true).
 
 What it measures, per shape (hidden, top_k, shared expert), token count T and output profile
-("110": bf16/fp16 outputs; "111": + NVFP4), on W GPUs with one process each:
+("plain": bf16/fp16 outputs; "nvfp4": + NVFP4), on W GPUs with one process each:
 
   nccl+torch   the unfused step: finalize with torch ops (gather the expert rows, weight them
                by the router scales times routed_scaling_factor, sum over top_k, add the shared
-               expert), NCCL all_reduce, residual add and RMSNorm with torch ops. Profile 110 only
+               expert), NCCL all_reduce, residual add and RMSNorm with torch ops. Plain profile only
                (torch has no NVFP4 quantizer to compare with).
   symm+torch   the same torch ops around torch's symmetric-memory all-reduce, one-shot and
                two-shot (peer loads/stores, never NVLink multicast), where the installed torch
-               offers it. Profile 110 only. Records carry `variant`.
+               offers it. Plain profile only. Records carry `variant`.
   nccl+compiled, symm+compiled
                the same two steps with the finalize and the residual + RMSNorm epilogue each
                wrapped in torch.compile (inductor, fullgraph, static shapes; compiled per shape
@@ -27,7 +27,7 @@ What it measures, per shape (hidden, top_k, shared expert), token count T and ou
                them for the rest of the run, with the reason recorded.
   auto         dispatch.moe_finalize_allreduce with the dispatcher choosing the program.
   auto+quant   FP8 profiles only: the unfused alternative to a fused FP8 output, i.e. auto with
-               plain output (profile 110) followed by a separate FP8 quantization kernel
+               plain output (profile plain) followed by a separate FP8 quantization kernel
                (one launch, one read of norm_out, the same rule, bytes checked like ours).
   <program>    every generated program of this dtype / world size / profile, forced by name.
 
@@ -93,7 +93,7 @@ BASELINES = UNFUSED_BASELINES + ("auto+quant",)
 SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "nccl+compiled", "symm+compiled", "auto+quant", "programs")
 COMPILED_SYSTEMS = ("nccl+compiled", "symm+compiled")
 # output profile -> quant argument
-PROFILES = {"110": None, "111": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
+PROFILES = {"plain": None, "nvfp4": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 FP8_PROFILES = ("fp8_group128", "fp8_tensor")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2}
 
@@ -180,7 +180,7 @@ def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, 
     residual     residual_in [T, H], read once
     norm_weight  gamma [H]
     outputs      residual_out and norm_out [T, H], written once each
-    nvfp4        quant_out T*H/2 bytes + the swizzled scale bytes (profile 111 only)
+    nvfp4        quant_out T*H/2 bytes + the swizzled scale bytes (profile nvfp4 only)
     fp8          quant_out T*H bytes (+ T*H/128 float32 scales for fp8_group128)
     """
     from dispatch.op import scale_out_bytes  # the runtime's rule (importing dispatch loads torch)
@@ -192,7 +192,7 @@ def hbm_bytes(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, 
         "residual": T * H * E,
         "norm_weight": H * E,
         "outputs": 2 * T * H * E,
-        "nvfp4": (T * H // 2 + scale_out_bytes(T, H)) if profile == "111" else 0,
+        "nvfp4": (T * H // 2 + scale_out_bytes(T, H)) if profile == "nvfp4" else 0,
         "fp8": T * H + (T * (H // 128) * 4 if profile == "fp8_group128" else 0) if profile in FP8_PROFILES else 0,
     }
     terms["total"] = sum(terms.values())
@@ -324,6 +324,11 @@ def _point_key(r):
     return (r["hidden"], r["top_k"], r["shared"], r["profile"], r["tokens"])
 
 
+def _profile_order(profile: str) -> int:
+    """Profiles in PROFILES' order (plain first), unknown ones last."""
+    return list(PROFILES).index(profile) if profile in PROFILES else len(PROFILES)
+
+
 def summary_rows(records: list[dict]) -> list[dict]:
     """Per shape / profile / tokens: auto, the baselines, the best forced program, their ratios
     and auto's fraction of the roofline."""
@@ -334,7 +339,7 @@ def summary_rows(records: list[dict]) -> list[dict]:
         shape_order.setdefault(_point_key(r)[:3], len(shape_order))
     rows = []
     # shapes in the order measured, then profile, then tokens
-    for key in sorted(points, key=lambda k: (shape_order[k[:3]], k[3], k[4])):
+    for key in sorted(points, key=lambda k: (shape_order[k[:3]], _profile_order(k[3]), k[3], k[4])):
         recs = points[key]
         ok = [r for r in recs if r["valid"] and r["median_us"] is not None]
 
@@ -365,7 +370,7 @@ def summary_rows(records: list[dict]) -> list[dict]:
             "auto_vs_best_baseline": auto and auto.get("ratio_vs_best_baseline"),
             "auto_vs_best": auto and auto.get("ratio_vs_best_program"),
             "auto_vs_plus_quant": auto and auto.get("ratio_vs_auto_plus_quant"),
-            "auto_vs_auto_110": auto and auto.get("ratio_of_medians_vs_auto_110"),
+            "auto_vs_auto_plain": auto and auto.get("ratio_of_medians_vs_auto_plain"),
             "roofline_us": (auto or recs[0])["roofline_us"],
             "roofline_fraction": auto and auto["roofline_us"] / auto["median_us"],
             "invalid": sorted({r["system"] + (f"/{r['variant']}" if r.get("variant") else "")
@@ -375,7 +380,7 @@ def summary_rows(records: list[dict]) -> list[dict]:
 
 
 def short_program(name: Optional[str]) -> str:
-    """"moe_ar_tse_bf16_ws2_o110" -> "tse" (the family code); other names unchanged."""
+    """"moe_ar_tse_bf16_ws2_plain" -> "tse" (the family code); other names unchanged."""
     if not name:
         return "-"
     m = re.fullmatch(r"moe_ar_([a-z]+)_(?:bf16|fp16)_ws\d+_\w+", name)
@@ -392,10 +397,10 @@ def format_summary(rows: list[dict]) -> str:
 
     head = (f"{'H/K[s]':<8} {'profile':>12} {'T':>5} {'auto':>8} {'nccl+t':>8} {'symm+t':>8} {'nccl+c':>8} "
             f"{'symm+c':>8} {'bestprog':>8} {'a/nccl':>6} {'a/symm':>6} {'a/bbl':>6} {'a/best':>6} {'a/a+q':>6} "
-            f"{'a/a110':>6} {'roof':>8} {'%roof':>5} auto;best;bbl")
+            f"{'a/apl':>6} {'roof':>8} {'%roof':>5} auto;best;bbl")
     lines = ["us per call; a/x = median per-replay time ratio auto/x (<1: auto faster); +t / +c = torch ops eager / "
              "under torch.compile; bbl = the fastest unfused baseline at the point; a+q = auto plain + a "
-             "separate FP8 quantization kernel; a/a110 = ratio of medians, auto at this profile / auto at 110; "
+             "separate FP8 quantization kernel; a/apl = ratio of medians, auto at this profile / auto at plain; "
              "%roof = roofline/auto; H/K[s]: hidden/top_k, s = shared expert", head, "-" * len(head)]
     for r in rows:
         shape = f"{r['hidden']}/{r['top_k']}{'s' if r['shared'] else ''}"
@@ -409,7 +414,7 @@ def format_summary(rows: list[dict]) -> str:
                      f"{us(r['best_program_us'])} {ratio(r['auto_vs_nccl'])} {ratio(r['auto_vs_symm'])} "
                      f"{ratio(r.get('auto_vs_best_baseline'))} {ratio(r['auto_vs_best'])} "
                      f"{ratio(r.get('auto_vs_plus_quant'))} "
-                     f"{ratio(r.get('auto_vs_auto_110'))} {us(r['roofline_us'])} {frac} {names}")
+                     f"{ratio(r.get('auto_vs_auto_plain'))} {us(r['roofline_us'])} {frac} {names}")
     return "\n".join(lines)
 
 
@@ -1018,11 +1023,11 @@ class Bench:
 
         # the unfused baselines: eager torch ops, and the same functions under torch.compile
         flavours = [("torch", finalize_into, epilogue_into)]
-        if profile == "110" and wanted & set(COMPILED_SYSTEMS):
+        if profile == "plain" and wanted & set(COMPILED_SYSTEMS):
             compiled = self.compiled_for(T, H, sets[0], where)
             if compiled is not None:
                 flavours.append(("compiled",) + tuple(compiled))
-        for flavour, fin, epi in flavours if profile == "110" else ():
+        for flavour, fin, epi in flavours if profile == "plain" else ():
             if f"nccl+{flavour}" in wanted:
                 partial = torch.empty(T, H, dtype=dtype, device=device)
                 outs = _alloc_outputs(T, H, dtype, None, n_sets, device)
@@ -1263,12 +1268,12 @@ class Bench:
         plus_quant = best(lambda s: s.name == "auto+quant")
         # auto at the plain profile at this point (measured in its own leg, before this one)
         plain_auto = next((r["median_us"] for r in self.records if r["system"] == "auto" and r["valid"]
-                           and r["profile"] == "110" and (r["hidden"], r["top_k"], r["shared"], r["tokens"])
+                           and r["profile"] == "plain" and (r["hidden"], r["top_k"], r["shared"], r["tokens"])
                            == (shape.hidden, shape.top_k, shape.shared, T)), None)
-        # NVFP4 has no torch baseline; the plain (profile 110) unfused step at this point, timed in
+        # NVFP4 has no torch baseline; the plain unfused step at this point, timed in
         # its own leg, tells what the fused step with quantization costs against it.
         plain_nccl = next((r["median_us"] for r in self.records if r["system"] == "nccl+torch" and r["valid"]
-                           and r["profile"] == "110" and (r["hidden"], r["top_k"], r["shared"], r["tokens"])
+                           and r["profile"] == "plain" and (r["hidden"], r["top_k"], r["shared"], r["tokens"])
                            == (shape.hidden, shape.top_k, shape.shared, T)), None)
         bandwidth = self.bandwidth
         for system, replay_us in zip(systems, times):
@@ -1283,10 +1288,10 @@ class Bench:
                     extra[key] = pair_ratio(replay_us, series[id(other)])
                 elif other is system:
                     extra[key] = 1.0
-            if profile != "110" and plain_nccl is not None:
-                extra["ratio_of_medians_vs_nccl_torch_110"] = med[id(system)] / plain_nccl
-            if profile != "110" and plain_auto is not None:
-                extra["ratio_of_medians_vs_auto_110"] = med[id(system)] / plain_auto
+            if profile != "plain" and plain_nccl is not None:
+                extra["ratio_of_medians_vs_nccl_torch_plain"] = med[id(system)] / plain_nccl
+            if profile != "plain" and plain_auto is not None:
+                extra["ratio_of_medians_vs_auto_plain"] = med[id(system)] / plain_auto
             if prog is not None:
                 extra["best_program"] = prog.name
             if symm is not None:
@@ -1519,7 +1524,7 @@ def measure_cold_start(program: str) -> dict:
 @click.option("--world", default=2, help="processes / GPUs (one each)")
 @click.option("--shapes", default=DEFAULT_SHAPES, help="HIDDEN:TOP_K[:shared], comma separated")
 @click.option("--tokens", default=DEFAULT_TOKENS, help="comma separated, or a power-of-two range like 1-16384")
-@click.option("--profiles", default="110,111", help="output profiles: 110 (dtype outputs), 111 (+ NVFP4), "
+@click.option("--profiles", default="plain,nvfp4", help="output profiles: plain (dtype outputs), nvfp4 (+ NVFP4), "
                                                    "fp8_group128, fp8_tensor")
 @click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16")
 @click.option("--systems", default=DEFAULT_SYSTEMS,
@@ -1539,7 +1544,7 @@ def measure_cold_start(program: str) -> dict:
                                                      "from launch (the JSON says truncated)")
 @click.option("--cold-start/--no-cold-start", default=False,
               help="also measure compiling one program at first use and loading it from the warm cache")
-@click.option("--cold-start-program", default=None, help="[default: the auto choice at 1 token, profile 110]")
+@click.option("--cold-start-program", default=None, help="[default: the auto choice at 1 token, profile plain]")
 @click.option("--sweep/--no-sweep", default=True, help="run the latency sweep")
 @click.option("--pdl/--no-pdl", default=False, help="launch the fused calls with programmatic dependent launch")
 @click.option("--vec-per-thread", type=click.IntRange(1, 4), default=None,

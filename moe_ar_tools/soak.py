@@ -194,9 +194,9 @@ def parse_quants(spec: str) -> list:
     out = []
     for q in str(spec).split(","):
         q = q.strip().lower()
-        if q in ("none", "plain", "110"):
+        if q in ("none", "plain"):
             out.append(None)
-        elif q in ("nvfp4", "111"):
+        elif q == "nvfp4":
             out.append("nvfp4")
         else:
             raise ValueError(f"quants: {q!r} (use none and/or nvfp4)")

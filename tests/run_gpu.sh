@@ -58,24 +58,24 @@ BENCH="timeout 300 python3 -m moe_ar_tools.bench"
 if step bench && [ "$GPUS" -ge 2 ]; then
     # every profile, so that each profile's cells get boundaries fitted to their own programs
     # (a profile not measured borrows the plain profile's); about 300 s on 2x H200
-    timeout 580 python3 -m moe_ar_tools.bench --cold-start --profiles 110,111,fp8_group128,fp8_tensor \
+    timeout 580 python3 -m moe_ar_tools.bench --cold-start --profiles plain,nvfp4,fp8_group128,fp8_tensor \
         --time-budget-s "${BENCH_BUDGET:-420}" --out "$OUT/bench.json" 2>&1 | grep -v "it/s]" | tail -40 || status=1
 fi
 if step fp8bench && [ "$GPUS" -ge 2 ]; then
-    $BENCH --shapes 7168:8:shared --tokens 1,16,128,256,1024,4096,8192 --profiles 110,fp8_group128,fp8_tensor \
+    $BENCH --shapes 7168:8:shared --tokens 1,16,128,256,1024,4096,8192 --profiles plain,fp8_group128,fp8_tensor \
         --systems auto,auto+quant --out "$OUT/bench-fp8.json" 2>&1 | grep -v "it/s]" | tail -30 || status=1
 fi
 if step autobench && [ "$GPUS" -ge 2 ]; then
     # the automatic choice under the committed tables against every forced program, target shape
     # (not a tuning input: only generator/tuning.py BENCH_FILE is; this goes to bench_results/auto/)
-    $BENCH --shapes 7168:8:shared --profiles 110,111 --systems auto,programs --bw-gib 1 \
+    $BENCH --shapes 7168:8:shared --profiles plain,nvfp4 --systems auto,programs --bw-gib 1 \
         --out "$OUT/bench-auto.json" 2>&1 | grep -v "it/s]" | tail -35 || status=1
 fi
 if step latency && [ "$GPUS" -ge 2 ]; then
     # the default (row split per call), with PDL, and each fixed split: where the per-call boundary belongs
     for variant in "" "--pdl" "--vec-per-thread 4" "--vec-per-thread 2"; do
         tag=$(echo "default $variant" | tr -d ' -')
-        $BENCH --shapes 7168:8:shared --tokens 1,16,64,128,256,512,1024 --profiles 110 --systems auto,nccl+torch \
+        $BENCH --shapes 7168:8:shared --tokens 1,16,64,128,256,512,1024 --profiles plain --systems auto,nccl+torch \
             --bw-gib 1 $variant --out "$OUT/bench-latency-$tag.json" 2>&1 | grep -v "it/s]" | tail -10 || status=1
     done
 fi

@@ -21,7 +21,7 @@ from moe_ar_tools import reference as ref
 
 def test_hbm_bytes_small_case_by_hand():
     # T=2 tokens, H=32, top_k=3, shared expert, bf16 (2 bytes), profile 110
-    b = bench.hbm_bytes(2, 32, 3, True, "110", 2)
+    b = bench.hbm_bytes(2, 32, 3, True, "plain", 2)
     assert b["expert_rows"] == 2 * 3 * 32 * 2 == 384
     assert b["routing"] == 2 * 3 * (4 + 4) == 48  # int32 index + fp32 router weight per route
     assert b["shared"] == 2 * 32 * 2 == 128
@@ -33,7 +33,7 @@ def test_hbm_bytes_small_case_by_hand():
 
 
 def test_hbm_bytes_nvfp4_no_shared_and_dropped_routes():
-    b = bench.hbm_bytes(2, 32, 3, False, "111", 2, dropped_routes=2)
+    b = bench.hbm_bytes(2, 32, 3, False, "nvfp4", 2, dropped_routes=2)
     assert b["shared"] == 0
     assert b["expert_rows"] == (6 - 2) * 32 * 2 == 256  # dropped routes read no row
     # quant_out T*H/2 = 32 bytes; scales: rows padded to 128, H/16 = 2 columns padded to 4 -> 512
@@ -43,13 +43,13 @@ def test_hbm_bytes_nvfp4_no_shared_and_dropped_routes():
 
 def test_hbm_bytes_deepseek_shape():
     T, H, K = 16384, 7168, 8
-    b = bench.hbm_bytes(T, H, K, True, "110")
+    b = bench.hbm_bytes(T, H, K, True, "plain")
     assert b["total"] == T * K * H * 2 + T * K * 8 + T * H * 2 * 4 + H * 2
 
 
 def test_hbm_bytes_nvfp4_scales_are_the_runtimes_scale_out_bytes():
     for T, H in [(1, 16), (129, 7168), (16384, 7168)]:
-        b = bench.hbm_bytes(T, H, 8, False, "111")
+        b = bench.hbm_bytes(T, H, 8, False, "nvfp4")
         assert b["nvfp4"] == T * H // 2 + dispatch.scale_out_bytes(T, H)
 
 
@@ -138,17 +138,17 @@ def test_input_sets_for():
 # ---- records -------------------------------------------------------------------------------------
 
 def _record(**kw):
-    base = dict(system="auto", world_size=2, dtype="bf16", hidden=7168, top_k=8, shared=True, profile="110",
+    base = dict(system="auto", world_size=2, dtype="bf16", hidden=7168, top_k=8, shared=True, profile="plain",
                 tokens=64, median_us=12.5, roofline_us=3.25, valid=True)
     base.update(kw)
     return bench.make_record(**base)
 
 
 def test_record_schema():
-    r = _record(ratio_vs_nccl_torch=0.5, program="moe_ar_os_bf16_ws2_o110")
+    r = _record(ratio_vs_nccl_torch=0.5, program="moe_ar_os_bf16_ws2_plain")
     assert tuple(r)[:len(bench.RECORD_KEYS)] == bench.RECORD_KEYS
     assert r["emulated"] is False
-    assert r["ratio_vs_nccl_torch"] == 0.5 and r["program"] == "moe_ar_os_bf16_ws2_o110"
+    assert r["ratio_vs_nccl_torch"] == 0.5 and r["program"] == "moe_ar_os_bf16_ws2_plain"
     json.dumps(r)
     # a voided leg keeps its time, flagged
     assert _record(valid=False)["valid"] is False
@@ -176,10 +176,10 @@ def test_summary_picks_best_and_reports_ratios():
         _record(system="nccl+torch", median_us=40.0),
         _record(system="symm+torch", variant="one_shot", median_us=30.0),
         _record(system="symm+torch", variant="two_shot", median_us=35.0),
-        _record(system="moe_ar_os_bf16_ws2_o110", median_us=12.0),
-        _record(system="moe_ar_ts_bf16_ws2_o110", median_us=9.0, valid=False),  # faster but wrong: ignored
-        _record(system="moe_ar_tse_bf16_ws2_o110", median_us=14.0),
-        _record(system="auto", median_us=12.5, program="moe_ar_os_bf16_ws2_o110", ratio_vs_nccl_torch=0.31,
+        _record(system="moe_ar_os_bf16_ws2_plain", median_us=12.0),
+        _record(system="moe_ar_ts_bf16_ws2_plain", median_us=9.0, valid=False),  # faster but wrong: ignored
+        _record(system="moe_ar_tse_bf16_ws2_plain", median_us=14.0),
+        _record(system="auto", median_us=12.5, program="moe_ar_os_bf16_ws2_plain", ratio_vs_nccl_torch=0.31,
                 ratio_vs_symm_torch=0.42, ratio_vs_best_program=1.04),
     ]
     rows = bench.summary_rows(recs)
@@ -187,10 +187,10 @@ def test_summary_picks_best_and_reports_ratios():
     r = rows[0]
     assert r["auto_us"] == 12.5 and r["nccl_torch_us"] == 40.0
     assert r["symm_torch_us"] == 30.0 and r["symm_variant"] == "one_shot"
-    assert r["best_program"] == "moe_ar_os_bf16_ws2_o110" and r["best_program_us"] == 12.0
+    assert r["best_program"] == "moe_ar_os_bf16_ws2_plain" and r["best_program_us"] == 12.0
     assert r["auto_vs_nccl"] == 0.31 and r["auto_vs_best"] == 1.04
     assert r["roofline_fraction"] == pytest.approx(3.25 / 12.5)
-    assert r["invalid"] == ["moe_ar_ts_bf16_ws2_o110"]
+    assert r["invalid"] == ["moe_ar_ts_bf16_ws2_plain"]
     text = bench.format_summary(rows)
     assert "7168/8s" in text and "os;os" in text and "INVALID:ts" in text and "0.31" in text
 
@@ -220,13 +220,13 @@ def test_summary_reports_the_strongest_baseline():
 
 def test_summary_order_follows_the_sweep():
     recs = [_record(hidden=7168, tokens=2), _record(hidden=7168, tokens=1), _record(hidden=4096, tokens=1),
-            _record(hidden=7168, tokens=1, profile="111")]
+            _record(hidden=7168, tokens=1, profile="nvfp4")]
     keys = [(r["hidden"], r["profile"], r["tokens"]) for r in bench.summary_rows(recs)]
-    assert keys == [(7168, "110", 1), (7168, "110", 2), (7168, "111", 1), (4096, "110", 1)]
+    assert keys == [(7168, "plain", 1), (7168, "plain", 2), (7168, "nvfp4", 1), (4096, "plain", 1)]
 
 
 def test_short_program():
-    assert bench.short_program("moe_ar_tses_fp16_ws8_o111") == "tses"
+    assert bench.short_program("moe_ar_tses_fp16_ws8_nvfp4") == "tses"
     assert bench.short_program("nccl+torch") == "nccl+torch"
     assert bench.short_program(None) == "-"
 

@@ -30,8 +30,8 @@ import pytest
 
 from dispatch import registry
 
-PROGRAM = "moe_ar_os_bf16_ws2_o110"
-OTHER = "moe_ar_os_bf16_ws4_o110"
+PROGRAM = "moe_ar_os_bf16_ws2_plain"
+OTHER = "moe_ar_os_bf16_ws4_plain"
 TARGET = "sm_90a"
 EVIL = b"\x7fELF planted cubin" * 16
 

@@ -69,12 +69,12 @@ def test_model_one_shot_fits_the_benchmark(model):
     s = model.Shape()
     checked = 0
     for r in doc["records"]:
-        if (r["hidden"], r["top_k"], bool(r["shared"]), r["profile"]) != (7168, 8, True, "110"):
+        if (r["hidden"], r["top_k"], bool(r["shared"]), r["profile"]) != (7168, 8, True, "plain"):
             continue
         T = r["tokens"]
-        if r["system"] == "moe_ar_os_bf16_ws2_o110":
+        if r["system"] == "moe_ar_os_bf16_ws2_plain":
             t = model.oneshot(T, 2, s, beta, hbm, model.ALPHA_US, model.FIXED_US)[0]
-        elif r["system"] == "moe_ar_tsp_bf16_ws2_o110" and T >= model.PIPELINED_MIN_TOKENS:
+        elif r["system"] == "moe_ar_tsp_bf16_ws2_plain" and T >= model.PIPELINED_MIN_TOKENS:
             t = model.twoshot(T, 2, s, beta, hbm, model.ALPHA_US, model.FIXED_US, pipelined=True)[0]
         else:
             continue

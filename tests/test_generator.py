@@ -81,8 +81,8 @@ def test_names_round_trip(cell):
     assert cell.symbol == cell.name and cell.file_name == f"programs/{cell.name}.cu"
 
 
-@pytest.mark.parametrize("bad", ["moe_ar_xx_bf16_ws4_o110", "moe_ar_ts_bf32_ws4_o110", "moe_ar_ts_bf16_ws3_o110",
-                                 "moe_ar_ts_bf16_ws4_o112", "ts_bf16_ws4_o110", "moe_ar_ts_bf16_ws4_o110.cu"])
+@pytest.mark.parametrize("bad", ["moe_ar_xx_bf16_ws4_plain", "moe_ar_ts_bf32_ws4_plain", "moe_ar_ts_bf16_ws3_plain",
+                                 "moe_ar_ts_bf16_ws4_o112", "moe_ar_ts_bf16_ws4_o110", "ts_bf16_ws4_o110", "moe_ar_ts_bf16_ws4_plain.cu"])
 def test_parse_rejects(bad):
     with pytest.raises(ValueError):
         spec.parse(bad)
@@ -114,10 +114,9 @@ def test_profile_records_are_consistent():
     assert spec.OUTPUT_PROFILES == ("plain", "nvfp4", "fp8_group128", "fp8_tensor")
     assert [p.quant for p in profiles] == [None, "nvfp4", "fp8_group128", "fp8_tensor"]
     assert dict(spec.PROFILE_QUANT) == {p.name: p.quant for p in profiles}
-    assert len({p.code for p in profiles}) == len(spec.OUTPUT_PROFILES)
-    # program names keep their numeric codes: o110 (plain), o111 (nvfp4)
-    assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_tss_bf16_ws4_o111"
-    assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_os_bf16_ws2_o110"
+    # program names spell the profile by its name
+    assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_tss_bf16_ws4_nvfp4"
+    assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_os_bf16_ws2_plain"
     # the pipelined two-shot with register loads is generated for the profiles with loads, a hole elsewhere
     for profile in profiles:
         cell = spec.ProgramSpec("twoshot_pipelined_loads", "bf16", 2, profile.name)
@@ -375,13 +374,13 @@ def test_write_tree_writes_only_changes_and_removes_stale(rendered, tmp_path):
     dest = tmp_path / "generated"
     first = render.write_tree(rendered.outputs, dest)
     assert len(first.written) == len(rendered.outputs) and not first.removed
-    (dest / "programs" / "moe_ar_gone_bf16_ws2_o110.cu").write_text("stale\n")
+    (dest / "programs" / "moe_ar_gone_bf16_ws2_plain.cu").write_text("stale\n")
     (dest / "old").mkdir()
     (dest / "old" / "x.h").write_text("stale\n")
     mtime = (dest / "manifest.json").stat().st_mtime_ns
     second = render.write_tree(rendered.outputs, dest)
     assert not second.written and len(second.unchanged) == len(rendered.outputs)
-    assert set(second.removed) == {"programs/moe_ar_gone_bf16_ws2_o110.cu", "old/x.h"}
+    assert set(second.removed) == {"programs/moe_ar_gone_bf16_ws2_plain.cu", "old/x.h"}
     assert not (dest / "old").exists() and (dest / "manifest.json").stat().st_mtime_ns == mtime
 
 
@@ -522,6 +521,42 @@ def test_diff_recomputes_the_revisions_code_hashes_and_profile_names(tmp_path):
     assert {p["profile"] for p in at_rev["programs"]} == set(spec.OUTPUT_PROFILES)
     r = run_cli(["diff", "HEAD"], cwd=repo)
     assert r.returncode == 0 and r.stdout.strip() == "no changes", r.stdout + r.stderr
+
+
+def test_diff_shows_a_renamed_program_as_a_rename(tmp_path):
+    """A revision whose programs had other names (the plain profile was spelled o110 in names) shows
+    each such cell as renamed with the same code but the name, and nothing else; a renamed program
+    whose code changed too shows both."""
+    repo = copy_repo(tmp_path / "repo")
+    gen = repo / "generated"
+    old = json.loads((gen / "manifest.json").read_text())
+    renamed = 0
+    for entry in old["programs"]:
+        if entry["profile"] != "plain":
+            continue
+        before = entry["name"].removesuffix("_plain") + "_o110"
+        text = (gen / entry["file"]).read_text().replace(entry["name"], before)
+        if entry["name"] == "moe_ar_os_bf16_ws2_plain":
+            text = text.replace("/*shared_prefetch=*/false", "/*shared_prefetch=*/true")  # a code change too
+        (gen / entry["file"]).unlink()
+        entry["file"] = f"programs/{before}.cu"
+        (gen / entry["file"]).write_text(text)
+        entry["name"] = entry["symbol"] = before
+        renamed += 1
+    (gen / "manifest.json").write_text(json.dumps(old))
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "old names")
+    assert run_cli([], cwd=repo).returncode == 0
+    r = run_cli(["diff", "HEAD"], cwd=repo)
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and len(lines) == renamed, r.stdout + r.stderr
+    assert "~ oneshot bf16 ws2 plain: renamed moe_ar_os_bf16_ws2_o110 -> moe_ar_os_bf16_ws2_plain, code sha256 " \
+        in r.stdout, r.stdout
+    same = [line for line in lines if line.endswith(", same code but the name")]
+    assert len(same) == renamed - 1, r.stdout
+    assert "~ twoshot fp16 ws8 plain: renamed moe_ar_ts_fp16_ws8_o110 -> moe_ar_ts_fp16_ws8_plain, same code but " \
+           "the name" in lines, r.stdout
 
 
 def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
@@ -735,14 +770,14 @@ def test_check_catches_a_tampered_and_a_stale_file(tmp_path):
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     table = repo / "generated" / "tables" / "twoshot.h"
-    table.write_text(table.read_text().replace('"moe_ar_ts_bf16_ws4_o110"', "nullptr"))
-    (repo / "generated" / "programs" / "moe_ar_ts_bf16_ws16_o110.cu").write_text("// old\n")
+    table.write_text(table.read_text().replace('"moe_ar_ts_bf16_ws4_plain"', "nullptr"))
+    (repo / "generated" / "programs" / "moe_ar_ts_bf16_ws16_plain.cu").write_text("// old\n")
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 1
     assert "--- generated/tables/twoshot.h" in r.stdout
     assert '-            nullptr,  // bf16 ws4 plain' in r.stdout
-    assert '+            "moe_ar_ts_bf16_ws4_o110",  // bf16 ws4 plain' in r.stdout
-    assert "programs/moe_ar_ts_bf16_ws16_o110.cu" in r.stdout
+    assert '+            "moe_ar_ts_bf16_ws4_plain",  // bf16 ws4 plain' in r.stdout
+    assert "programs/moe_ar_ts_bf16_ws16_plain.cu" in r.stdout
     assert "run `gen-programs` to regenerate" in r.stderr
     assert run_cli([], cwd=repo).returncode == 0
     assert run_cli(["--check"], cwd=repo).returncode == 0
@@ -775,7 +810,7 @@ def test_diff_reports_changed_cells(tmp_path):
     r = run_cli(["diff", "HEAD"], cwd=repo)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_tses_fp16_ws8_o110 (was a hole: " \
+    assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_tses_fp16_ws8_plain (was a hole: " \
            "no early shared variant from world size 8 (the early range is short there))" in lines
     assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == len(spec.OUTPUT_PROFILES)
     assert "~ selection bf16 ws4 nvfp4: oneshot_max_tokens 64 -> 128" in lines
@@ -784,7 +819,7 @@ def test_diff_reports_changed_cells(tmp_path):
     policy_py.write_text(policy_py.read_text().replace('lambda s: s.world_size == 2),', 'lambda s: s.world_size <= 4),', 1))
     assert run_cli([], cwd=repo).returncode == 0
     r = run_cli(["diff", "HEAD"], cwd=repo)
-    assert any(line.startswith("- twoshot_shared bf16 ws4 plain: vanished, moe_ar_tss_bf16_ws4_o110 (now a hole -> "
+    assert any(line.startswith("- twoshot_shared bf16 ws4 plain: vanished, moe_ar_tss_bf16_ws4_plain (now a hole -> "
                                "twoshot") for line in r.stdout.splitlines()), r.stdout
 
 
@@ -811,10 +846,10 @@ def test_list_filters():
     assert r.returncode == 0, r.stderr
     rows = r.stdout.splitlines()
     assert rows[0].split() == ["name", "family", "profile", "protocol", "class", "file"]
-    assert [row.split()[:3] for row in rows[1:]] == [["moe_ar_tss_bf16_ws4_o110", "twoshot_shared", "plain"],
-                                                     ["moe_ar_tss_bf16_ws4_o111", "twoshot_shared", "nvfp4"]]
-    assert "lamport2_bf16_ws4" in rows[1] and "generated/programs/moe_ar_tss_bf16_ws4_o110.cu" in rows[1]
-    r = run_cli(["list", "--profile", "110"], cwd=ROOT)  # the name code is not a profile's name
+    assert [row.split()[:3] for row in rows[1:]] == [["moe_ar_tss_bf16_ws4_nvfp4", "twoshot_shared", "nvfp4"],
+                                                     ["moe_ar_tss_bf16_ws4_plain", "twoshot_shared", "plain"]]
+    assert "lamport2_bf16_ws4" in rows[2] and "generated/programs/moe_ar_tss_bf16_ws4_plain.cu" in rows[2]
+    r = run_cli(["list", "--profile", "110"], cwd=ROOT)  # an old name code is not a profile's name
     assert r.returncode != 0 and "'110' is not one of 'plain', 'nvfp4'" in r.stderr, r.stderr
 
 
@@ -822,9 +857,9 @@ def test_tables_marks_holes_and_fallbacks():
     r = run_cli(["tables"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     # the table of short codes in program names
-    assert "program names: moe_ar_<family code>_<dtype>_ws<world size>_<profile code>" in r.stdout
+    assert "program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>" in r.stdout
     assert re.search(r"^  tses +twoshot_early_shared +two-shot, early, shared prefetch$", r.stdout, re.M), r.stdout
-    assert re.search(r"^  o110 +plain +None$", r.stdout, re.M) and re.search(r"^  o111 +nvfp4 +nvfp4$", r.stdout, re.M)
+    assert re.search(r"^  plain +None$", r.stdout, re.M) and re.search(r"^  nvfp4 +nvfp4$", r.stdout, re.M)
     assert re.search(r"^ +plain +nvfp4 +fp8_group128 +fp8_tensor$", r.stdout, re.M)  # grid columns by name
     for family in spec.FAMILIES:
         assert f"{family}  (tables/{family}.h" in r.stdout

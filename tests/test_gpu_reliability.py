@@ -445,7 +445,7 @@ def _value_cases():
             HOSTILE_T, w.hidden) - 1])),
         ("norm_weight 2-D", setk("norm_weight", lambda kw, w, d: kw["norm_weight"].view(1, -1))),
         ("unknown argument", unknown),
-        ("program unknown", setk("program", "moe_ar_zz_bf16_ws2_o110")),
+        ("program unknown", setk("program", "moe_ar_zz_bf16_ws2_plain")),
         ("program of another world size", setk("program", lambda kw, w, d: _other_program(w, world_size=True))),
         ("program of another dtype", setk("program", lambda kw, w, d: _other_program(w, dtype=True))),
         ("program of another profile", setk("program", lambda kw, w, d: dispatch.select_program(

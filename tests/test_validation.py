@@ -47,7 +47,7 @@ def test_programs_are_exactly_the_supported_cells():
 
 def test_unknown_program_name_is_a_value_error():
     with pytest.raises(ValueError, match="program"):
-        _dispatch().program_info("moe_ar_xx_bf16_ws2_o110")
+        _dispatch().program_info("moe_ar_xx_bf16_ws2_plain")
 
 
 # ---- GPU --------------------------------------------------------------------------------------
@@ -188,11 +188,11 @@ BAD_CALLS = {
     "global_scale shape [2]": (lambda kw: dict(kw, quant="nvfp4", global_scale=torch.ones(2, device="cuda")),
                                "global_scale"),
     "weight_bias 2": (lambda kw: dict(kw, weight_bias=2), "weight_bias"),
-    "program of world size 4": (lambda kw: dict(kw, program="moe_ar_ts_bf16_ws4_o110"), "program"),
-    "program of fp16": (lambda kw: dict(kw, program="moe_ar_os_fp16_ws2_o110"), "program"),
-    "program unknown": (lambda kw: dict(kw, program="moe_ar_zz_bf16_ws2_o110"), "program"),
-    "program o111 without quant": (lambda kw: dict(kw, program="moe_ar_os_bf16_ws2_o111"), "program|quant"),
-    "program o110 with nvfp4": (lambda kw: dict(kw, program="moe_ar_os_bf16_ws2_o110", quant="nvfp4",
+    "program of world size 4": (lambda kw: dict(kw, program="moe_ar_ts_bf16_ws4_plain"), "program"),
+    "program of fp16": (lambda kw: dict(kw, program="moe_ar_os_fp16_ws2_plain"), "program"),
+    "program unknown": (lambda kw: dict(kw, program="moe_ar_zz_bf16_ws2_plain"), "program"),
+    "program nvfp4 without quant": (lambda kw: dict(kw, program="moe_ar_os_bf16_ws2_nvfp4"), "program|quant"),
+    "program plain with nvfp4": (lambda kw: dict(kw, program="moe_ar_os_bf16_ws2_plain", quant="nvfp4",
                                                 global_scale=torch.ones(1, device="cuda")), "program|quant"),
     "norm_out wrong dtype": (lambda kw: dict(kw, norm_out=torch.empty(kw["residual_in"].shape, device="cuda")),
                              "norm_out"),
@@ -230,7 +230,7 @@ BAD_CALLS = {
                         "scale_out"),
     "fp8_tensor with scale_out": (lambda kw: dict(kw, quant="fp8_tensor", fp8_scale=torch.ones(1, device="cuda"),
                                                   scale_out=torch.empty(8, H // 128, device="cuda")), "scale_out"),
-    "program o110 with fp8_group128": (lambda kw: dict(kw, program="moe_ar_os_bf16_ws2_o110", quant="fp8_group128"),
+    "program plain with fp8_group128": (lambda kw: dict(kw, program="moe_ar_os_bf16_ws2_plain", quant="fp8_group128"),
                                        "program|quant"),
     # outputs over inputs or over each other (only residual_out exactly residual_in is allowed)
     "norm_out over allreduce_in": (lambda kw: dict(kw, norm_out=kw["allreduce_in"][:kw["residual_in"].shape[0]]),

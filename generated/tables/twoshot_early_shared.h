@@ -16,8 +16,8 @@ static const char* const kTwoShotEarlySharedKernels[2][4][4] = {
             nullptr,  // fp16 ws2 fp8_tensor hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // fp16 ws4
-            "moe_ar_tses_fp16_ws4_o110",  // fp16 ws4 plain
-            "moe_ar_tses_fp16_ws4_o111",  // fp16 ws4 nvfp4
+            "moe_ar_tses_fp16_ws4_plain",  // fp16 ws4 plain
+            "moe_ar_tses_fp16_ws4_nvfp4",  // fp16 ws4 nvfp4
             "moe_ar_tses_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
             "moe_ar_tses_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
         },
@@ -42,8 +42,8 @@ static const char* const kTwoShotEarlySharedKernels[2][4][4] = {
             nullptr,  // bf16 ws2 fp8_tensor hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // bf16 ws4
-            "moe_ar_tses_bf16_ws4_o110",  // bf16 ws4 plain
-            "moe_ar_tses_bf16_ws4_o111",  // bf16 ws4 nvfp4
+            "moe_ar_tses_bf16_ws4_plain",  // bf16 ws4 plain
+            "moe_ar_tses_bf16_ws4_nvfp4",  // bf16 ws4 nvfp4
             "moe_ar_tses_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
             "moe_ar_tses_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
         },

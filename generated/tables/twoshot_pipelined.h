@@ -10,8 +10,8 @@
 static const char* const kTwoShotPipelinedKernels[2][4][4] = {
     {  // fp16
         {  // fp16 ws2
-            "moe_ar_tsp_fp16_ws2_o110",  // fp16 ws2 plain
-            "moe_ar_tsp_fp16_ws2_o111",  // fp16 ws2 nvfp4
+            "moe_ar_tsp_fp16_ws2_plain",  // fp16 ws2 plain
+            "moe_ar_tsp_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
             "moe_ar_tsp_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
             "moe_ar_tsp_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
         },
@@ -36,8 +36,8 @@ static const char* const kTwoShotPipelinedKernels[2][4][4] = {
     },
     {  // bf16
         {  // bf16 ws2
-            "moe_ar_tsp_bf16_ws2_o110",  // bf16 ws2 plain
-            "moe_ar_tsp_bf16_ws2_o111",  // bf16 ws2 nvfp4
+            "moe_ar_tsp_bf16_ws2_plain",  // bf16 ws2 plain
+            "moe_ar_tsp_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
             "moe_ar_tsp_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
             "moe_ar_tsp_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
         },

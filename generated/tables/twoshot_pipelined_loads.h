@@ -11,7 +11,7 @@ static const char* const kTwoShotPipelinedLoadsKernels[2][4][4] = {
     {  // fp16
         {  // fp16 ws2
             nullptr,  // fp16 ws2 plain hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
-            "moe_ar_tspl_fp16_ws2_o111",  // fp16 ws2 nvfp4
+            "moe_ar_tspl_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
             "moe_ar_tspl_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
             nullptr,  // fp16 ws2 fp8_tensor hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
         },
@@ -37,7 +37,7 @@ static const char* const kTwoShotPipelinedLoadsKernels[2][4][4] = {
     {  // bf16
         {  // bf16 ws2
             nullptr,  // bf16 ws2 plain hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
-            "moe_ar_tspl_bf16_ws2_o111",  // bf16 ws2 nvfp4
+            "moe_ar_tspl_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
             "moe_ar_tspl_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
             nullptr,  // bf16 ws2 fp8_tensor hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
         },
