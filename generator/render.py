@@ -23,7 +23,7 @@ import tempfile
 
 import jinja2
 
-from . import abi, manifest, spec, tuning
+from . import abi, manifest, selection_map, spec, tuning
 from .code_hash import code_sha256
 from .enumeration import Enumeration, enumerate_programs
 from .verify import MANIFEST_NAME, REGENERATE, ManifestError, inline_includes
@@ -35,6 +35,7 @@ PARAMS_TEMPLATE = "params.cuh.j2"
 PROGRAM_TEMPLATE = "program.cu.j2"
 FAMILY_TABLE_TEMPLATE = "family_table.h.j2"
 SELECTION_TEMPLATE = "selection.h.j2"
+SELECTION_MAP_TEMPLATE = "selection_map.svg.j2"
 
 # The kernel body: hand-written headers in KERNEL_DIR (repository) = BODY_DIR (generated/), where
 # params.cuh is rendered next to them; a program includes BODY_ENTRY, which includes the rest.
@@ -43,6 +44,7 @@ BODY_DIR = "kernels"
 BODY_ENTRY = f"{BODY_DIR}/moe_finalize_allreduce.cuh"
 PARAMS_FILE = f"{BODY_DIR}/params.cuh"
 SELECTION_FILE = "tables/selection.h"
+SELECTION_MAP_FILE = "selection_map.svg"
 
 
 def table_file(family: str) -> str:
@@ -85,6 +87,11 @@ def inputs_sha256(root: pathlib.Path) -> str:
 def cpp_header(template: str) -> str:
     return (f"// GENERATED FILE, DO NOT EDIT: written by {GENERATOR} from templates/{template}.\n"
             f"// To change it, edit the template or generator/ and run `gen-programs`.\n")
+
+
+def svg_header(template: str) -> str:
+    return (f"<!-- GENERATED FILE, DO NOT EDIT: written by {GENERATOR} from templates/{template}.\n"
+            f"     To change it, edit the template or generator/ and run `gen-programs`. -->\n")
 
 
 def json_header(inputs: str) -> dict:
@@ -305,6 +312,8 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                 + render(FAMILY_TABLE_TEMPLATE, **_family_table_context(family, enumeration)))
     out.add(SELECTION_FILE, cpp_header(SELECTION_TEMPLATE)
             + render(SELECTION_TEMPLATE, **_selection_context(selection)))
+    out.add(SELECTION_MAP_FILE, svg_header(SELECTION_MAP_TEMPLATE)
+            + render(SELECTION_MAP_TEMPLATE, **selection_map.context(selection, enumeration)))
 
     doc = manifest.build(enumeration, selection, out.as_dict(), code_hashes, json_header(inputs),
                          body, table_files, SELECTION_FILE)

@@ -869,3 +869,32 @@ def test_tables_marks_holes_and_fallbacks():
     assert re.search(r"bf16 ws8 +16 / 2048 / all / all \(model\)", r.stdout), r.stdout
     assert "hole[1]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
     assert re.search(r"bf16 ws2 +\d+ / \d+ / (\d+|all) / (\d+|all) +\d", r.stdout), r.stdout  # measured: no model mark
+
+
+def test_selection_map_draws_the_tables():
+    """generated/selection_map.svg: at every token count the bar of each cell names the family the
+    tables select there (holes fall back to their base), for every world size and profile."""
+    from generator import selection_map
+    sel = tuning.selection(ROOT)
+    enumeration = enumerate_programs()
+    programs = {(p.family, p.dtype, p.world_size, p.profile) for p in enumeration.programs}
+    checked = 0
+    for (dtype, world_size, profile), bounds in sel.boundaries.items():
+        cell = (dtype, world_size, profile)
+        segs = selection_map.segments(bounds, cell, programs)
+        assert segs[0][0] == 1 and segs[-1][1] == 2 * selection_map.MAX_TOKENS_SHOWN - 1, segs
+        assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in zip(segs, segs[1:])), segs
+        edges = {1, 2 * selection_map.MAX_TOKENS_SHOWN - 1} | {b + d for b in bounds.max_tokens for d in (0, 1)
+                                                                if b < selection_map.MAX_TOKENS_SHOWN}
+        for T in sorted(edges | {2 ** i for i in range(15)}):
+            family = bounds.family(T)
+            while (family, *cell) not in programs:
+                family = spec.FAMILY_BY_NAME[family].base
+            drawn = next(f for first, last, f in segs if first <= T <= last)
+            assert drawn == family, (cell, T, segs)
+            checked += 1
+    assert checked > 500
+    svg = (ROOT / "generated" / "selection_map.svg").read_text()
+    assert svg.startswith("<!-- GENERATED FILE, DO NOT EDIT") and svg.rstrip().endswith("</svg>")
+    for world_size in spec.WORLD_SIZES:
+        assert f">world size {world_size}</text>" in svg
