@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from dispatch.registry import oneshot_boundary
-from dispatch.workspace import ERROR_WORDS, STATE_WORDS, buffer_elems_for
+from dispatch.rank_memory import ERROR_WORDS, STATE_WORDS
+from dispatch.workspace_sizes import buffer_elems_for
 
 HIDDEN = 7168
 ELEM_BYTES = 2  # bf16

@@ -1,5 +1,6 @@
-"""The per-signature call plan (dispatch/op.py) on the CPU: a call whose signature was checked
-before takes the short path, and the short path accepts exactly what the full checks accept.
+"""The per-signature call plan (dispatch/call_plan.py, kept by dispatch/op.py) on the CPU: a call whose
+signature was checked before takes the short path, and the short path accepts exactly what the full
+checks accept.
 
 Every bad call made AFTER a good call of the same signature (so that a plan exists) must raise the
 same ValueError the full checks raise on a fresh workspace; a good call must reuse the plan.
@@ -14,7 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch import op
+from dispatch import call_plan, launcher, op
+from dispatch.call_arguments import _DEFAULTS
+from dispatch.overlaps import _OUTPUT_NAMES
 
 H, T, K, MAX_T = 128, 5, 3, 16
 D = torch.bfloat16
@@ -125,19 +128,19 @@ def test_each_pointer_reaches_its_kernel_field(quant, optional):
     """The plan's packer writes the i-th pointer of its order to that argument's Params field and
     leaves every other pointer field 0 (the kernel reads a null pointer as "not given")."""
     from dispatch import registry
-    a = dict(op._DEFAULTS, quant=quant, **{name: object() for name in optional})
-    order = op._pointer_order(a)
+    a = dict(_DEFAULTS, quant=quant, **{name: object() for name in optional})
+    order = call_plan._pointer_order(a)
     params = registry.params_struct()()
     ctypes_fill = bytes(range(256)) * (ctypes.sizeof(params) // 256 + 1)
     ctypes.memmove(ctypes.addressof(params), ctypes_fill, ctypes.sizeof(params))  # every field non-zero first
-    kernel = op._KernelCall(params, order, op._LaunchConfig())
+    kernel = launcher._KernelCall(params, order, launcher._LaunchConfig())
     pointers = [0x10000 * (i + 1) + 0x40 for i in range(len(order))]
     kernel.packer.pack_into(params, type(params).allreduce_in.offset, *pointers)
-    want = {op._FIELD_OF[name]: p for name, p in zip(order, pointers)}
+    want = {launcher._FIELD_OF[name]: p for name, p in zip(order, pointers)}
     assert len(want) == len(order)
-    for field in op._POINTER_FIELDS:
+    for field in launcher._POINTER_FIELDS:
         assert (getattr(params, field) or 0) == want.get(field, 0), field
-    base, end = type(params).allreduce_in.offset, type(params).allreduce_in.offset + 8 * len(op._POINTER_FIELDS)
+    base, end = type(params).allreduce_in.offset, type(params).allreduce_in.offset + 8 * len(launcher._POINTER_FIELDS)
     raw = ctypes.string_at(ctypes.addressof(params), ctypes.sizeof(params))
     assert raw[:base] == ctypes_fill[:base] and raw[end:] == ctypes_fill[end:ctypes.sizeof(params)]  # nothing else
 
@@ -273,7 +276,7 @@ def test_outputs_not_given_are_allocated_on_the_short_path(full_checks):
             del a[name]
         call = op.prepare_call(ws, a)
         assert call.outputs.norm_out.shape == (T, H) and call.outputs.scale_out.numel() == op.scale_out_bytes(T, H)
-        order = op._pointer_order(dict(op._DEFAULTS, **a))
+        order = call_plan._pointer_order(dict(_DEFAULTS, **a))
         assert [a[name].data_ptr() for name in order] == call.pointers
     assert full_checks[0] == 1
 
@@ -311,7 +314,7 @@ def test_the_pointer_order_writes_what_each_program_writes():
     quant_of = {profile: quant for quant, profile in registry.program_set().profile_of_quant.items()}
     for name in registry.programs():
         info = registry.program_info(name)
-        order = op._pointer_order(dict(op._DEFAULTS, quant=quant_of[info["profile"]]))
-        assert [n for n in order if n in op._OUTPUT_NAMES] == list(info["outputs"]), name
+        order = call_plan._pointer_order(dict(_DEFAULTS, quant=quant_of[info["profile"]]))
+        assert [n for n in order if n in _OUTPUT_NAMES] == list(info["outputs"]), name
         scale_inputs = {n for n in order if n in ("global_scale", "fp8_scale")}
         assert scale_inputs == {"nvfp4": {"global_scale"}, "fp8_tensor": {"fp8_scale"}}.get(info["profile"], set())

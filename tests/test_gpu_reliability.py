@@ -778,7 +778,7 @@ def test_emulated_world_allocation_failure_frees_every_rank(monkeypatch, seed_fo
     RuntimeError naming the rank, every rank's memory freed, nothing registered, dispatch.check() works,
     and a world built afterwards computes correct results."""
     from cupy.cuda import runtime
-    from dispatch.workspace import buffer_elems_for
+    from dispatch.workspace_sizes import buffer_elems_for
     live = dispatch.workspace._live_workspaces
     with recording(record_result, what="EmulatedWorld constructor: rank 1's pinned allocation fails; rank 1 "
                                        "runs out of device memory", world_size=2, devices="one_gpu") as info:
