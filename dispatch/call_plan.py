@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .outputs import MoeFinalizeOutputs
-from .overlaps import _OUTPUT_NAMES
+from .overlaps import overlap_pairs
 
 _ALIGN = {"expanded_idx_to_permuted_idx": 4, "expert_scale_factor": 4, "global_scale": 4, "fp8_scale": 4,
           "scale_out": 4}
@@ -79,13 +79,12 @@ class _Plan:
         # (name, dtype, shape, alignment mask) of each tensor given, in kernel order
         self.tensors = tuple((name, given[name].dtype, tuple(given[name].shape), _ALIGN.get(name, 16) - 1)
                              for name in tensors)
-        # The overlap rule (_check_overlaps) as pairs (i, j, bytes of i, bytes of j, in place allowed)
-        # of tensors[i] an output and tensors[j] anything else, both non-empty.
+        # The overlap rule (overlaps.overlap_pairs, which the full checks apply too) over the tensors
+        # given, as (i, j, bytes of i, bytes of j, tensors[i] may be tensors[j] itself), both non-empty
+        # (an empty tensor shares no byte).
         nbytes = [given[name].numel() * given[name].element_size() for name in tensors]
-        self.pairs = tuple((i, j, nbytes[i], nbytes[j], {n, m} == {"residual_out", "residual_in"})
-                           for i, n in enumerate(tensors) if n in _OUTPUT_NAMES and nbytes[i]
-                           for j, m in enumerate(tensors)
-                           if j != i and nbytes[j] and not (m in _OUTPUT_NAMES and j < i))
+        self.pairs = tuple((i, j, nbytes[i], nbytes[j], in_place and nbytes[i] == nbytes[j])
+                           for i, j, in_place in overlap_pairs(tensors) if nbytes[i] and nbytes[j])
         # (position in kernel order, name) of each output the caller did not give: allocated per call
         self.fill = tuple((i, name) for i, name in enumerate(order) if name not in tensors)
         self.launcher = launcher

@@ -8,32 +8,40 @@ import torch
 _OUTPUT_NAMES = ("norm_out", "residual_out", "quant_out", "scale_out")
 _INPUT_NAMES = ("allreduce_in", "expanded_idx_to_permuted_idx", "expert_scale_factor", "shared_expert_output",
                 "residual_in", "norm_weight", "global_scale", "fp8_scale")
-
-
 _OVERLAP_RULE = ("an output must not share memory with an input or another output; only residual_out may be "
                  "residual_in itself (in place: the same data pointer, shape and dtype)")
+IN_PLACE = ("residual_out", "residual_in")  # (output, input): the one output that may be that input itself
+
+
+def overlap_pairs(names) -> list:
+    """The overlap rule over a call's tensors, by name: (i, j, in_place) for each pair names[i],
+    names[j] that must not share a byte: every output with each output before it (i the earlier),
+    then with every input (i the output); in_place: names[i] may be names[j] itself, exactly
+    (IN_PLACE). The full checks (_check_overlaps) and a plan's short path both take their pairs from
+    here; the order is the one the full checks report in."""
+    outputs = [k for k, name in enumerate(names) if name in _OUTPUT_NAMES]
+    inputs = [k for k, name in enumerate(names) if name not in _OUTPUT_NAMES]
+    pairs = []
+    for n, k in enumerate(outputs):
+        pairs += [(e, k, False) for e in outputs[:n]]
+        pairs += [(k, j, (names[k], names[j]) == IN_PLACE) for j in inputs]
+    return pairs
 
 
 def _check_overlaps(outputs, inputs):
     """outputs, inputs: lists of (name, tensor, data pointer) of checked (contiguous) tensors, whose
-    bytes are exactly [pointer, pointer + nbytes). Raises ValueError naming the output for any
-    shared byte, except residual_out exactly over residual_in."""
-    outputs = [(name, p, p + x.nbytes) for name, x, p in outputs]
-    inputs = [(name, p, p + x.nbytes) for name, x, p in inputs]
-    for j, (name, lo, hi) in enumerate(outputs):
-        if lo == hi:
-            continue
-        for other, olo, ohi in outputs[:j]:
-            if lo < ohi and olo < hi:
-                raise ValueError(f"{other}: overlaps {name} in memory; {_OVERLAP_RULE}")
-        for other, olo, ohi in inputs:
-            if lo < ohi and olo < hi:
-                if name == "residual_out" and other == "residual_in":
-                    if lo == olo and hi == ohi:  # both [T, H] D: residual_in itself
-                        continue
-                    raise ValueError(f"residual_out: overlaps residual_in in memory without being residual_in "
-                                     f"itself; {_OVERLAP_RULE}")
-                raise ValueError(f"{name}: overlaps {other} in memory; {_OVERLAP_RULE}")
+    bytes are exactly [pointer, pointer + nbytes). Raises ValueError naming an output for any pair of
+    overlap_pairs that shares a byte, except residual_out exactly over residual_in."""
+    spans = [(name, p, p + x.nbytes) for name, x, p in outputs + inputs]
+    for i, j, in_place in overlap_pairs([name for name, _, _ in spans]):
+        (name, lo, hi), (other, olo, ohi) = spans[i], spans[j]
+        if max(lo, olo) < min(hi, ohi):  # a shared byte (an empty tensor shares none)
+            if in_place:
+                if lo == olo and hi == ohi:  # both [T, H] D: residual_in itself
+                    continue
+                raise ValueError(f"residual_out: overlaps residual_in in memory without being residual_in "
+                                 f"itself; {_OVERLAP_RULE}")
+            raise ValueError(f"{name}: overlaps {other} in memory; {_OVERLAP_RULE}")
 
 
 def _spans(a):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from dispatch import call_plan, launcher, op
 from dispatch.call_arguments import _DEFAULTS
-from dispatch.overlaps import _OUTPUT_NAMES
+from dispatch.overlaps import _INPUT_NAMES, _OUTPUT_NAMES, overlap_pairs
 
 H, T, K, MAX_T = 128, 5, 3, 16
 D = torch.bfloat16
@@ -231,6 +231,22 @@ def test_overlap_after_a_plan(output, other):
     # residual_out exactly over residual_in is the allowed in-place call: shift it to a partial overlap
     shift = 256 if (output, other) == ("residual_out", "residual_in") else 0
     _expect_same_error(_over(output, other, shift))
+
+
+def test_one_overlap_rule_pairs_every_output_with_everything_else_once():
+    """overlap_pairs, which both the full checks and the plans use: each output with every other
+    tensor of the call exactly once, in place allowed for residual_out over residual_in only, for
+    tensor names in any order (the full checks list outputs first, a plan the kernel's order)."""
+    everything = list(_INPUT_NAMES + _OUTPUT_NAMES)
+    for names in (everything, everything[::-1], _OUTPUT_NAMES + _INPUT_NAMES,
+                  ["allreduce_in", "residual_in", "norm_weight", "residual_out"]):
+        names = list(names)
+        pairs = overlap_pairs(names)
+        unordered = [frozenset((names[i], names[j])) for i, j, _ in pairs]
+        assert len(unordered) == len(set(unordered)), names
+        assert set(unordered) == {frozenset((o, x)) for o in _OUTPUT_NAMES if o in names for x in names if x != o}
+        assert all(names[i] in _OUTPUT_NAMES for i, _, _ in pairs)
+        assert [(names[i], names[j]) for i, j, in_place in pairs if in_place] == [("residual_out", "residual_in")]
 
 
 def test_in_place_residual_takes_the_short_path(full_checks):
