@@ -202,10 +202,10 @@ def _probe_module(probe_source: str, name: str):
     device functions, compiled with the programs' options for this GPU and loaded."""
     import cupy
     from cupy.cuda import function
-    from dispatch import manifest as runtime_manifest
     from dispatch import registry
+    from moe_ar_common import manifest_reader
     ps = registry.program_set()
-    body = runtime_manifest.body_source(ps.manifest, ps.dir)
+    body = manifest_reader.body_source(ps.manifest, ps.dir)
     cc = cupy.cuda.Device().compute_capability
     target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
     cubin, _ = registry.compile_cubin(body + probe_source, name, target)

@@ -17,11 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch import manifest as runtime_manifest
 from dispatch import op, registry
 from dispatch.call_arguments import _DEFAULTS, MAX_TOP_K, _check_args
 from dispatch.overlaps import check_rank_overlaps
 
+from moe_ar_common import manifest_reader
 from moe_ar_tools import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -54,9 +54,9 @@ def test_corrupt_cache_entry_is_recompiled_not_loaded(cache):
 def test_cache_key_covers_the_inlined_body(cache):
     # The cache key hashes the self-contained source: the text of every body header is part of it.
     ps = registry.program_set()
-    source = runtime_manifest.source_for(ps.manifest, ps.dir, PROGRAM)
-    assert runtime_manifest.body_source(ps.manifest, ps.dir) in source
-    assert not any(runtime_manifest.quoted_include(line) for line in source.splitlines())
+    source = manifest_reader.source_for(ps.manifest, ps.dir, PROGRAM)
+    assert manifest_reader.body_source(ps.manifest, ps.dir) in source
+    assert not any(manifest_reader.quoted_include(line) for line in source.splitlines())
     assert registry._cache_key(source, "sm_90a") != registry._cache_key(source + "\n", "sm_90a")
 
 
@@ -68,26 +68,26 @@ def generated_copy(tmp_path):
 
 
 def test_tampered_program_source_is_refused_by_name(generated_copy):
-    manifest = runtime_manifest.load_verified_manifest(generated_copy)
+    manifest = manifest_reader.load_verified_manifest(generated_copy)
     path = generated_copy / "programs" / f"{PROGRAM}.cu"
     path.write_text(path.read_text().replace("moe_ar::run<", "moe_ar::run< "))
-    with pytest.raises(runtime_manifest.ManifestError, match=rf"generated/programs/{PROGRAM}\.cu: does not match"):
-        runtime_manifest.source_for(manifest, generated_copy, PROGRAM)
-    with pytest.raises(runtime_manifest.ManifestError, match="gen-programs"):
-        runtime_manifest.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError, match=rf"generated/programs/{PROGRAM}\.cu: does not match"):
+        manifest_reader.source_for(manifest, generated_copy, PROGRAM)
+    with pytest.raises(manifest_reader.ManifestError, match="gen-programs"):
+        manifest_reader.load_verified_manifest(generated_copy)
 
 
 def test_tampered_body_and_mismatched_manifest_are_refused(generated_copy):
     header = generated_copy / "kernels" / "lamport.cuh"
     header.write_text(header.read_text().replace("kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u"))
-    with pytest.raises(runtime_manifest.ManifestError, match="generated/kernels/lamport.cuh: does not match"):
-        runtime_manifest.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError, match="generated/kernels/lamport.cuh: does not match"):
+        manifest_reader.load_verified_manifest(generated_copy)
     shutil.copy(ROOT / "generated" / "kernels" / "lamport.cuh", header)
     m = generated_copy / "manifest.json"
-    known = runtime_manifest.FORMAT  # a format this reader does not know: the next one
+    known = manifest_reader.FORMAT  # a format this reader does not know: the next one
     m.write_text(m.read_text().replace(f'"format": {known},', f'"format": {known + 1},'))
-    with pytest.raises(runtime_manifest.ManifestError, match="format"):
-        runtime_manifest.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError, match="format"):
+        manifest_reader.load_verified_manifest(generated_copy)
 
 
 # ---- hostile arguments ------------------------------------------------------------------------
