@@ -4,10 +4,10 @@ signature checks only what a signature does not fix.
 Everything the checks and the program choice depend on, except the data pointers, is a function
 of the call's signature: each argument's name and, for a tensor, its dtype, shape and device, for
 anything else its type and value (plus the workspace's fault-injection setting). The first call
-of a signature runs every check (_check_args) and keeps a _Plan: the program, the grid, the
-kernel argument with the call's scalars filled in, each tensor's dtype, shape and byte size. A
-later call is first matched against the workspace's most recent plans (an engine repeats one
-signature over all its layers, or alternates between a few), then looked up by signature; a
+of a signature runs every check (call_arguments._check_args) and keeps a _Plan: the program, the
+grid, the kernel argument with the call's scalars filled in, each tensor's dtype, shape and byte
+size. A later call is first matched against the workspace's most recent plans (an engine repeats
+one signature over all its layers, or alternates between a few), then looked up by signature; a
 plan's match compares the signature directly, stopping at the first difference, and makes the
 checks a signature does not fix (contiguity, alignment, overlap) in one pass over the tensors.
 Anything unexpected takes the full path, which raises the ValueError naming the argument.
@@ -25,7 +25,7 @@ _ALIGN = {"expanded_idx_to_permuted_idx": 4, "expert_scale_factor": 4, "global_s
 
 def _pointer_order(a) -> tuple:
     """The call arguments whose data pointers a checked call `a` passes to the kernel, in the
-    order of their kernel argument fields (_POINTER_FIELDS)."""
+    order of their kernel argument fields (launcher._POINTER_FIELDS)."""
     quant = a["quant"]
     names = ["allreduce_in", "expanded_idx_to_permuted_idx"]
     names += [n for n in ("expert_scale_factor", "shared_expert_output") if a[n] is not None]
