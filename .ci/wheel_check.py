@@ -3,7 +3,8 @@ holding the wheel and a CUDA extra, from a folder outside the source tree; no GP
 
     python wheel_check.py SOURCE_TREE NVRTC_MAJOR
 
-Checks that dispatch and its programs come from the installed files, not from SOURCE_TREE; that
+Checks that dispatch, the moe_ar_common package it shares with the generator (the manifest reader,
+the CUDA environment) and its programs come from the installed files, not from SOURCE_TREE; that
 programs(), program_info() and the manifest verification work there; that the installed generated
 tree holds exactly the files its manifest lists; and that one program compiles through the
 runtime's NVRTC path (the cubin cache included) for sm_90a and sm_100a with NVRTC of NVRTC_MAJOR.
@@ -24,15 +25,19 @@ def main() -> int:
     nvrtc_major = int(sys.argv[2])
 
     import dispatch
-    from dispatch import cuda_env, registry
+    import moe_ar_common
+    from dispatch import registry
+    from moe_ar_common import cuda_env
 
     def outside(path) -> bool:
         return not pathlib.Path(path).resolve().is_relative_to(source)
 
     assert outside(dispatch.__file__), f"dispatch imported from the source tree: {dispatch.__file__}"
+    assert outside(moe_ar_common.__file__), f"moe_ar_common imported from the source tree: {moe_ar_common.__file__}"
     assert outside(registry.GENERATED_DIR), f"programs read from the source tree: {registry.GENERATED_DIR}"
     assert registry.GENERATED_DIR.parent.name == "moe_ar_data", registry.GENERATED_DIR
-    print(f"ok    dispatch from {pathlib.Path(dispatch.__file__).parent}, programs from {registry.GENERATED_DIR}")
+    print(f"ok    dispatch from {pathlib.Path(dispatch.__file__).parent}, moe_ar_common from "
+          f"{pathlib.Path(moe_ar_common.__file__).parent}, programs from {registry.GENERATED_DIR}")
 
     ps = registry.program_set()  # verifies every file the manifest lists (size and sha256)
     names = dispatch.programs()

@@ -2,9 +2,10 @@
 # The wheel works outside the repository, with CUDA 13 and with CUDA 12 (no GPU needed):
 #   1. build the wheel from the repository's files (tracked, and new ones git does not ignore);
 #   2. a fresh venv outside the source tree: torch (the CPU build on local disk), then the wheel
-#      with its cu13 extra; from a folder outside the tree: import dispatch, programs(),
-#      program_info(), the manifest verified, one program NVRTC-compiled for sm_90a and sm_100a
-#      through the runtime (.ci/wheel_check.py), and gen-programs list / tables / --check / --out;
+#      with its cu13 extra; from a folder outside the tree: import dispatch and moe_ar_common (which
+#      it shares with the generator), programs(), program_info(), the manifest verified, one program
+#      NVRTC-compiled for sm_90a and sm_100a through the runtime (.ci/wheel_check.py), and
+#      gen-programs list / tables / --check / --out;
 #   3. another venv: the wheel alone (gen-programs compile names the extra to install), then with
 #      its cu12 extra: every program compiled by NVRTC 12 for sm_90a and sm_100a (spills listed, not gated).
 # One line per step with its seconds; the last line is "wheel: N passed, M failed"; exit 1 on any failure.

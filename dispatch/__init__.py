@@ -8,7 +8,8 @@ Reads only the committed, verified generated/ tree; see README.md and op.moe_fin
 """
 from .op import MoeFinalizeOutputs, moe_finalize_allreduce, scale_out_bytes, select_program
 from .registry import program_info, programs, warmup
-from .workspace import EmulatedWorld, Workspace, check
+from .workspace import Workspace, check
+from .emulated_world import EmulatedWorld
 from .torch_op import moe_finalize_allreduce_op, workspace_from_handle, workspace_handle  # registers moe_ar::
 from .flashinfer_compat import trtllm_moe_finalize_allreduce_fusion
 

@@ -95,7 +95,9 @@ from typing import Optional
 
 import torch
 
-from .op import MoeFinalizeOutputs, check_flag, check_scalar, moe_finalize_allreduce, scale_out_bytes
+from .call_arguments import check_flag, check_scalar
+from .op import moe_finalize_allreduce
+from .outputs import MoeFinalizeOutputs, scale_out_bytes
 from .torch_op import _as_handle, moe_finalize_allreduce_op, workspace_from_handle
 
 BACKENDS = ("trtllm", "cake")

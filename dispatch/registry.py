@@ -27,8 +27,8 @@ import threading
 import time
 import warnings
 
-from . import cuda_env
-from . import manifest as _manifest
+from moe_ar_common import cuda_env
+from moe_ar_common import manifest_reader as _manifest
 
 
 def _generated_dir() -> pathlib.Path:
@@ -374,7 +374,7 @@ class LoadedProgram:
 
     def prefer_largest_shared_memory(self) -> None:
         """Ask for the largest shared-memory carveout of the SM at every launch (ranks sharing a GPU:
-        see _Launcher in op.py). A hint to the driver; no effect on what the kernel computes."""
+        see _Launcher in launcher.py). A hint to the driver; no effect on what the kernel computes."""
         from cuda.bindings import driver as cu
         attr = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
         err, = cu.cuFuncSetAttribute(cu.CUfunction(self.function_ptr), attr, 100)  # percent of the maximum

@@ -59,8 +59,9 @@ from typing import Optional
 
 import torch
 
-from .op import FP8_GROUP, FP8_SCALE_LAYOUTS, MAX_TOP_K, MoeFinalizeOutputs, check_flag, check_scalar, check_unused, \
-    check_weight_bias, fp8_scale_shape, profile_for_quant, scale_out_bytes
+from .call_arguments import FP8_SCALE_LAYOUTS, MAX_TOP_K, check_flag, check_scalar, check_unused, check_weight_bias, \
+    profile_for_quant
+from .outputs import FP8_GROUP, MoeFinalizeOutputs, fp8_scale_shape, scale_out_bytes
 
 OP_NAME = "moe_ar::moe_finalize_allreduce"
 _HANDLE_ATTR = "_moe_ar_op_handle"

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python docs/workspace_memory.py      # from the repository root; prints the doc's tables
 
-Per rank (dispatch/workspace.py, _RankMemory): 3 rotating buffers of buffer_elems_for(...) elements,
+Per rank (dispatch/rank_memory.py, _RankMemory): 3 rotating buffers of buffer_elems_for(...) elements,
 STATE_WORDS uint32 of device state and ERROR_WORDS uint32 of host-mapped error words. The buffer
 is the larger of the one-shot layout (W * oneshot_max_tokens * H) and the two-shot layout
 (W * ceil(T / W) * H + T * H, about 2 * T * H). Sizes as requested; the driver's own rounding
@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from dispatch.registry import oneshot_boundary
-from dispatch.workspace import ERROR_WORDS, STATE_WORDS, buffer_elems_for
+from dispatch.rank_memory import ERROR_WORDS, STATE_WORDS
+from dispatch.workspace_sizes import buffer_elems_for
 
 HIDDEN = 7168
 ELEM_BYTES = 2  # bf16

@@ -22,7 +22,9 @@ import time
 
 import click
 
-from . import locations, spec, verify
+from moe_ar_common import manifest_reader
+
+from . import locations, spec
 
 
 def _no_sources() -> click.ClickException:
@@ -54,8 +56,8 @@ def _generated(ctx: click.Context) -> pathlib.Path:
 
 def _manifest(generated: pathlib.Path) -> dict:
     try:
-        return verify.load_manifest(generated)
-    except verify.ManifestError as e:
+        return manifest_reader.load_manifest(generated)
+    except manifest_reader.ManifestError as e:
         raise click.ClickException(str(e)) from None
 
 
@@ -148,7 +150,7 @@ def main(ctx: click.Context, check: bool, out: pathlib.Path | None) -> None:
         if diffs:
             for d in diffs:
                 click.echo(d, nl=False)
-            click.echo(f"{dest.name}/ is stale: {len(diffs)} file(s) differ; {verify.REGENERATE}", err=True)
+            click.echo(f"{dest.name}/ is stale: {len(diffs)} file(s) differ; {manifest_reader.REGENERATE}", err=True)
             ctx.exit(1)
         click.echo(f"{dest.name}/ is up to date: {n_programs} programs, {n_holes} holes, "
                    f"{len(result.outputs)} files ({time.perf_counter() - start:.2f} s)")
@@ -273,12 +275,14 @@ def diff(ctx, rev):
 @click.pass_context
 def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs, spills_as_warnings):
     """Compile programs with NVRTC (no GPU needed); fail on any error or on spills over the budget."""
-    from . import cuda_env, nvrtc_build
+    from moe_ar_common import cuda_env
+
+    from . import nvrtc_build
 
     generated = _generated(ctx)
     try:
-        manifest = verify.load_verified_manifest(generated)
-    except verify.ManifestError as e:
+        manifest = manifest_reader.load_verified_manifest(generated)
+    except manifest_reader.ManifestError as e:
         raise click.ClickException(str(e)) from None
     programs = _select(manifest, families, dtypes, world_sizes, profiles)
     if not programs:

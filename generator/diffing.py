@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import subprocess
 
+from moe_ar_common.manifest_reader import ManifestError, inline_includes
+
 from . import spec, tuning
 from .code_hash import code_sha256
-from .verify import ManifestError, inline_includes
 
 # Manifests of format 1 called the first two profiles by their numeric codes.
 _FORMAT1_PROFILES = {"110": spec.PLAIN, "111": "nvfp4"}
@@ -53,7 +54,7 @@ def body_entry(manifest: dict) -> str:
 
 def _with_todays_code_hashes(manifest: dict, rev: str, root, generated: str) -> dict:
     """The manifest with every code_sha256 computed from rev's files as generator/render.py does today:
-    a program's text, then the text of each body file it includes (inlined as verify.source_for does)."""
+    a program's text, then the text of each body file it includes (inlined as manifest_reader.source_for does)."""
     body = manifest.get("body")
     if body is None:
         return manifest

@@ -2,16 +2,17 @@
 
 Canonical JSON (sorted keys, indent 1, ASCII, trailing newline). The runtime
 reads only this and the files it lists, checking each file's sha256 and size
-(generator/verify.py) before compiling.
+(moe_ar_common/manifest_reader.py) before compiling.
 """
 from __future__ import annotations
 
 import json
 
+from moe_ar_common.manifest_reader import FORMAT, sha256_bytes
+
 from . import abi, spec
 from .enumeration import Enumeration
 from .tuning import ALL_TOKENS, Selection
-from .verify import FORMAT, sha256_bytes
 
 # How a program is launched; the runtime computes the numbers from H, T and the
 # device. One text per field, the same for every program today.
@@ -98,7 +99,7 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
                          for f in spec.FAMILY_BY_NAME.values()],
         },
         # The kernel body: a program's `#include "name"` lines are replaced by include_dir/name,
-        # recursively (verify.source_for); headers in that order.
+        # recursively (manifest_reader.source_for); headers in that order.
         "body": {
             "entry": body["entry"],
             "include_dir": body["include_dir"],

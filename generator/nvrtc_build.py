@@ -3,7 +3,7 @@
 Uses CuPy's low-level NVRTC bindings (`cupy.cuda.nvrtc`), which only load
 libnvrtc; CuPy's higher-level compile helpers query the driver and fail on a
 machine without a GPU. CuPy is imported by `compile_programs` only (its NVRTC
-version picks the headers, cuda_env.py), so the rest of the generator never
+version picks the headers, moe_ar_common/cuda_env.py), so the rest of the generator never
 imports it.
 
 Each (program, arch) is one job in a process pool. The ptxas `-v` log gives
@@ -16,7 +16,7 @@ import pathlib
 import re
 import time
 
-from . import cuda_env, verify
+from moe_ar_common import cuda_env, manifest_reader
 
 
 def options(arch: str, include_dir: str, compile_options) -> list[str]:
@@ -143,10 +143,10 @@ def compile_programs(generated_dir: pathlib.Path, programs: list[str], archs: li
     import concurrent.futures
     import multiprocessing
 
-    manifest = verify.load_verified_manifest(generated_dir)
+    manifest = manifest_reader.load_verified_manifest(generated_dir)
     _nvrtc, version = cuda_env.load_nvrtc()  # raises cuda_env.MissingToolchain naming the extra
     include_dir = cuda_env.include_dir(version[0])
-    sources = {name: verify.source_for(manifest, generated_dir, name) for name in programs}
+    sources = {name: manifest_reader.source_for(manifest, generated_dir, name) for name in programs}
     work = [(name, arch) for name in programs for arch in archs]
     results = {}
     # spawn: workers start clean (no inherited CUDA or driver state).

@@ -8,9 +8,10 @@ Every rendered file starts with a do-not-edit header naming its template, the
 generator and how to regenerate it. The kernel body's hand-written headers
 (kernels/*.cuh) are copied into generated/kernels/ byte for byte, next to the
 rendered params.cuh. Only the manifest carries `inputs_sha256` (a hash over the
-relative paths and contents of every input: generator/*.py, templates/*,
-kernels/*, the benchmark results; never absolute paths, never timestamps), so an
-input change that renders the same text rewrites the manifest alone.
+relative paths and contents of every input: generator/*.py, moe_ar_common/*.py,
+templates/*, kernels/*, the benchmark results; never absolute paths, never
+timestamps), so an input change that renders the same text rewrites the manifest
+alone.
 """
 from __future__ import annotations
 
@@ -23,10 +24,11 @@ import tempfile
 
 import jinja2
 
+from moe_ar_common.manifest_reader import MANIFEST_NAME, REGENERATE, ManifestError, inline_includes
+
 from . import abi, manifest, selection_map, spec, tuning
 from .code_hash import code_sha256
 from .enumeration import Enumeration, enumerate_programs
-from .verify import MANIFEST_NAME, REGENERATE, ManifestError, inline_includes
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATOR = "gen-programs, generator/"
@@ -53,13 +55,19 @@ def table_file(family: str) -> str:
 
 # ---- inputs -------------------------------------------------------------------------
 
+CODE_PACKAGES = ("generator", "moe_ar_common")  # the code among the inputs (the manifest reader inlines the body)
+
+
 def _inputs(root: pathlib.Path) -> dict[str, pathlib.Path]:
     """Repo-relative POSIX path -> file, of everything that decides the output: the code (root's
-    generator/; under an installed wheel's moe_ar_data, which has none, this generator's own files,
-    the same ones), the templates, the kernel headers and the benchmark under root."""
+    CODE_PACKAGES; under an installed wheel's moe_ar_data, which has none, the installed packages
+    beside this one, the same files), the templates, the kernel headers and the benchmark under root."""
     root = pathlib.Path(root)
-    code = root / "generator" if (root / "generator").is_dir() else pathlib.Path(__file__).resolve().parent
-    found = {f"generator/{p.name}": p for p in code.glob("*.py") if p.is_file()}
+    beside = pathlib.Path(__file__).resolve().parent.parent
+    found = {}
+    for package in CODE_PACKAGES:
+        code = root / package if (root / package).is_dir() else beside / package
+        found.update((f"{package}/{p.name}", p) for p in code.glob("*.py") if p.is_file())
     found.update((p.relative_to(root).as_posix(), p) for folder in ("templates", KERNEL_DIR)
                  for p in (root / folder).rglob("*")
                  if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
@@ -262,7 +270,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
         out.add(rel, text)
 
     def inlined(text: str, origin: str) -> list[str]:
-        """The body headers a file includes, in the order they are inlined (verify.source_for's)."""
+        """The body headers a file includes, in the order they are inlined (manifest_reader.source_for's)."""
         def read(rel: str, including: str) -> str:
             if rel not in body_texts:
                 raise GenerateError(f"{body_sources.get(including, including)}: includes "

@@ -61,7 +61,7 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     for k, v in NVLINK_MULTICAST_OFF.items():
         os.environ.setdefault(k, v)
     import dispatch
-    from dispatch import op
+    from dispatch import launcher, op
     device = torch.device("cuda", torch.cuda.current_device())
     # One world for the direct calls, one for each custom op and one for the alternating calls: each
     # keeps its own signatures as its recent plans (the ops pass every option: other signatures).
@@ -118,11 +118,11 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
     import cupy
     empty = cupy.RawKernel('extern "C" __global__ void moe_ar_empty() {}', "moe_ar_empty")
     empty_ptr = empty.kernel.ptr
-    empty_config = op._LaunchConfig(1, 1, 1, 32, 1, 1, 0, None, None, 0)
+    empty_config = launcher._LaunchConfig(1, 1, 1, 32, 1, 1, 0, None, None, 0)
 
     def empty_launch():
-        empty_config.hStream = op._current_stream(device.index)
-        err = op._cu_launch_kernel_ex(ctypes.byref(empty_config), empty_ptr, None, None)
+        empty_config.hStream = launcher._current_stream(device.index)
+        err = launcher._cu_launch_kernel_ex(ctypes.byref(empty_config), empty_ptr, None, None)
         assert err == 0, err
 
     def custom_op(r):

@@ -37,15 +37,22 @@ class Worlds:
 
 @contextlib.contextmanager
 def recording(record_result, **fields):
-    """Yields a dict of fields (with `cases`) that is recorded, with the outcome and the seconds taken,
-    when the body ends; a skip records nothing."""
-    info = dict(fields, cases=0)
+    """Yields `fields` as a dict the test fills in (counts such as `cases` or `calls` start at the
+    values given); when the body ends, passed or failed, one record of it through `record_result`
+    with `passed`, the seconds taken and, on a failure, outcome "FAILED" and the error. A skip
+    records nothing. moe_ar_tools/reliability_summary.py reads these records."""
+    info = dict(fields)
     t0 = time.time()
     try:
         yield info
     except pytest.skip.Exception:
         raise
     except BaseException as e:
-        record_result(**info, passed=False, error=str(e)[:2000], seconds=round(time.time() - t0, 2))
+        record = dict(info)
+        record.update(passed=False, outcome="FAILED", error=f"{type(e).__name__}: {e}"[:2000],
+                      seconds=round(time.time() - t0, 2))
+        record_result(**record)
         raise
-    record_result(**info, passed=True, seconds=round(time.time() - t0, 2))
+    record = dict(info)
+    record.update(passed=True, seconds=round(time.time() - t0, 2))
+    record_result(**record)

@@ -1,5 +1,6 @@
-"""The per-signature call plan (dispatch/op.py) on the CPU: a call whose signature was checked
-before takes the short path, and the short path accepts exactly what the full checks accept.
+"""The per-signature call plan (dispatch/call_plan.py, kept by dispatch/op.py) on the CPU: a call whose
+signature was checked before takes the short path, and the short path accepts exactly what the full
+checks accept.
 
 Every bad call made AFTER a good call of the same signature (so that a plan exists) must raise the
 same ValueError the full checks raise on a fresh workspace; a good call must reuse the plan.
@@ -14,7 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch import op
+from dispatch import call_plan, launcher, op
+from dispatch.call_arguments import _DEFAULTS
+from dispatch.overlaps import _INPUT_NAMES, _OUTPUT_NAMES, overlap_pairs
 
 H, T, K, MAX_T = 128, 5, 3, 16
 D = torch.bfloat16
@@ -125,19 +128,19 @@ def test_each_pointer_reaches_its_kernel_field(quant, optional):
     """The plan's packer writes the i-th pointer of its order to that argument's Params field and
     leaves every other pointer field 0 (the kernel reads a null pointer as "not given")."""
     from dispatch import registry
-    a = dict(op._DEFAULTS, quant=quant, **{name: object() for name in optional})
-    order = op._pointer_order(a)
+    a = dict(_DEFAULTS, quant=quant, **{name: object() for name in optional})
+    order = call_plan._pointer_order(a)
     params = registry.params_struct()()
     ctypes_fill = bytes(range(256)) * (ctypes.sizeof(params) // 256 + 1)
     ctypes.memmove(ctypes.addressof(params), ctypes_fill, ctypes.sizeof(params))  # every field non-zero first
-    kernel = op._KernelCall(params, order, op._LaunchConfig())
+    kernel = launcher._KernelCall(params, order, launcher._LaunchConfig())
     pointers = [0x10000 * (i + 1) + 0x40 for i in range(len(order))]
     kernel.packer.pack_into(params, type(params).allreduce_in.offset, *pointers)
-    want = {op._FIELD_OF[name]: p for name, p in zip(order, pointers)}
+    want = {launcher._FIELD_OF[name]: p for name, p in zip(order, pointers)}
     assert len(want) == len(order)
-    for field in op._POINTER_FIELDS:
+    for field in launcher._POINTER_FIELDS:
         assert (getattr(params, field) or 0) == want.get(field, 0), field
-    base, end = type(params).allreduce_in.offset, type(params).allreduce_in.offset + 8 * len(op._POINTER_FIELDS)
+    base, end = type(params).allreduce_in.offset, type(params).allreduce_in.offset + 8 * len(launcher._POINTER_FIELDS)
     raw = ctypes.string_at(ctypes.addressof(params), ctypes.sizeof(params))
     assert raw[:base] == ctypes_fill[:base] and raw[end:] == ctypes_fill[end:ctypes.sizeof(params)]  # nothing else
 
@@ -230,6 +233,22 @@ def test_overlap_after_a_plan(output, other):
     _expect_same_error(_over(output, other, shift))
 
 
+def test_one_overlap_rule_pairs_every_output_with_everything_else_once():
+    """overlap_pairs, which both the full checks and the plans use: each output with every other
+    tensor of the call exactly once, in place allowed for residual_out over residual_in only, for
+    tensor names in any order (the full checks list outputs first, a plan the kernel's order)."""
+    everything = list(_INPUT_NAMES + _OUTPUT_NAMES)
+    for names in (everything, everything[::-1], _OUTPUT_NAMES + _INPUT_NAMES,
+                  ["allreduce_in", "residual_in", "norm_weight", "residual_out"]):
+        names = list(names)
+        pairs = overlap_pairs(names)
+        unordered = [frozenset((names[i], names[j])) for i, j, _ in pairs]
+        assert len(unordered) == len(set(unordered)), names
+        assert set(unordered) == {frozenset((o, x)) for o in _OUTPUT_NAMES if o in names for x in names if x != o}
+        assert all(names[i] in _OUTPUT_NAMES for i, _, _ in pairs)
+        assert [(names[i], names[j]) for i, j, in_place in pairs if in_place] == [("residual_out", "residual_in")]
+
+
 def test_in_place_residual_takes_the_short_path(full_checks):
     ws = _workspace()
     a = _valid()
@@ -273,7 +292,7 @@ def test_outputs_not_given_are_allocated_on_the_short_path(full_checks):
             del a[name]
         call = op.prepare_call(ws, a)
         assert call.outputs.norm_out.shape == (T, H) and call.outputs.scale_out.numel() == op.scale_out_bytes(T, H)
-        order = op._pointer_order(dict(op._DEFAULTS, **a))
+        order = call_plan._pointer_order(dict(_DEFAULTS, **a))
         assert [a[name].data_ptr() for name in order] == call.pointers
     assert full_checks[0] == 1
 
@@ -311,7 +330,7 @@ def test_the_pointer_order_writes_what_each_program_writes():
     quant_of = {profile: quant for quant, profile in registry.program_set().profile_of_quant.items()}
     for name in registry.programs():
         info = registry.program_info(name)
-        order = op._pointer_order(dict(op._DEFAULTS, quant=quant_of[info["profile"]]))
-        assert [n for n in order if n in op._OUTPUT_NAMES] == list(info["outputs"]), name
+        order = call_plan._pointer_order(dict(_DEFAULTS, quant=quant_of[info["profile"]]))
+        assert [n for n in order if n in _OUTPUT_NAMES] == list(info["outputs"]), name
         scale_inputs = {n for n in order if n in ("global_scale", "fp8_scale")}
         assert scale_inputs == {"nvfp4": {"global_scale"}, "fp8_tensor": {"fp8_scale"}}.get(info["profile"], set())

@@ -1,18 +1,8 @@
 """The runtime's selection and manifest handling, without a GPU."""
-import pathlib
-
 import pytest
 import torch
 
 from dispatch import registry
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
-
-def test_runtime_manifest_reader_is_the_generators_verbatim():
-    # The runtime never imports the generator, so it keeps a copy of the stdlib verifier; the two
-    # must not drift apart.
-    assert (ROOT / "dispatch" / "manifest.py").read_bytes() == (ROOT / "generator" / "verify.py").read_bytes()
 
 
 def test_the_ladder_and_all_tokens_are_the_generators():
@@ -160,7 +150,8 @@ def test_profiles_are_named_by_their_quant_value():
 def test_row_split_follows_tokens(hidden):
     """Default geometry: 2 vectors a thread up to few_tokens_max tokens where the row fits in
     max_threads, 4 above; every vector of the row has a thread, every block is whole warps."""
-    from dispatch.workspace import _ALL_TOKENS, _WorkspaceBase
+    from dispatch.workspace import _WorkspaceBase
+    from dispatch.workspace_sizes import _ALL_TOKENS
     limits = registry.program_set().limits
     ws = _WorkspaceBase()
     ws._init_common(2, 0, 4096, hidden, torch.bfloat16, 0, 1.0, None, ranks_on_device=1)
@@ -183,7 +174,7 @@ def test_row_split_follows_tokens(hidden):
 
 
 def test_balanced_grid_gives_every_block_the_same_columns_give_or_take_one():
-    from dispatch.op import balanced_grid
+    from dispatch.launcher import balanced_grid
     assert balanced_grid(1024, 396) == 342  # 3 columns each (the last two blocks 2), not 232 x 3 + 164 x 2
     assert balanced_grid(792, 396) == 396   # already even: every block 2 columns
     assert balanced_grid(10, 396) == 10     # fewer columns than blocks: one each

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-from dispatch.workspace import buffer_elems_for
+from dispatch.workspace_sizes import buffer_elems_for
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

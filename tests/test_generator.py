@@ -16,9 +16,10 @@ import time
 import pytest
 
 from generator import manifest as manifest_mod
-from generator import code_hash, policy, render, spec, tuning, verify
+from generator import code_hash, policy, render, spec, tuning
 from generator.diffing import diff_manifests, manifest_at
 from generator.enumeration import enumerate_programs
+from moe_ar_common import manifest_reader
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GENERATED = ROOT / "generated"
@@ -34,7 +35,7 @@ def run_cli(args, cwd, env_extra=None, pythonpath=None):
 
 def copy_repo(dest: pathlib.Path) -> pathlib.Path:
     """The generator's inputs and the committed outputs, in a scratch folder."""
-    for name in ("generator", "templates", "kernels", "generated", "bench_results"):
+    for name in ("generator", "moe_ar_common", "templates", "kernels", "generated", "bench_results"):
         shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
     return dest
 
@@ -289,7 +290,7 @@ def test_manifest_contents(rendered, manifest):
         assert p["protocol_class"] == cell.protocol_class and p["params"] == "param_plan"
         assert p["launch"]["cluster"] == 1 and "row_stages" in p["launch"]["dynamic_smem"]
         data = rendered.outputs[p["file"]]
-        assert p["bytes"] == len(data) and p["sha256"] == verify.sha256_bytes(data)
+        assert p["bytes"] == len(data) and p["sha256"] == manifest_reader.sha256_bytes(data)
     assert set(manifest["files"]) == {rel for rel, _ in rendered.outputs.items()} - {"manifest.json"}
     assert len(manifest["selection"]["boundaries"]) == len(spec.DTYPES) * len(spec.WORLD_SIZES) * len(
         spec.OUTPUT_PROFILES)
@@ -444,11 +445,11 @@ def test_the_body_is_every_kernel_header_in_include_order(rendered, manifest):
         render.PARAMS_FILE: f"templates/{render.PARAMS_TEMPLATE}"}
     # the entry lists the others in the order they are inlined; each is a plain header
     entry_text = rendered.outputs[render.BODY_ENTRY].decode()
-    listed = [verify.quoted_include(line) for line in entry_text.splitlines() if verify.quoted_include(line)]
+    listed = [manifest_reader.quoted_include(line) for line in entry_text.splitlines() if manifest_reader.quoted_include(line)]
     assert [f"{render.BODY_DIR}/{name}" for name in listed] == files[1:]
     for rel in files:
         text = rendered.outputs[rel].decode()
-        assert verify.has_pragma_once(text) and "{{" not in text and "{%" not in text, rel
+        assert manifest_reader.has_pragma_once(text) and "{{" not in text and "{%" not in text, rel
 
 
 def _changed(before: render.Outputs, after: render.Outputs) -> set[str]:
@@ -566,12 +567,12 @@ def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     gen = repo / "generated"
     current = json.loads((gen / "manifest.json").read_text())
-    body_text = verify.body_source(current, gen)
+    body_text = manifest_reader.body_source(current, gen)
     for header in current["body"]["headers"]:
         (gen / header["file"]).unlink()
     (gen / "kernels" / "moe_finalize_allreduce.cuh").write_text(body_text)
     old = dict(current, format=2, body={"file": "kernels/moe_finalize_allreduce.cuh", "code_sha256": "0" * 64,
-                                        "sha256": verify.sha256_bytes(body_text.encode()), "bytes": len(body_text)})
+                                        "sha256": manifest_reader.sha256_bytes(body_text.encode()), "bytes": len(body_text)})
     (gen / "manifest.json").write_text(json.dumps(old))
     _git(repo, "init", "-q")
     _git(repo, "add", ".")
@@ -641,14 +642,14 @@ def test_selection_table_parses_back_to_the_manifest(rendered, manifest):
 
 # ---- the manifest verifier ----------------------------------------------------------
 
-def test_verify_module_is_pure_stdlib():
-    tree = ast.parse((ROOT / "generator" / "verify.py").read_text())
+def test_manifest_reader_is_pure_stdlib():
+    tree = ast.parse((ROOT / "moe_ar_common" / "manifest_reader.py").read_text())
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             imported |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
-            assert node.level == 0, "verify.py must not import from its package"
+            assert node.level == 0, "manifest_reader.py must not import from its package"
             imported.add(node.module.split(".")[0])
     assert imported <= {"__future__", "hashlib", "json", "pathlib"}, imported
 
@@ -661,19 +662,19 @@ def generated_copy(rendered, tmp_path):
 
 
 def test_verify_accepts_a_fresh_tree_and_inlines_the_body(generated_copy, manifest):
-    loaded = verify.load_verified_manifest(generated_copy)
+    loaded = manifest_reader.load_verified_manifest(generated_copy)
     name = loaded["programs"][0]["name"]
-    source = verify.source_for(loaded, generated_copy, name)
-    assert not any(verify.quoted_include(line) for line in source.splitlines())
+    source = manifest_reader.source_for(loaded, generated_copy, name)
+    assert not any(manifest_reader.quoted_include(line) for line in source.splitlines())
     assert f" {name}(" in source and source.startswith((generated_copy / loaded["programs"][0]["file"]).read_text()
                                                        .split('#include "', 1)[0])
     # every header once, in the manifest's order, each line of it kept but its includes
     headers = [h["file"] for h in loaded["body"]["headers"]]
     assert source.count("#pragma once") == len(headers)
     at = [source.index("".join(line for line in (generated_copy / rel).read_text().splitlines(keepends=True)
-                               if not verify.quoted_include(line))) for rel in headers]
+                               if not manifest_reader.quoted_include(line))) for rel in headers]
     assert at == sorted(at)
-    body = verify.body_source(loaded, generated_copy)
+    body = manifest_reader.body_source(loaded, generated_copy)
     assert body in source and source.count("namespace moe_ar {") == body.count("namespace moe_ar {") > 1
 
 
@@ -685,8 +686,8 @@ def _tree(tmp_path, files: dict[str, str]) -> tuple[dict, pathlib.Path]:
                       **{f"kernels/{n}": t for n, t in files.items()}}.items():
         (gen / rel).parent.mkdir(parents=True, exist_ok=True)
         (gen / rel).write_text(text)
-        entries[rel] = {"file": rel, "sha256": verify.sha256_bytes(text.encode()), "bytes": len(text.encode())}
-    manifest = {"format": verify.FORMAT, "files": {rel: {k: e[k] for k in ("sha256", "bytes")} for rel, e in entries.items()},
+        entries[rel] = {"file": rel, "sha256": manifest_reader.sha256_bytes(text.encode()), "bytes": len(text.encode())}
+    manifest = {"format": manifest_reader.FORMAT, "files": {rel: {k: e[k] for k in ("sha256", "bytes")} for rel, e in entries.items()},
                 "programs": [{**entries["programs/prog.cu"], "name": "prog"}],
                 "body": {"entry": "kernels/a.h", "include_dir": "kernels",
                          "headers": [e for rel, e in entries.items() if rel.startswith("kernels/")]}}
@@ -701,34 +702,34 @@ def test_source_for_inlines_as_the_preprocessor_includes(tmp_path):
         "a.h": '#pragma once\n#include <cuda_fp16.h>\n#include "b.h"\n#include "c.h"\n#include "c.h"\nint a;\n',
         "b.h": "#pragma once\n#include \"a.h\"\nint b;",  # no newline at the end
         "c.h": "#ifndef C\n#define C\nint c;\n#endif\n"})
-    source = verify.source_for(manifest, gen, "prog")
+    source = manifest_reader.source_for(manifest, gen, "prog")
     assert source == ("#pragma once\n#include <cuda_fp16.h>\n#pragma once\nint b;\n"
                       "#ifndef C\n#define C\nint c;\n#endif\n#ifndef C\n#define C\nint c;\n#endif\nint a;\nint main_;\n")
-    assert verify.inline_includes('#include "a.h"\n', "x", "kernels",
+    assert manifest_reader.inline_includes('#include "a.h"\n', "x", "kernels",
                                   lambda rel, _: (gen / rel).read_text())[1] == ["kernels/a.h", "kernels/b.h", "kernels/c.h"]
 
 
 def test_source_for_refuses_an_unlisted_include_a_cycle_and_a_tampered_header(tmp_path):
     manifest, gen = _tree(tmp_path, {"programs/prog.cu": '#include "a.h"\n', "a.h": '#include "d.h"\n'})
-    with pytest.raises(verify.ManifestError, match=r"generated/kernels/a.h: includes 'd.h', which is not a body header"):
-        verify.source_for(manifest, gen, "prog")
+    with pytest.raises(manifest_reader.ManifestError, match=r"generated/kernels/a.h: includes 'd.h', which is not a body header"):
+        manifest_reader.source_for(manifest, gen, "prog")
     manifest, gen = _tree(tmp_path / "2", {"programs/prog.cu": '#include "a.h"\n', "a.h": '#include "b.h"\n',
                                            "b.h": '#include "a.h"\n'})
-    with pytest.raises(verify.ManifestError, match=r"includes 'a.h' within itself \(programs/prog.cu -> kernels/a.h "
+    with pytest.raises(manifest_reader.ManifestError, match=r"includes 'a.h' within itself \(programs/prog.cu -> kernels/a.h "
                                                    r"-> kernels/b.h -> kernels/a.h\)"):
-        verify.source_for(manifest, gen, "prog")
+        manifest_reader.source_for(manifest, gen, "prog")
     manifest, gen = _tree(tmp_path / "3", {"programs/prog.cu": '#include "a.h"\n', "a.h": "#pragma once\n"})
     (gen / "kernels" / "a.h").write_text("#pragma once\nint x;\n")
-    with pytest.raises(verify.ManifestError, match="generated/kernels/a.h: does not match"):
-        verify.source_for(manifest, gen, "prog")
+    with pytest.raises(manifest_reader.ManifestError, match="generated/kernels/a.h: does not match"):
+        manifest_reader.source_for(manifest, gen, "prog")
 
 
 def test_verify_refuses_a_tampered_file(generated_copy, manifest):
     rel = manifest["programs"][3]["file"]
     path = generated_copy / rel
     path.write_text(path.read_text().replace("moe_ar::", "moe_ar ::", 1))
-    with pytest.raises(verify.ManifestError) as e:
-        verify.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError) as e:
+        manifest_reader.load_verified_manifest(generated_copy)
     assert f"generated/{rel}" in str(e.value) and "run `gen-programs` to regenerate" in str(e.value)
 
 
@@ -737,24 +738,24 @@ def test_verify_refuses_a_missing_file(generated_copy, manifest, which):
     rel = {"program": manifest["programs"][0]["file"], "body": manifest["body"]["headers"][-1]["file"],
            "table": manifest["tables"]["twoshot"]}[which]
     (generated_copy / rel).unlink()
-    with pytest.raises(verify.ManifestError) as e:
-        verify.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError) as e:
+        manifest_reader.load_verified_manifest(generated_copy)
     assert f"generated/{rel}: missing" in str(e.value) and "gen-programs" in str(e.value)
 
 
 @pytest.mark.parametrize("header", ["kernels/moe_finalize_allreduce.cuh", "kernels/lamport.cuh", "kernels/params.cuh"])
 def test_source_for_rechecks_the_body(generated_copy, manifest, header):
-    loaded = verify.load_verified_manifest(generated_copy)
+    loaded = manifest_reader.load_verified_manifest(generated_copy)
     (generated_copy / header).write_text("// edited\n")
-    with pytest.raises(verify.ManifestError, match=f"generated/{header}: does not match"):
-        verify.source_for(loaded, generated_copy, loaded["programs"][0]["name"])
-    with pytest.raises(verify.ManifestError, match=f"generated/{header}: does not match"):
-        verify.body_source(loaded, generated_copy)
+    with pytest.raises(manifest_reader.ManifestError, match=f"generated/{header}: does not match"):
+        manifest_reader.source_for(loaded, generated_copy, loaded["programs"][0]["name"])
+    with pytest.raises(manifest_reader.ManifestError, match=f"generated/{header}: does not match"):
+        manifest_reader.body_source(loaded, generated_copy)
 
 
 def test_verify_refuses_a_missing_manifest(tmp_path):
-    with pytest.raises(verify.ManifestError, match="manifest.json: missing; run `gen-programs`"):
-        verify.load_verified_manifest(tmp_path)
+    with pytest.raises(manifest_reader.ManifestError, match="manifest.json: missing; run `gen-programs`"):
+        manifest_reader.load_verified_manifest(tmp_path)
 
 
 # ---- the CLI ------------------------------------------------------------------------

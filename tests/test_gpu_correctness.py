@@ -202,10 +202,10 @@ def _probe_module(probe_source: str, name: str):
     device functions, compiled with the programs' options for this GPU and loaded."""
     import cupy
     from cupy.cuda import function
-    from dispatch import manifest as runtime_manifest
     from dispatch import registry
+    from moe_ar_common import manifest_reader
     ps = registry.program_set()
-    body = runtime_manifest.body_source(ps.manifest, ps.dir)
+    body = manifest_reader.body_source(ps.manifest, ps.dir)
     cc = cupy.cuda.Device().compute_capability
     target = registry.TARGET_FOR_CAPABILITY[(int(cc[:-1]), int(cc[-1]))]
     cubin, _ = registry.compile_cubin(body + probe_source, name, target)
@@ -427,7 +427,7 @@ def test_program_matches_reference(devices_kind, program, worlds, seed_for, base
     world = worlds.get(s.world_size, MAX_TOKENS, hidden, dtype, devices)
     rnd = random.Random(seed_for("plan"))
     n = CASES_PER_PROGRAM if devices_kind == "one_gpu" else max(1, CASES_PER_PROGRAM // 2)
-    with recording(record_result, program=program, devices=devices_kind, hidden=hidden) as info:
+    with recording(record_result, cases=0, program=program, devices=devices_kind, hidden=hidden) as info:
         for i, T in enumerate(_token_plan(s.world_size, MAX_TOKENS, n, rnd)):
             K = 8 if i == 0 else rnd.randint(1, 8)
             case = ref.make_case(s.world_size, T, hidden, K, dtype, seed=seed_for(f"case{i}"),
@@ -452,7 +452,7 @@ def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
     world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, timeout_s=10.0,
                                    oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
     try:
-        with recording(record_result, program=f"all ws{ws} {dname}", hidden=hidden) as info:
+        with recording(record_result, cases=0, program=f"all ws{ws} {dname}", hidden=hidden) as info:
             for j, name in enumerate(names):
                 s = gspec.parse(name)
                 T = rnd.choice([rnd.randint(1, 16), rnd.randint(129, max_tokens), max_tokens, rnd.randint(17, 128)])
@@ -498,7 +498,7 @@ def test_mixed_programs_within_protocol_class(ws, dname, profile, devices_kind, 
     world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0,
                                                    oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
     try:
-        with recording(record_result, program=f"mixed lamport2 ws{ws} {dname} {profile}", hidden=hidden,
+        with recording(record_result, cases=0, program=f"mixed lamport2 ws{ws} {dname} {profile}", hidden=hidden,
                        devices=devices_kind) as info:
             plans = []
             for v in shared_variants:
@@ -551,7 +551,8 @@ def test_pipelined_mixes_with_the_two_shot_class(profile, devices_kind, seed_for
     world = dispatch.EmulatedWorld(ws, max_tokens, hidden, dtype, devices=devices, timeout_s=10.0,
                                                    oneshot_max_tokens=min(max_tokens, FORCED_ONESHOT_CAP))
     try:
-        with recording(record_result, program=f"mixed lamport2 ws2 {dname} {profile} (pipelined)", hidden=hidden,
+        with recording(record_result, cases=0,
+                       program=f"mixed lamport2 ws2 {dname} {profile} (pipelined)", hidden=hidden,
                        devices=devices_kind) as info:
             plans = [[pipelined, o] for o in others] + [[o, pipelined] for o in others]
             plans += [[rnd.choice(cls), rnd.choice(cls)] for _ in range(8)]
@@ -658,7 +659,8 @@ def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result)
         # kernels spin: load every program first, as an engine would at start-up.
         for d in sorted(set(world.devices)):
             dispatch.warmup([s.name for s in SPECS if s.world_size == ws and s.dtype == dname], device_index=d)
-        with recording(record_result, program=f"auto ws{ws} {dname}", boundaries=bounds, devices=world.devices) as info:
+        with recording(record_result, cases=0,
+                       program=f"auto ws{ws} {dname}", boundaries=bounds, devices=world.devices) as info:
             streams = [torch.cuda.Stream(device=d) for d in world.devices]
             i = 0
             while i < len(seq):
@@ -763,7 +765,7 @@ def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
                         launch_direct(world, calls, rnd, streams)
                 _sync(world)
                 graphs.append(dict(graph=g, calls=calls, pdl=pdl))
-        with recording(record_result, program=f"graphs ws{ws} {dname}", token_counts=token_counts) as info:
+        with recording(record_result, cases=0, program=f"graphs ws{ws} {dname}", token_counts=token_counts) as info:
             order = [i % len(graphs) for i in range(len(graphs) * REPLAYS_PER_GRAPH)]
             rnd.shuffle(order)
             for i, gi in enumerate(order):

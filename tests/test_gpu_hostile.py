@@ -112,7 +112,8 @@ def test_residual_out_may_be_residual_in(target, worlds, seed_for, base_seed, re
     s = gspec.parse(program)
     dtype = ref.NAME_TO_DTYPE[s.dtype]
     world = worlds.get(s.world_size, MAX_TOKENS, _hidden(base_seed, s.world_size, s.dtype), dtype)
-    with recording(record_result, program=program, hidden=world.hidden, hostile="residual_out is residual_in") as info:
+    with recording(record_result, cases=0,
+                   program=program, hidden=world.hidden, hostile="residual_out is residual_in") as info:
         for i, T in enumerate((rnd.randint(1, 16), rnd.randint(17, MAX_TOKENS))):
             _inplace_call(world, program, T, seed_for(f"case{i}"), rnd, program, ("cpu", DEVICE)[i])
             info["cases"] += 1
@@ -172,7 +173,7 @@ def test_special_device_scale_bytes_follow_the_rule(profile, value, worlds, seed
     assert {gspec.parse(p).family for p in programs} >= {"oneshot", "twoshot", "twoshot_pipelined"}, programs
     world = worlds.get(2, MAX_TOKENS, _hidden(base_seed, 2, dname), ref.NAME_TO_DTYPE[dname])
     arg = "global_scale" if profile == "nvfp4" else "fp8_scale"
-    with recording(record_result, program=f"ws2 {dname} {profile}", hidden=world.hidden,
+    with recording(record_result, cases=0, program=f"ws2 {dname} {profile}", hidden=world.hidden,
                    hostile=f"{arg}={value}") as info:
         for j, program in enumerate(programs):
             T = rnd.choice([rnd.randint(1, 8), rnd.randint(9, 160)])
@@ -229,7 +230,7 @@ def test_an_output_over_another_ranks_tensor_is_refused(what, worlds, seed_for, 
     kws = [dict(kw, **p, quant="nvfp4", global_scale=torch.ones(1, device=DEVICE)) for kw, p in zip(case, provided)]
     make, pattern = CROSS_RANK[what]
     make(kws)
-    with recording(record_result, program="ws2 bf16 auto", hidden=world.hidden, hostile=what) as info:
+    with recording(record_result, cases=0, program="ws2 bf16 auto", hidden=world.hidden, hostile=what) as info:
         try:
             with pytest.raises(ValueError, match=pattern):
                 world.run(kws)

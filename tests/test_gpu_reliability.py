@@ -48,6 +48,7 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 import multiproc
+from gpu_worlds import recording
 from moe_ar_tools import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -77,24 +78,8 @@ IPC_GUARD_S = float(os.environ.get("MOE_AR_IPC_GUARD_S", "120"))  # stop the IPC
 
 # ---- helpers ---------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def recording(record_result, **fields):
-    """Yields a dict the test fills in; one JSON line when the test ends, passed or failed."""
-    info = dict(kind="reliability", calls=0, faults_injected=0, **fields)
-    t0 = time.time()
-    try:
-        yield info
-    except pytest.skip.Exception:
-        raise
-    except BaseException as e:
-        rec = dict(info)
-        rec.update(passed=False, outcome="FAILED", error=f"{type(e).__name__}: {e}"[:2000],
-                   seconds=round(time.time() - t0, 2))
-        record_result(**rec)
-        raise
-    rec = dict(info)
-    rec.update(passed=True, seconds=round(time.time() - t0, 2))
-    record_result(**rec)
+# The fields every record of this module starts with (gpu_worlds.recording): the summary's counts.
+RELIABILITY = dict(kind="reliability", calls=0, faults_injected=0)
 
 
 def _devs(world):
@@ -239,7 +224,8 @@ def test_late_rank(ws, devices, regime, timeout_s, seed_for, record_result):
                                    oneshot_max_tokens=FAULT_ONESHOT_CAP)
     try:
         T, name = _regime_case(world, regime, late)
-        with recording(record_result, what="late rank (~100 ms)", world_size=ws, devices=devices or "one_gpu",
+        with recording(record_result, **RELIABILITY,
+                       what="late rank (~100 ms)", world_size=ws, devices=devices or "one_gpu",
                        tokens=T, regime=regime, timeout_s=timeout_s, late_rank=late, program=name) as info:
             with _no_gc():
                 _run_checked(world, T, seed_for("warm"), "before the fault")  # compiles and loads the programs
@@ -296,7 +282,8 @@ def test_rank_stops_mid_exchange(ws, regime, how, seed_for, record_result):
         if not hasattr(wsf, "_fault_stop_after_units"):
             pytest.skip("this dispatch has no _fault_stop_after_units test hook")
         T, name = _regime_case(world, regime, faulty)
-        with recording(record_result, what="rank stops mid-exchange", world_size=ws, devices="one_gpu", tokens=T,
+        with recording(record_result, **RELIABILITY,
+                       what="rank stops mid-exchange", world_size=ws, devices="one_gpu", tokens=T,
                        regime=regime, timeout_s=timeout_s, faulty_rank=faulty, program=name) as info:
             _run_checked(world, T, seed_for("warm"), "before the fault")
             info["calls"] += 1
@@ -499,7 +486,7 @@ def test_hostile_calls_are_named_and_leave_the_world_healthy(hostile_world, seed
         assert str(e.value).startswith(name + ":"), (label, via, str(e.value))
         hits[f"{label} via {via}"] += 1
 
-    with recording(record_result, what="hostile input (hypothesis) then valid calls", world_size=W,
+    with recording(record_result, **RELIABILITY, what="hostile input (hypothesis) then valid calls", world_size=W,
                    devices="one_gpu") as info:
         try:
             one()
@@ -521,7 +508,8 @@ def test_hostile_calls_are_named_and_leave_the_world_healthy(hostile_world, seed
 
 
 def test_a_closed_world_is_named_workspace(seed_for, record_result):
-    with recording(record_result, what="call on a closed workspace", world_size=2, devices="one_gpu") as info:
+    with recording(record_result, **RELIABILITY,
+                   what="call on a closed workspace", world_size=2, devices="one_gpu") as info:
         world = dispatch.EmulatedWorld(2, 16, H, D, timeout_s=2.0)
         call = _call(world, 4, seed_for("c"))
         world.close()
@@ -542,7 +530,7 @@ def test_two_worlds_interleaved_do_not_interfere(seed_for, record_result):
     a = dispatch.EmulatedWorld(2, 256, 2048, torch.bfloat16, timeout_s=10.0)
     b = dispatch.EmulatedWorld(4, 384, 4096, torch.float16, timeout_s=10.0, oneshot_max_tokens=32)
     try:
-        with recording(record_result, what="two emulated worlds, interleaved calls", world_size="2+4",
+        with recording(record_result, **RELIABILITY, what="two emulated worlds, interleaved calls", world_size="2+4",
                        devices="one_gpu") as info:
             pending = []
             programs = collections.Counter()
@@ -573,7 +561,8 @@ def test_two_worlds_interleaved_do_not_interfere(seed_for, record_result):
 def test_create_close_cycles_leak_no_device_memory(seed_for, record_result):
     rnd = random.Random(seed_for("plan"))
     live = dispatch.workspace._live_workspaces
-    with recording(record_result, what="EmulatedWorld create/close cycles", world_size=2, devices="one_gpu",
+    with recording(record_result, **RELIABILITY,
+                   what="EmulatedWorld create/close cycles", world_size=2, devices="one_gpu",
                    cycles_requested=LIFETIME_CYCLES) as info:
         for j in range(3):  # warm-up: both programs the cycles use loaded, allocator and CuPy kernels ready
             w = dispatch.EmulatedWorld(2, 16, H, D, timeout_s=10.0)
@@ -778,10 +767,11 @@ def test_emulated_world_allocation_failure_frees_every_rank(monkeypatch, seed_fo
     RuntimeError naming the rank, every rank's memory freed, nothing registered, dispatch.check() works,
     and a world built afterwards computes correct results."""
     from cupy.cuda import runtime
-    from dispatch.workspace import buffer_elems_for
+    from dispatch.workspace_sizes import buffer_elems_for
     live = dispatch.workspace._live_workspaces
-    with recording(record_result, what="EmulatedWorld constructor: rank 1's pinned allocation fails; rank 1 "
-                                       "runs out of device memory", world_size=2, devices="one_gpu") as info:
+    with recording(record_result, **RELIABILITY,
+                   what="EmulatedWorld constructor: rank 1's pinned allocation fails; rank 1 "
+                        "runs out of device memory", world_size=2, devices="one_gpu") as info:
         dispatch.EmulatedWorld(2, 16, H, D, timeout_s=10.0).close()  # CuPy and the allocator ready
         live0 = len(live)
         for case in ("hostAlloc", "out_of_memory"):

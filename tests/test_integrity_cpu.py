@@ -17,9 +17,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dispatch import manifest as runtime_manifest
 from dispatch import op, registry
+from dispatch.call_arguments import _DEFAULTS, MAX_TOP_K, _check_args
+from dispatch.overlaps import check_rank_overlaps
 
+from moe_ar_common import manifest_reader
 from moe_ar_tools import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -52,9 +54,9 @@ def test_corrupt_cache_entry_is_recompiled_not_loaded(cache):
 def test_cache_key_covers_the_inlined_body(cache):
     # The cache key hashes the self-contained source: the text of every body header is part of it.
     ps = registry.program_set()
-    source = runtime_manifest.source_for(ps.manifest, ps.dir, PROGRAM)
-    assert runtime_manifest.body_source(ps.manifest, ps.dir) in source
-    assert not any(runtime_manifest.quoted_include(line) for line in source.splitlines())
+    source = manifest_reader.source_for(ps.manifest, ps.dir, PROGRAM)
+    assert manifest_reader.body_source(ps.manifest, ps.dir) in source
+    assert not any(manifest_reader.quoted_include(line) for line in source.splitlines())
     assert registry._cache_key(source, "sm_90a") != registry._cache_key(source + "\n", "sm_90a")
 
 
@@ -66,26 +68,26 @@ def generated_copy(tmp_path):
 
 
 def test_tampered_program_source_is_refused_by_name(generated_copy):
-    manifest = runtime_manifest.load_verified_manifest(generated_copy)
+    manifest = manifest_reader.load_verified_manifest(generated_copy)
     path = generated_copy / "programs" / f"{PROGRAM}.cu"
     path.write_text(path.read_text().replace("moe_ar::run<", "moe_ar::run< "))
-    with pytest.raises(runtime_manifest.ManifestError, match=rf"generated/programs/{PROGRAM}\.cu: does not match"):
-        runtime_manifest.source_for(manifest, generated_copy, PROGRAM)
-    with pytest.raises(runtime_manifest.ManifestError, match="gen-programs"):
-        runtime_manifest.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError, match=rf"generated/programs/{PROGRAM}\.cu: does not match"):
+        manifest_reader.source_for(manifest, generated_copy, PROGRAM)
+    with pytest.raises(manifest_reader.ManifestError, match="gen-programs"):
+        manifest_reader.load_verified_manifest(generated_copy)
 
 
 def test_tampered_body_and_mismatched_manifest_are_refused(generated_copy):
     header = generated_copy / "kernels" / "lamport.cuh"
     header.write_text(header.read_text().replace("kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u"))
-    with pytest.raises(runtime_manifest.ManifestError, match="generated/kernels/lamport.cuh: does not match"):
-        runtime_manifest.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError, match="generated/kernels/lamport.cuh: does not match"):
+        manifest_reader.load_verified_manifest(generated_copy)
     shutil.copy(ROOT / "generated" / "kernels" / "lamport.cuh", header)
     m = generated_copy / "manifest.json"
-    known = runtime_manifest.FORMAT  # a format this reader does not know: the next one
+    known = manifest_reader.FORMAT  # a format this reader does not know: the next one
     m.write_text(m.read_text().replace(f'"format": {known},', f'"format": {known + 1},'))
-    with pytest.raises(runtime_manifest.ManifestError, match="format"):
-        runtime_manifest.load_verified_manifest(generated_copy)
+    with pytest.raises(manifest_reader.ManifestError, match="format"):
+        manifest_reader.load_verified_manifest(generated_copy)
 
 
 # ---- hostile arguments ------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def _workspace():
 
 def _valid():
     R = T * K + 2
-    return dict(op._DEFAULTS, allreduce_in=torch.randn(R, H).to(D),
+    return dict(_DEFAULTS, allreduce_in=torch.randn(R, H).to(D),
                 expanded_idx_to_permuted_idx=torch.randperm(R)[:T * K].view(T, K).int(),
                 expert_scale_factor=torch.rand(T, K), shared_expert_output=torch.randn(T, H).to(D),
                 residual_in=torch.randn(T, H).to(D), norm_weight=torch.randn(H).to(D), eps=1e-6,
@@ -142,7 +144,7 @@ MUTATIONS = {
 
 
 def test_valid_call_passes_the_checks():
-    assert op._check_args(_workspace(), _valid()) == (T, K, T * K + 2, "nvfp4")
+    assert _check_args(_workspace(), _valid()) == (T, K, T * K + 2, "nvfp4")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -155,7 +157,7 @@ def test_a_bad_tensor_is_named(name, how):
         return  # the mutation did not change anything checkable (e.g. a 1-element tensor)
     a[name] = bad
     with pytest.raises(ValueError) as e:
-        op._check_args(_workspace(), a)
+        _check_args(_workspace(), a)
     # An index tensor that is not 2-D cannot say how many tokens there are: it is named too.
     assert str(e.value).startswith(name + ":"), (name, how, str(e.value))
 
@@ -166,7 +168,7 @@ def test_a_bad_tensor_is_named(name, how):
                                                                                             dtype=torch.int32))),
     ("expanded_idx_to_permuted_idx", lambda a: a.update(expanded_idx_to_permuted_idx=torch.zeros(T, 0,
                                                                                             dtype=torch.int32))),
-    ("expanded_idx_to_permuted_idx", lambda a: a.update(expanded_idx_to_permuted_idx=torch.zeros(T, op.MAX_TOP_K + 1,
+    ("expanded_idx_to_permuted_idx", lambda a: a.update(expanded_idx_to_permuted_idx=torch.zeros(T, MAX_TOP_K + 1,
                                                                                             dtype=torch.int32))),
     ("allreduce_in", lambda a: a.update(allreduce_in=a["allreduce_in"][: T * K - 1])),
     ("allreduce_in", lambda a: a.update(allreduce_in=torch.randn(T * K + 2, H + 16).to(D))),
@@ -183,7 +185,7 @@ def test_a_bad_value_is_named(case, seed):
     a = _valid()
     mutate(a)
     with pytest.raises(ValueError) as e:
-        op._check_args(_workspace(), a)
+        _check_args(_workspace(), a)
     assert str(e.value).startswith(name + ":"), (name, str(e.value))
 
 
@@ -204,7 +206,7 @@ def _call(quant, seed=0):
     """A valid call with every argument `quant` uses given (outputs included), and nothing else."""
     g = torch.Generator().manual_seed(seed)
     R = T * K + 2
-    a = dict(op._DEFAULTS, allreduce_in=torch.randn(R, H2, generator=g).to(D),
+    a = dict(_DEFAULTS, allreduce_in=torch.randn(R, H2, generator=g).to(D),
              expanded_idx_to_permuted_idx=torch.randperm(R, generator=g)[:T * K].view(T, K).int(),
              expert_scale_factor=torch.rand(T, K, generator=g), shared_expert_output=torch.randn(T, H2).to(D),
              residual_in=torch.randn(T, H2, generator=g).to(D), norm_weight=torch.randn(H2, generator=g).to(D),
@@ -262,10 +264,10 @@ def test_an_output_overlapping_an_input_is_named(quant, out, inp, mode, order):
     first, second = (out, inp) if order == "output first" else (inp, out)
     _share(a, first, second, OVERLAP_MODES[mode](_nbytes(a[first])))
     if (out, inp) == ("residual_out", "residual_in") and mode == "same start":
-        assert op._check_args(_ws2(), a)[0] == T  # exactly residual_in: in place, allowed
+        assert _check_args(_ws2(), a)[0] == T  # exactly residual_in: in place, allowed
         return
     with pytest.raises(ValueError) as e:
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
     msg = str(e.value)
     assert msg.startswith(out + ":") and inp in msg, msg
 
@@ -288,7 +290,7 @@ def test_two_overlapping_outputs_are_named(quant, o1, o2, mode, order):
     first, second = (o1, o2) if order == "in order" else (o2, o1)
     _share(a, first, second, OVERLAP_MODES[mode](_nbytes(a[first])))
     with pytest.raises(ValueError) as e:
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
     msg = str(e.value)
     assert msg.startswith(o1 + ":") and o2 in msg, msg  # the first of norm_out, residual_out, quant_out, scale_out
 
@@ -307,36 +309,36 @@ def test_adjacent_tensors_do_not_overlap(quant):
     for n, off in zip(names, offsets):
         t = a[n]
         a[n] = buf[off:off + _nbytes(t)].view(t.dtype).view(t.shape)
-    assert op._check_args(_ws2(), a)[0] == T
+    assert _check_args(_ws2(), a)[0] == T
 
 
 def test_natural_memory_reuse_is_refused():
     a = _call(None)
     a["norm_out"] = a["allreduce_in"][:T]  # R >= T * K rows: a tempting buffer to reuse
     with pytest.raises(ValueError, match=r"^norm_out: .*allreduce_in"):
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
     a = _call("nvfp4")
     a["residual_out"] = a["norm_out"]
     with pytest.raises(ValueError, match=r"^norm_out: .*residual_out"):
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
     a = _call(None)
     a["norm_out"] = a["residual_in"]
     with pytest.raises(ValueError, match=r"^norm_out: .*residual_in"):
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
     a = _call(None)
     a["residual_out"] = a["residual_in"]  # in place: allowed
     a["shared_expert_output"] = a["residual_in"]  # but then residual_out overwrites what the kernel reads
     with pytest.raises(ValueError, match=r"^residual_out: .*shared_expert_output"):
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
 
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_residual_out_may_be_residual_in_itself(quant):
     a = _call(quant)
     a["residual_out"] = a["residual_in"]
-    assert op._check_args(_ws2(), a)[0] == T
+    assert _check_args(_ws2(), a)[0] == T
     a["residual_out"] = a["residual_in"].view(T, H2)  # another tensor object, the same memory
-    assert op._check_args(_ws2(), a)[0] == T
+    assert _check_args(_ws2(), a)[0] == T
 
 
 @pytest.mark.parametrize("shift_bytes", [16, -16, 2 * H2])
@@ -348,7 +350,7 @@ def test_residual_out_partly_over_residual_in_is_refused(shift_bytes):
     a["residual_in"] = buf[base:base + n].view(D).view(T, H2)
     a["residual_out"] = buf[base + shift_bytes:base + shift_bytes + n].view(D).view(T, H2)
     with pytest.raises(ValueError, match=r"^residual_out: .*residual_in"):
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
 
 
 def test_empty_tensors_overlap_nothing():
@@ -359,19 +361,19 @@ def test_empty_tensors_overlap_nothing():
              shared_expert_output=None, residual_in=torch.empty(T0, H2, dtype=D),
              norm_out=a["allreduce_in"][:0], residual_out=a["allreduce_in"][:0],
              quant_out=torch.empty(T0, H2 // 2, dtype=torch.uint8), scale_out=torch.empty(0, dtype=torch.uint8))
-    assert op._check_args(_ws2(), a)[0] == 0
+    assert _check_args(_ws2(), a)[0] == 0
 
 
 # -- EmulatedWorld.run: a rank's outputs against every other rank's tensors --
 
 def _prepared(quant, seed):
     a = _call(quant, seed)
-    op._check_args(_ws2(), a)
+    _check_args(_ws2(), a)
     return a
 
 
 def test_rank_overlaps_other_ranks_tensors_are_named():
-    check = op.check_rank_overlaps
+    check = check_rank_overlaps
     r0, r1 = _prepared("nvfp4", 0), _prepared("nvfp4", 1)
     check([r0, r1])  # independent tensors
     shared = dict(r1, norm_weight=r0["norm_weight"], residual_in=r0["residual_in"],
@@ -419,7 +421,7 @@ def test_a_bad_scalar_is_named(name, value):
     a = _call(None)
     a[name] = value
     with pytest.raises(ValueError) as e:
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
     assert str(e.value).startswith(name + ":"), str(e.value)
 
 
@@ -433,7 +435,7 @@ GOOD_SCALARS = [("eps", v) for v in (1e-6, 1, 1e-45, 3e38, 2.0 ** -149)] + \
 def test_a_good_scalar_passes(name, value):
     a = _call(None)
     a[name] = value
-    assert op._check_args(_ws2(), a)[0] == T
+    assert _check_args(_ws2(), a)[0] == T
 
 
 # -- arguments the quant does not use --
@@ -460,7 +462,7 @@ def test_an_argument_the_quant_does_not_use_is_named(name, make, quant):
     a = _call(quant)
     a[name] = make()
     with pytest.raises(ValueError) as e:
-        op._check_args(_ws2(), a)
+        _check_args(_ws2(), a)
     assert str(e.value).startswith(name + ":") and repr(quant) in str(e.value), str(e.value)
 
 
@@ -468,7 +470,7 @@ def test_an_argument_the_quant_does_not_use_is_named(name, make, quant):
 def test_defaults_of_the_fp8_options_pass_with_any_quant(quant):
     a = _call(quant)
     a.update(fp8_scale_layout="row", fp8_pow2_scales=False)
-    assert op._check_args(_ws2(), a)[0] == T
+    assert _check_args(_ws2(), a)[0] == T
 
 
 # -- the torch op and the FlashInfer entry pass scalars through unconverted --

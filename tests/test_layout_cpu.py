@@ -1,6 +1,8 @@
 """The repository's layout (CPU): dispatch/ is the runtime only and imports none of the tools; the
-tools (benchmark, soak, reference, summary, probes) live in moe_ar_tools/, the example in examples/,
-and tests/ holds tests and their helpers only."""
+runtime and the generator never import each other (both may import moe_ar_common); dispatch/'s
+modules are each of one concern, no longer than MAX_DISPATCH_LINES, and import each other one way;
+the tools (benchmark, soak, reference, summary, probes) live in moe_ar_tools/, the example in
+examples/, and tests/ holds tests and their helpers only."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +13,8 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = "moe_ar_tools"
+COMMON = "moe_ar_common"
+MAX_DISPATCH_LINES = 600
 
 
 def _imported_modules(path: pathlib.Path) -> set:
@@ -44,6 +48,78 @@ def test_no_dispatch_source_names_a_tool():
         tools = sorted(m for m in _imported_modules(path) if m.split(".")[0] in (TOOLS, "tests", "examples"))
         assert not tools, f"{path.relative_to(ROOT)} imports {tools}"
         assert TOOLS not in path.read_text(), f"{path.relative_to(ROOT)} names {TOOLS}"
+
+
+def _dispatch_modules() -> dict:
+    """dispatch's module names (the package itself as "dispatch") -> their files."""
+    return {("dispatch" if p.stem == "__init__" else f"dispatch.{p.stem}"): p
+            for p in sorted((ROOT / "dispatch").glob("*.py"))}
+
+
+def test_every_dispatch_module_imports():
+    import importlib
+    for name in _dispatch_modules():
+        importlib.import_module(name)
+
+
+def test_dispatch_modules_import_each_other_one_way():
+    """The graph of imports between dispatch's modules (at a module's top or in a function) has no
+    cycle. Importing the package itself (from . import x) is not an edge: Python runs it first."""
+    modules = _dispatch_modules()
+    graph = {name: sorted(m for m in _imported_modules(path) if m in modules and m not in ("dispatch", name))
+             for name, path in modules.items()}
+    done, path = set(), []
+
+    def visit(name):
+        if name in path:
+            raise AssertionError("import cycle: " + " -> ".join(path[path.index(name):] + [name]))
+        if name in done:
+            return
+        path.append(name)
+        for dep in graph[name]:
+            visit(dep)
+        path.pop()
+        done.add(name)
+
+    for name in graph:
+        visit(name)
+
+
+def test_no_dispatch_module_is_too_long():
+    lines = {p.name: len(p.read_text().splitlines()) for p in _dispatch_modules().values()}
+    long = {name: n for name, n in lines.items() if n > MAX_DISPATCH_LINES}
+    assert not long, f"over {MAX_DISPATCH_LINES} lines (split them by concern): {long}"
+
+
+def test_the_runtime_and_the_generator_never_import_each_other():
+    """The manifest is their only interface: the runtime imports neither the generator nor jinja2, the
+    generator never the runtime. What both need is in moe_ar_common, which either may import and which
+    imports neither: the standard library at its top, CuPy and pip's nvidia headers only inside the
+    functions that compile."""
+    def imported(package, top_only=False):
+        names = set()
+        for path in (ROOT / package).glob("*.py"):
+            tree = ast.parse(path.read_text())
+            nodes = tree.body if top_only else ast.walk(tree)
+            for node in nodes:
+                if isinstance(node, ast.Import):
+                    names |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                    names.add(node.module.split(".")[0])
+        return names
+    assert not imported("dispatch") & {"generator", "jinja2", "click"}, imported("dispatch")
+    assert "dispatch" not in imported("generator")
+    assert COMMON in imported("dispatch") and COMMON in imported("generator")
+    stdlib = set(sys.stdlib_module_names)
+    assert imported(COMMON, top_only=True) <= stdlib, imported(COMMON, top_only=True) - stdlib
+    assert imported(COMMON) <= stdlib | {"cupy", "nvidia"}, imported(COMMON) - stdlib
+    code = ("import sys, dispatch, dispatch.op, dispatch.torch_op, dispatch.flashinfer_compat\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] in ('generator', 'jinja2')], 'runtime'\n"
+            "import generator.cli, generator.render, generator.nvrtc_build\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    code = ("import sys, generator.cli, generator.render, generator.nvrtc_build, generator.diffing\n"
+            "assert not [m for m in sys.modules if m.split('.')[0] == 'dispatch'], 'generator'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
 def test_dispatch_is_the_runtime_only():
@@ -84,7 +160,7 @@ def test_console_scripts_and_packages():
     # of the tools must be there.
     listed = re.search(r"^\[tool\.setuptools\]\npackages = \[(.*?)\]$", text, re.M | re.S).group(1)
     tools = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / TOOLS).rglob("__init__.py")}
-    assert {"dispatch", "generator", TOOLS, *tools} <= set(re.findall(r'"([^"]+)"', listed))
+    assert {"dispatch", "generator", COMMON, TOOLS, *tools} <= set(re.findall(r'"([^"]+)"', listed))
 
 
 def test_every_import_of_the_project_resolves():
@@ -93,9 +169,9 @@ def test_every_import_of_the_project_resolves():
     or attribute that exists: a tool moved by a clean-up must not leave an import behind."""
     import importlib
     ROOT_ = pathlib.Path(__file__).resolve().parent.parent
-    project = ("dispatch", "generator", "moe_ar_tools")
+    project = ("dispatch", "generator", COMMON, "moe_ar_tools")
     missing = []
-    for folder in ("dispatch", "generator", "moe_ar_tools", "examples", "tests", "docs"):
+    for folder in ("dispatch", "generator", COMMON, "moe_ar_tools", "examples", "tests", "docs"):
         for path in sorted((ROOT_ / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(path.read_text())):
                 if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module

@@ -18,7 +18,8 @@ import pytest
 from click.testing import CliRunner
 
 from dispatch import registry
-from generator import cli, cuda_env, locations, render, spec, tuning
+from generator import cli, locations, render, spec, tuning
+from moe_ar_common import cuda_env
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 tomllib = pytest.importorskip("tomllib")  # Python 3.11+ (CI runs 3.11)
@@ -66,8 +67,8 @@ def test_the_wheel_ships_every_file_the_runtime_and_the_generator_read(pyproject
     for template in (ROOT / "templates").iterdir():
         assert f"moe_ar_data/templates/{template.name}" in shipped, template.name
     assert f"moe_ar_data/{tuning.BENCH_FILE}" in shipped
-    # The code: every module of both packages, and nothing of the source tree beside the data.
-    for package in ("generator", "dispatch"):
+    # The code: every module of the three packages, and nothing of the source tree beside the data.
+    for package in ("generator", "dispatch", "moe_ar_common"):
         for module in (ROOT / package).glob("*.py"):
             assert f"{package}/{module.name}" == shipped[f"{package}/{module.name}"].relative_to(ROOT).as_posix()
     assert not [k for k in shipped if k.startswith("moe_ar_data/generated/") and
@@ -138,8 +139,9 @@ def test_the_layout_marker_is_the_body_entry_header():
 def test_the_generator_hashes_its_own_code():
     # Installed, the code is not under the data root: the inputs hash must find it all the same.
     files = render.input_files(ROOT)
-    code = sorted(f"generator/{p.name}" for p in (ROOT / "generator").glob("*.py"))
-    assert [f for f in files if f.startswith("generator/")] == code
+    for package in ("generator", "moe_ar_common"):
+        code = sorted(f"{package}/{p.name}" for p in (ROOT / package).glob("*.py"))
+        assert code and [f for f in files if f.startswith(f"{package}/")] == code
 
 
 # ---- dependencies -----------------------------------------------------------------------
@@ -161,18 +163,18 @@ def test_dependencies_are_declared_by_cuda_major(pyproject):
 
 
 def test_what_the_runtime_imports_is_declared(pyproject):
-    """Every third-party module the runtime (what `import dispatch` loads) imports, at its top or in
-    a function, comes with the base dependencies or with each CUDA extra."""
+    """Every third-party module the runtime (what `import dispatch` loads, moe_ar_common with it)
+    imports, at its top or in a function, comes with the base dependencies or with each CUDA extra."""
     import dispatch  # noqa: F401
     imported = set()
     for name, module in list(sys.modules.items()):
-        if name.startswith("dispatch.") and getattr(module, "__file__", None):
+        if name.startswith(("dispatch.", "moe_ar_common.")) and getattr(module, "__file__", None):
             for node in ast.walk(ast.parse(pathlib.Path(module.__file__).read_text())):
                 if isinstance(node, ast.Import):
                     imported |= {a.name.split(".")[0] for a in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.level == 0:
                     imported.add(node.module.split(".")[0])
-    top = imported - set(sys.stdlib_module_names) - {"dispatch"}
+    top = imported - set(sys.stdlib_module_names) - {"dispatch", "moe_ar_common"}
     provides = {"torch": "torch", "numpy": "numpy", "cupy": "cupy-cuda{m}x", "cuda": "cuda-bindings",
                 "nvidia": "nvidia-cuda-runtime"}
     assert "cupy" in top and "cuda" in top and top <= set(provides), top - set(provides)
@@ -184,11 +186,6 @@ def test_what_the_runtime_imports_is_declared(pyproject):
 
 
 # ---- CUDA headers and NVRTC ---------------------------------------------------------------
-
-def test_runtime_cuda_env_is_the_generators_verbatim():
-    # The runtime never imports the generator; the two copies must not drift apart.
-    assert (ROOT / "dispatch" / "cuda_env.py").read_bytes() == (ROOT / "generator" / "cuda_env.py").read_bytes()
-
 
 def _headers(folder: pathlib.Path, version: int) -> pathlib.Path:
     folder.mkdir(parents=True)

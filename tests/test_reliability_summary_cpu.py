@@ -105,3 +105,45 @@ def test_summary_rejects_bad_input(tmp_path, capsys):
     assert rs.main(["--soak", str(q)]) == 2
     assert rs.main([]) == 2
     assert "nothing to summarize" in capsys.readouterr().err
+
+
+def test_the_gpu_tests_records_are_what_the_summary_reads():
+    """gpu_worlds.recording, the one helper the GPU tests record through, as a reliability test and a
+    correctness test use it: a pass, a failure (recorded, then raised) and a skip (not recorded), read
+    back by the summary."""
+    from gpu_worlds import recording
+    records = []
+
+    def record_result(test):
+        return lambda **fields: records.append(dict(GPU, test=test, **fields))
+
+    reliability = dict(kind="reliability", calls=0, faults_injected=0)  # test_gpu_reliability.RELIABILITY
+    late = record_result("tests/test_gpu_reliability.py::test_late_rank[x]")
+    with recording(late, **reliability, what="late rank (~100 ms)", world_size=2, devices="one_gpu") as info:
+        info["calls"] += 3
+        info["faults_injected"] += 1
+        info["outcome"] = "1 rank(s) raised 'timed out'"
+    with pytest.raises(AssertionError, match="rank 1 was wrong"):
+        with recording(record_result("tests/test_gpu_reliability.py::test_rank_stops_mid_exchange[x]"),
+                       **reliability, what="rank stops mid-exchange", world_size=4, devices="one_gpu") as info:
+            info["calls"] += 2
+            info["outcome"] = "not reached"
+            raise AssertionError("rank 1 was wrong")
+    with pytest.raises(pytest.skip.Exception):
+        with recording(late, **reliability, what="late rank (~100 ms)", world_size=2, devices="two_gpus"):
+            pytest.skip("needs two GPUs")
+    with recording(record_result("tests/test_gpu_correctness.py::test_program_matches_reference[x]"),
+                   cases=0, program="moe_ar_os_bf16_ws2_o110") as info:
+        info["cases"] += 6
+    assert len(records) == 3
+    passed, failed, other = records
+    assert passed["passed"] is True and "error" not in passed and passed["seconds"] >= 0
+    assert failed["passed"] is False and failed["outcome"] == "FAILED"
+    assert failed["error"] == "AssertionError: rank 1 was wrong" and failed["calls"] == 2
+    assert other["cases"] == 6 and other["passed"] is True
+    text, ok = rs.summarize(records, [])
+    assert not ok
+    assert "| reliability tests passed / run | 1 / 2 |" in text
+    assert "reliability test calls (valid calls, each checked in full) | 5 |" in text
+    assert "| faults injected (late ranks, ranks stopped mid-exchange) | 1 |" in text
+    assert "AssertionError: rank 1 was wrong" in text and "1 records, 0 failed" in text

@@ -64,7 +64,7 @@ def _init_gloo(rank, world_size, port):
 
 
 def _descriptor(rank, **changes):
-    from dispatch.workspace import RankDescriptor
+    from dispatch.rendezvous import RankDescriptor
     d = dict(world_size=2, program_set="a" * 64, dtype="torch.bfloat16", hidden=7168, max_tokens=512,
              oneshot_max_tokens=256, vec_per_thread=None, timeout_ns=10 * 10**9, buffer_bytes=3 * 2 * 7168 * 768 * 2,
              host="node-a boot 1111", gpu=f"GPU-uuid-{rank}")
@@ -102,21 +102,22 @@ FIELD_CASES = {
 
 def _two_rank_cases(rank, group) -> dict:
     """Group ranks 0 and 1 of `group` (a two-rank group)."""
+    from dispatch import rendezvous as rdv
     from dispatch import workspace as wsm
     res = {}
-    res["agree"] = _attempt(lambda: [d.hidden for d in wsm.rendezvous(group, _descriptor(rank))])
+    res["agree"] = _attempt(lambda: [d.hidden for d in rdv.rendezvous(group, _descriptor(rank))])
     for case, (others, rank1) in FIELD_CASES.items():
-        res[case] = _attempt(lambda: wsm.rendezvous(group, _descriptor(rank, **(rank1 if rank == 1 else others))))
-    res["same_gpu"] = _attempt(lambda: wsm.rendezvous(group, _descriptor(rank, gpu="GPU-same")))
+        res[case] = _attempt(lambda: rdv.rendezvous(group, _descriptor(rank, **(rank1 if rank == 1 else others))))
+    res["same_gpu"] = _attempt(lambda: rdv.rendezvous(group, _descriptor(rank, gpu="GPU-same")))
     # a rank whose local step failed: every rank raises, naming it
-    res["local_value_error"] = _attempt(lambda: wsm.rendezvous(
+    res["local_value_error"] = _attempt(lambda: rdv.rendezvous(
         group, None if rank == 1 else _descriptor(rank),
         error=ValueError("hidden: True is a bool, expected an int") if rank == 1 else None))
-    res["status_error"] = _attempt(lambda: wsm.exchange_status(
+    res["status_error"] = _attempt(lambda: rdv.exchange_status(
         group, "allocating the buffers", error=MemoryError("out of memory") if rank == 1 else None))
-    res["status_both_fail"] = _attempt(lambda: wsm.exchange_status(
+    res["status_both_fail"] = _attempt(lambda: rdv.exchange_status(
         group, "opening the peers' buffers", error=RuntimeError(f"boom on {rank}")))
-    res["status_ok"] = _attempt(lambda: wsm.exchange_status(group, "a step", payload=rank * 10))
+    res["status_ok"] = _attempt(lambda: rdv.exchange_status(group, "a step", payload=rank * 10))
     # constructor arguments: a bad one on rank 1 only (rank 0 goes on, and cannot reach a GPU here)
     # or on every rank; every rank raises ValueError naming it, before allocating anything
     import dispatch
@@ -212,25 +213,25 @@ def _worker(rank, world_size, port, out_dir):
     and 1 and on that of 1 and 2 (the rank left out waits at the final barrier, so an exchange on the
     default group in place of the given one would wait for it until gloo's timeout)."""
     dist = _init_gloo(rank, world_size, port)
-    from dispatch import workspace as wsm
+    from dispatch import rendezvous as rdv
     world = dist.group.WORLD
     pair = dist.new_group([0, 1])
     sub = dist.new_group([1, 2])
     res = {}
     d3 = dict(world_size=3)
-    res["agree3"] = _attempt(lambda: len(wsm.rendezvous(world, _descriptor(rank, **d3))))
-    res["hidden_rank2"] = _attempt(lambda: wsm.rendezvous(
+    res["agree3"] = _attempt(lambda: len(rdv.rendezvous(world, _descriptor(rank, **d3))))
+    res["hidden_rank2"] = _attempt(lambda: rdv.rendezvous(
         world, _descriptor(rank, **d3, hidden=4096 if rank == 2 else 7168)))
-    res["same_gpu_1_2"] = _attempt(lambda: wsm.rendezvous(
+    res["same_gpu_1_2"] = _attempt(lambda: rdv.rendezvous(
         world, _descriptor(rank, **d3, gpu="GPU-shared" if rank else "GPU-zero")))
-    res["status_rank2"] = _attempt(lambda: wsm.exchange_status(
+    res["status_rank2"] = _attempt(lambda: rdv.exchange_status(
         world, "allocating the buffers", error=RuntimeError("no memory") if rank == 2 else None))
     if rank in (0, 1):
         res.update(_two_rank_cases(rank, pair))
     if rank in (1, 2):
-        res["subgroup_mismatch"] = _attempt(lambda: wsm.rendezvous(
+        res["subgroup_mismatch"] = _attempt(lambda: rdv.rendezvous(
             sub, _descriptor(rank - 1, hidden=4096 if rank == 2 else 7168)))
-        res["subgroup_agree"] = _attempt(lambda: [d.gpu for d in wsm.rendezvous(sub, _descriptor(rank - 1))])
+        res["subgroup_agree"] = _attempt(lambda: [d.gpu for d in rdv.rendezvous(sub, _descriptor(rank - 1))])
     pathlib.Path(out_dir, f"rank{rank}.json").write_text(json.dumps(res))
     dist.barrier()
     dist.destroy_process_group()
@@ -258,7 +259,8 @@ class _FakeCuda:
 
 @contextlib.contextmanager
 def fake_cuda(rank):
-    """CUDA calls of dispatch.workspace replaced by host-side fakes (the children have no GPU)."""
+    """CUDA calls of the workspace (dispatch.workspace, dispatch.rank_memory) replaced by host-side fakes
+    (the children have no GPU)."""
     import cupy
     from cupy.cuda import runtime
     fake = _FakeCuda(rank)
@@ -319,7 +321,7 @@ def fake_cuda(rank):
         fake._maybe_fail("reset")
         self.error[:] = 0
 
-    from dispatch import workspace as wsm
+    from dispatch import rank_memory
     patches = [(runtime, "malloc", malloc), (runtime, "hostAlloc", host_alloc), (runtime, "free", free),
                (runtime, "freeHost", free_host), (runtime, "ipcGetMemHandle", ipc_get),
                (runtime, "ipcOpenMemHandle", ipc_open), (runtime, "ipcCloseMemHandle", ipc_close),
@@ -327,7 +329,7 @@ def fake_cuda(rank):
                (torch.cuda, "current_device", lambda: 0), (torch.cuda, "synchronize", synchronize),
                (torch.cuda, "get_device_properties", lambda d=None: Props()),
                (torch.cuda, "device", lambda d: contextlib.nullcontext()),
-               (wsm._RankMemory, "reset", memory_reset)]
+               (rank_memory._RankMemory, "reset", memory_reset)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
@@ -537,7 +539,7 @@ def test_workspace_group_is_checked_first(no_cuda):
 
 
 def test_timeout_limits():
-    from dispatch.workspace import MAX_TIMEOUT_S, _timeout_ns
+    from dispatch.workspace_arguments import MAX_TIMEOUT_S, _timeout_ns
     assert MAX_TIMEOUT_S == 86400
     assert _timeout_ns(0) == 0 and _timeout_ns(0.0) == 0
     assert _timeout_ns(1e-12) == 1  # a positive deadline never rounds to 0, which means "none"
@@ -549,16 +551,16 @@ def test_timeout_limits():
 
 def test_program_set_hash_is_computed_once_and_covers_the_manifest(monkeypatch):
     from dispatch import registry
-    from dispatch import workspace as wsm
-    h = wsm.program_set_sha256()
+    from dispatch import rendezvous as rdv
+    h = rdv.program_set_sha256()
     assert len(h) == 64 and int(h, 16) >= 0
     calls = []
     monkeypatch.setattr(registry, "program_set", lambda: calls.append(1))
-    assert wsm.program_set_sha256() == h and not calls  # cached: no second pass over the manifest
+    assert rdv.program_set_sha256() == h and not calls  # cached: no second pass over the manifest
 
 
 def test_host_identity_names_the_host_and_boot():
-    from dispatch.workspace import host_identity
+    from dispatch.rendezvous import host_identity
     h = host_identity()
     assert socket.gethostname() in h
     try:
@@ -608,7 +610,7 @@ def test_rank_memory_frees_what_it_took_when_a_step_fails(monkeypatch):
     """_RankMemory: an allocation failing part-way frees the allocations before it."""
     import cupy
     from cupy.cuda import runtime
-    from dispatch import workspace as wsm
+    from dispatch import rank_memory
     for fail_at in ("malloc2", "hostAlloc", "reset"):
         live, count = {}, [0]
 
@@ -635,14 +637,15 @@ def test_rank_memory_frees_what_it_took_when_a_step_fails(monkeypatch):
         monkeypatch.setattr(runtime, "freeHost", lambda p: live.pop(p))
         monkeypatch.setattr(runtime, "deviceSynchronize", lambda: None)
         monkeypatch.setattr(cupy.cuda, "Device", lambda i: contextlib.nullcontext())
-        monkeypatch.setattr(wsm._RankMemory, "reset", reset)
+        monkeypatch.setattr(rank_memory._RankMemory, "reset", reset)
         with pytest.raises((MemoryError, RuntimeError)):
-            wsm._RankMemory(0, 1024, 2)
+            rank_memory._RankMemory(0, 1024, 2)
         assert live == {}, (fail_at, live)
 
 
 def test_emulated_world_frees_every_rank_when_one_rank_fails(monkeypatch):
     import dispatch
+    from dispatch import emulated_world
     from dispatch import workspace as wsm
     made, freed = [], []
 
@@ -656,7 +659,7 @@ def test_emulated_world_frees_every_rank_when_one_rank_fails(monkeypatch):
         def free(self, quiet=False):
             freed.append(self)
 
-    monkeypatch.setattr(wsm, "_RankMemory", FakeMemory)
+    monkeypatch.setattr(emulated_world, "_RankMemory", FakeMemory)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     n0 = len(wsm._live_workspaces)

@@ -1,4 +1,4 @@
-"""Workspace sizes the kernel's 32-bit counts can hold (dispatch.workspace.check_sizes), without a GPU.
+"""Workspace sizes the kernel's 32-bit counts can hold (dispatch.workspace_sizes.check_sizes), without a GPU.
 
 The kernel keeps a buffer's extent in 16-byte vectors in a 32-bit state word, and products of the
 token count with small factors (vectors a thread, top_k, FP8 scale groups) in 32-bit ints; a
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dispatch import workspace
-from dispatch.workspace import MAX_BUFFER_VECTORS, MAX_HIDDEN, MAX_TOKENS, buffer_elems_for, check_sizes
+from dispatch.workspace_sizes import MAX_BUFFER_VECTORS, MAX_HIDDEN, MAX_TOKENS, buffer_elems_for, check_sizes
 
 INT32_MAX = 2 ** 31 - 1
 UINT32_MAX = 2 ** 32 - 1

@@ -70,8 +70,8 @@ class FakeSymm:
                                      rendezvous=self.rendezvous, get_backend=lambda device: self.backend_name)
 
     def empty_strided_p2p(self, size, stride, dtype, device):
-        from dispatch import workspace as wsm
-        self.env_at_alloc.append(os.environ.get(wsm.MULTICAST_ENV))
+        from dispatch import rank_memory
+        self.env_at_alloc.append(os.environ.get(rank_memory.MULTICAST_ENV))
         if self.fail_on == "empty":
             raise RuntimeError("fake symmetric allocation failed (injected)")
         assert stride == (1,) and dtype == torch.uint8 and device.type == "cuda", (stride, dtype, device)
@@ -106,11 +106,11 @@ class FakeSymm:
 
 @contextlib.contextmanager
 def fake_symm(fake):
-    from dispatch import workspace as wsm
+    from dispatch import backend_facts, workspace
     symm = FakeSymm(fake)
-    patches = [(wsm, "_symm_mem_module", symm.module),
-               (wsm, "_cu_device_attribute", lambda device_index, attribute: symm.attrs.get(attribute, 1)),
-               (wsm, "_nvml_fabric", symm.nvml), (wsm, "host_identity", lambda: symm.host)]
+    patches = [(backend_facts, "_symm_mem_module", symm.module),
+               (backend_facts, "_cu_device_attribute", lambda device_index, attribute: symm.attrs.get(attribute, 1)),
+               (backend_facts, "_nvml_fabric", symm.nvml), (workspace, "host_identity", lambda: symm.host)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
@@ -135,6 +135,7 @@ BACKEND_ARGS = {  # case: (value, "rank1" or "all")
 def _cases(rank, group) -> dict:
     """Group ranks 0 and 1 of a two-rank `group`."""
     import dispatch
+    from dispatch import backend_facts, rank_memory
     from dispatch import workspace as wsm
     res = {}
     live0 = len(wsm._live_workspaces)
@@ -155,7 +156,7 @@ def _cases(rank, group) -> dict:
             """Run fn with `setup` applied to this rank's fakes (a dict per rank: {rank: {...}})."""
             for k, v in (setup or {}).get(rank, {}).items():
                 setattr(symm, k, v)
-            wsm._proven_domains.clear()
+            backend_facts._proven_domains.clear()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 res[name] = trc._attempt(fn)
@@ -187,13 +188,13 @@ def _cases(rank, group) -> dict:
         case("auto_symm", lambda: build_close("auto"))
         case("ipc", lambda: build_close("ipc"), both(import_fails=True))  # never looks at symmetric memory
         # the multicast switch: set before the allocation unless the caller set it
-        os.environ.pop(wsm.MULTICAST_ENV, None)
+        os.environ.pop(rank_memory.MULTICAST_ENV, None)
         case("env_unset", lambda: (build_close("symm_mem")["backend"], symm.env_at_alloc[-1],
-                                   os.environ.get(wsm.MULTICAST_ENV)))
-        os.environ[wsm.MULTICAST_ENV] = "0"  # the caller's own choice (a fake: nothing is mapped here)
+                                   os.environ.get(rank_memory.MULTICAST_ENV)))
+        os.environ[rank_memory.MULTICAST_ENV] = "0"  # the caller's own choice (a fake: nothing is mapped here)
         case("env_caller", lambda: (build_close("symm_mem")["backend"], symm.env_at_alloc[-1],
-                                    os.environ.get(wsm.MULTICAST_ENV)))
-        os.environ[wsm.MULTICAST_ENV] = "1"
+                                    os.environ.get(rank_memory.MULTICAST_ENV)))
+        os.environ[rank_memory.MULTICAST_ENV] = "1"
         # hosts: one host always; several only with symmetric memory and one proven NVLink domain
         hosts = {0: dict(host="node-a boot 1111"), 1: dict(host="node-b boot 2222")}
         with_hosts = lambda **kw: {r: dict(hosts[r], **kw) for r in (0, 1)}  # noqa: E731
@@ -401,7 +402,7 @@ def test_a_failed_close_keeps_every_rank_s_symmetric_memory_until_closed_again(t
 # ---- in-process: the pure parts -----------------------------------------------------------------------
 
 def _d(rank=0, **kw):
-    from dispatch.workspace import RankDescriptor
+    from dispatch.rendezvous import RankDescriptor
     d = dict(world_size=2, program_set="a" * 64, dtype="torch.bfloat16", hidden=7168, max_tokens=512,
              oneshot_max_tokens=256, vec_per_thread=None, timeout_ns=10 ** 10, buffer_bytes=1 << 20,
              host="node-a boot 1", gpu=f"GPU-{rank}", backend="symm_mem")
@@ -413,14 +414,14 @@ def test_the_default_backend_is_ipc_and_auto_is_offered():
     import inspect
 
     import dispatch
-    from dispatch import workspace as wsm
+    from dispatch import workspace_arguments
     assert inspect.signature(dispatch.Workspace).parameters["backend"].default == "ipc"
-    assert wsm.BACKENDS == ("ipc", "symm_mem", "auto")
+    assert workspace_arguments.BACKENDS == ("ipc", "symm_mem", "auto")
     assert inspect.signature(dispatch.EmulatedWorld).parameters["backend"].default is None
 
 
 def test_choose_backend():
-    from dispatch.workspace import choose_backend
+    from dispatch.rendezvous import choose_backend
     assert choose_backend([_d(0, backend="ipc", symm_mem_unavailable="x")] * 2)[0] == "ipc"
     assert choose_backend([_d(0), _d(1)])[0] == "symm_mem"
     assert choose_backend([_d(0, backend="auto"), _d(1, backend="auto")])[0] == "symm_mem"
@@ -432,7 +433,7 @@ def test_choose_backend():
 
 
 def test_compare_descriptors_backend_and_hosts():
-    from dispatch.workspace import compare_descriptors
+    from dispatch.rendezvous import compare_descriptors
     with pytest.raises(ValueError, match="^backend: rank 1 has ipc, rank 0 has symm_mem; every rank"):
         compare_descriptors([_d(0), _d(1, backend="ipc")])
     # the first differing field is named before the backend is chosen
@@ -483,7 +484,7 @@ GROUP = types.SimpleNamespace(group_name="7")
      "checking torch symmetric memory failed (RuntimeError: cuInit returned"),
 ])
 def test_symm_mem_availability_is_local_and_says_why(monkeypatch, name, module, attrs, group, why):
-    from dispatch import workspace as wsm
+    from dispatch import backend_facts as facts
 
     def mod():
         if isinstance(module, Exception):
@@ -495,24 +496,24 @@ def test_symm_mem_availability_is_local_and_says_why(monkeypatch, name, module, 
         if isinstance(v, Exception):
             raise v
         return v
-    monkeypatch.setattr(wsm, "_symm_mem_module", mod)
-    monkeypatch.setattr(wsm, "_cu_device_attribute", attr)
-    got = wsm.symm_mem_unavailable(group, 0)
+    monkeypatch.setattr(facts, "_symm_mem_module", mod)
+    monkeypatch.setattr(facts, "_cu_device_attribute", attr)
+    got = facts.symm_mem_unavailable(group, 0)
     assert (got == "") if not why else (why in got), got
 
 
 def test_symm_mem_availability_with_this_torch():
     """The installed torch, unpatched: available or not, the answer is a string and nothing raises
     (a CPU build of torch has no CUDA allocator for symmetric memory)."""
-    from dispatch import workspace as wsm
-    got = wsm.symm_mem_unavailable(GROUP, 0)
+    from dispatch import backend_facts as facts
+    got = facts.symm_mem_unavailable(GROUP, 0)
     assert isinstance(got, str)
     if torch.version.cuda is None:
         assert got, "a CPU build of torch reported symmetric memory as usable"
 
 
 def test_nvlink_domain_is_proven_only_by_a_completed_fabric(monkeypatch):
-    from dispatch import workspace as wsm
+    from dispatch import backend_facts as facts
     fabric, reads = {"attr": 1, "info": (bytes(range(16)), 3, 3, 0)}, []
 
     def nvml(gpu):
@@ -520,11 +521,11 @@ def test_nvlink_domain_is_proven_only_by_a_completed_fabric(monkeypatch):
         if isinstance(fabric["info"], Exception):
             raise fabric["info"]
         return fabric["info"]
-    monkeypatch.setattr(wsm, "_cu_device_attribute", lambda d, a: fabric["attr"] if a == 128 else 1)
-    monkeypatch.setattr(wsm, "_nvml_fabric", nvml)
-    monkeypatch.setattr(wsm, "_proven_domains", {})
+    monkeypatch.setattr(facts, "_cu_device_attribute", lambda d, a: fabric["attr"] if a == 128 else 1)
+    monkeypatch.setattr(facts, "_nvml_fabric", nvml)
+    monkeypatch.setattr(facts, "_proven_domains", {})
     fabric["attr"] = 0
-    assert wsm.nvlink_domain(0, "GPU-a") == ("", "its GPU does not export fabric handles "
+    assert facts.nvlink_domain(0, "GPU-a") == ("", "its GPU does not export fabric handles "
                                                  "(CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED is 0)")
     assert not reads
     fabric["attr"] = 1
@@ -533,50 +534,50 @@ def test_nvlink_domain_is_proven_only_by_a_completed_fabric(monkeypatch):
                       ((bytes(16), 3, 3, 0), "no NVLink fabric cluster"),
                       (OSError("libnvidia-ml.so.1: cannot open shared object file"), "could not be read (OSError")):
         fabric["info"] = info
-        domain, note = wsm.nvlink_domain(0, "GPU-a")
+        domain, note = facts.nvlink_domain(0, "GPU-a")
         assert domain == "" and why in note, (info, note)
     fabric["info"] = (bytes(range(16)), 3, 3, 0)
-    assert wsm.nvlink_domain(0, "GPU-a") == ("fabric cluster 000102030405060708090a0b0c0d0e0f clique 3", "")
+    assert facts.nvlink_domain(0, "GPU-a") == ("fabric cluster 000102030405060708090a0b0c0d0e0f clique 3", "")
     n = len(reads)
-    assert wsm.nvlink_domain(0, "GPU-a")[0].endswith("clique 3") and len(reads) == n  # proven once, remembered
+    assert facts.nvlink_domain(0, "GPU-a")[0].endswith("clique 3") and len(reads) == n  # proven once, remembered
 
 
 def test_nvml_fabric_structures_match_nvml_h():
     import ctypes
 
-    from dispatch import workspace as wsm
-    assert ctypes.sizeof(wsm._NvmlFabricInfoV2) == 36  # nvmlGpuFabricInfo_v2 = 0x02000024
-    assert ctypes.sizeof(wsm._NvmlFabricInfoV2) | (2 << 24) == 0x02000024
-    assert wsm._NvmlFabricInfoV2.state.offset == 28 and wsm._NvmlFabricInfoV2.health_mask.offset == 32
-    assert wsm._NvmlFabricInfo.clique_id.offset == 20 and wsm._NvmlFabricInfo.state.offset == 24
+    from dispatch import backend_facts as facts
+    assert ctypes.sizeof(facts._NvmlFabricInfoV2) == 36  # nvmlGpuFabricInfo_v2 = 0x02000024
+    assert ctypes.sizeof(facts._NvmlFabricInfoV2) | (2 << 24) == 0x02000024
+    assert facts._NvmlFabricInfoV2.state.offset == 28 and facts._NvmlFabricInfoV2.health_mask.offset == 32
+    assert facts._NvmlFabricInfo.clique_id.offset == 20 and facts._NvmlFabricInfo.state.offset == 24
 
 
 @pytest.mark.parametrize("preset,expected", [(None, "1"), ("0", "0"), ("1", "1")])
 def test_the_multicast_variable_is_set_before_the_first_allocation(monkeypatch, preset, expected):
-    from dispatch import workspace as wsm
+    from dispatch import backend_facts, rank_memory
     seen = []
 
     def p2p(size, stride, dtype, device):
-        seen.append(os.environ.get(wsm.MULTICAST_ENV))
+        seen.append(os.environ.get(rank_memory.MULTICAST_ENV))
         return _FakeTensor(0x7000, size[0])
-    monkeypatch.setattr(wsm, "_symm_mem_module", lambda: _module(
+    monkeypatch.setattr(backend_facts, "_symm_mem_module", lambda: _module(
         _SymmetricMemory=types.SimpleNamespace(empty_strided_p2p=p2p)))
     if preset is None:
-        monkeypatch.delenv(wsm.MULTICAST_ENV, raising=False)
+        monkeypatch.delenv(rank_memory.MULTICAST_ENV, raising=False)
     else:
-        monkeypatch.setenv(wsm.MULTICAST_ENV, preset)
-    block = wsm._SymmMemBuffers(0, 4096)
-    assert seen == [expected] and os.environ[wsm.MULTICAST_ENV] == expected and block.ptr == 0x7000
+        monkeypatch.setenv(rank_memory.MULTICAST_ENV, preset)
+    block = rank_memory._SymmMemBuffers(0, 4096)
+    assert seen == [expected] and os.environ[rank_memory.MULTICAST_ENV] == expected and block.ptr == 0x7000
     block.release()
     assert block.ptr == 0 and block.tensor is None and block.handle is None
 
 
 def test_a_misaligned_symmetric_buffer_is_refused(monkeypatch):
-    from dispatch import workspace as wsm
-    monkeypatch.setattr(wsm, "_symm_mem_module", lambda: _module(
+    from dispatch import backend_facts, rank_memory
+    monkeypatch.setattr(backend_facts, "_symm_mem_module", lambda: _module(
         _SymmetricMemory=types.SimpleNamespace(empty_strided_p2p=lambda size, *a: _FakeTensor(0x7008, size[0]))))
     with pytest.raises(RuntimeError, match="not 16-byte aligned"):
-        wsm._SymmMemBuffers(0, 4096)
+        rank_memory._SymmMemBuffers(0, 4096)
 
 
 def test_backend_cost_arguments_and_table():
@@ -598,12 +599,12 @@ def test_backend_cost_arguments_and_table():
 
 
 def test_symm_mem_rendezvous_checks_what_torch_returns(monkeypatch):
-    from dispatch import workspace as wsm
+    from dispatch import backend_facts, rank_memory
     handles = []
-    monkeypatch.setattr(wsm, "_symm_mem_module", lambda: _module(
+    monkeypatch.setattr(backend_facts, "_symm_mem_module", lambda: _module(
         _SymmetricMemory=types.SimpleNamespace(empty_strided_p2p=lambda size, *a: _FakeTensor(0x9000, size[0])),
         rendezvous=lambda tensor, group: handles.pop(0)))
-    block = wsm._SymmMemBuffers(0, 4096)
+    block = rank_memory._SymmMemBuffers(0, 4096)
     handles.append(_FakeHandle([0x9000, 0x5000], 0, 2, 4096))
     assert block.rendezvous(GROUP, 0, 2) == 0 and block.peer_pointers([0, 0x40]) == [0x9000, 0x5040]
     for h, what in ((None, "returned no handle"), (_FakeHandle([0x9000, 0], 0, 2, 4096), "mapped no buffers of rank 1"),

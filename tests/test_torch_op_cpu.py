@@ -27,6 +27,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dispatch
 from dispatch import op as dop
+from dispatch.call_arguments import _DEFAULTS
+from dispatch.call_plan import _Plan
+from dispatch.outputs import allocate_outputs
 from dispatch import torch_op
 from dispatch.flashinfer_compat import trtllm_moe_finalize_allreduce_fusion
 
@@ -161,12 +164,12 @@ def test_fake_outputs_follow_the_inputs(dtype, quant, T, H):
                                           ("fp8_group128", "column"), ("fp8_tensor", "row")])
 @pytest.mark.parametrize("T,H", [(3, 256), (129, 2048)])
 def test_fake_matches_the_runtime_allocation(quant, layout, T, H):
-    """The fake's outputs have the shapes and dtypes dispatch.op.allocate_outputs gives the real
+    """The fake's outputs have the shapes and dtypes dispatch.outputs.allocate_outputs gives the real
     call (what the kernel writes when no outputs are passed)."""
     ws = StubWorkspace("cpu", hidden=H)
     kw = dict(expanded_idx_to_permuted_idx=torch.zeros(T, 2, dtype=torch.int32), quant=quant,
               fp8_scale_layout=layout)
-    real = dop.allocate_outputs(ws, kw)
+    real = allocate_outputs(ws, kw)
     h = handle_of(StubWorkspace("meta", hidden=H))
     gs = torch.empty(1, device="meta") if quant in ("nvfp4", "fp8_tensor") else None
     scale_arg = dict(fp8_scale=gs) if quant == "fp8_tensor" else dict(global_scale=gs)
@@ -254,7 +257,7 @@ def cpu_math(a, T, K, H, world_size):
 
 
 class CpuLauncher:
-    """Stands in for op._Launcher: records the call and writes cpu_math into the outputs."""
+    """Stands in for dispatch.launcher._Launcher: records the call and writes cpu_math into the outputs."""
 
     def __init__(self, ws, name):
         info = dispatch.program_info(name)
@@ -269,7 +272,7 @@ class CpuLauncher:
         """In place of the kernel launch: what the kernel would write, computed on the CPU."""
         ws, k = self.ws, plan.kernel
         ws.launched.append(dict(program=self.name, T=k["T"], K=k["K"], R=k["R"], pdl=k["pdl"], quant=a.get("quant")))
-        res, norm = cpu_math(dict(dop._DEFAULTS, **a), k["T"], k["K"], ws.hidden, ws.world_size)
+        res, norm = cpu_math(dict(_DEFAULTS, **a), k["T"], k["K"], ws.hidden, ws.world_size)
         a["residual_out"].copy_(res)
         a["norm_out"].copy_(norm)
         if self.profile == "nvfp4":
@@ -288,7 +291,7 @@ def _cpu_run(plan, pointers, kw):
 def cpu_runtime(monkeypatch):
     """A CPU stub workspace whose calls run dispatch.op for real up to the kernel launch."""
     monkeypatch.setattr(dop, "_launcher", lambda ws, name: ws._launchers.setdefault(name, CpuLauncher(ws, name)))
-    monkeypatch.setattr(dop._Plan, "run", _cpu_run)
+    monkeypatch.setattr(_Plan, "run", _cpu_run)
     return StubWorkspace("cpu", hidden=256)
 
 

@@ -29,7 +29,7 @@ import torch
 
 import dispatch
 from dispatch.op import prepare_call
-from dispatch.workspace import STATE_WORDS
+from dispatch.rank_memory import STATE_WORDS
 from moe_ar_tools import reference as ref
 
 FILL = 0x3F803F80  # two bf16 1.0: never the sentinel

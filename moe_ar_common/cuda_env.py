@@ -1,7 +1,7 @@
 """The CUDA pieces NVRTC compiles with: CuPy's NVRTC bindings and the CUDA headers.
 
-Standard library at import (CuPy is imported by load_nvrtc only): the runtime keeps a verbatim
-copy of this module (dispatch/cuda_env.py), since the runtime never imports the generator.
+Standard library at import (CuPy is imported by load_nvrtc only): the generator (gen-programs compile)
+and the runtime both compile through it (they never import each other).
 
 They come from the project's extras, one per CUDA major version (pyproject.toml):
     cu13: cupy-cuda13x, nvidia-cuda-nvrtc 13.x, nvidia-cuda-runtime 13.x (headers in nvidia/cu13/include)

@@ -1,8 +1,8 @@
 """Check generated/ against its manifest before anything is compiled from it.
 
 Pure standard library and self-contained (no imports from this package, no
-jinja2, torch or cupy): the runtime keeps a verbatim copy of this module, since
-the runtime never imports the generator.
+jinja2, torch or cupy): the generator and the runtime both read generated/
+through it (they never import each other).
 
     manifest = load_verified_manifest(generated_dir)   # raises ManifestError
     text = source_for(manifest, generated_dir, "moe_ar_ts_bf16_ws4_plain")

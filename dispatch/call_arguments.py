@@ -1,0 +1,170 @@
+"""A call's arguments, checked in full (the first call of a signature): each tensor's type, dtype,
+shape, device, contiguity and alignment, the scalars, the arguments a quant does not use, and the
+overlap rule (overlaps.py). Every bad call is a ValueError naming the argument."""
+from __future__ import annotations
+
+import torch
+
+from . import registry
+from .outputs import FP8_GROUP, fp8_scale_shape, scale_out_bytes
+from .overlaps import _check_overlaps
+
+MAX_TOP_K = 16
+FP8_SCALE_LAYOUTS = ("row", "column")
+
+
+def profile_for_quant(quant) -> str:
+    """The output profile `quant` asks for (from the manifest; no copy on the call path)."""
+    profiles = registry.program_set().profile_of_quant
+    if not isinstance(quant, (str, type(None))) or quant not in profiles:
+        raise ValueError(f"quant: {quant!r}, expected one of {', '.join(repr(q) for q in profiles)}")
+    return profiles[quant]
+
+
+def _tensor(name, x, ws, dtypes, shape=None, ndim=None, align=16):
+    """Check one tensor argument; returns (name, x, its data pointer) for the overlap check."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"{name}: dtype {x.dtype}, expected {' or '.join(str(d) for d in dtypes)}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: {x.dim()} dimensions {tuple(x.shape)}, expected {ndim}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
+    if x.device != ws.device:
+        raise ValueError(f"{name}: on {x.device}, expected the workspace's device {ws.device}")
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: must be contiguous")
+    ptr = x.data_ptr()
+    if ptr % align:
+        raise ValueError(f"{name}: data pointer must be {align}-byte aligned")
+    return name, x, ptr
+
+
+# float32 rounding of a Python float: from _F32_INF up it gives inf; up to _F32_ZERO (positive), 0.
+_F32_INF = 2.0 ** 128 - 2.0 ** 103
+_F32_ZERO = 2.0 ** -150
+
+
+def check_scalar(name, x, positive=False):
+    """A Python float or int (not a bool) that stays finite as the kernel's float32, and > 0 there
+    when `positive`."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        raise ValueError(f"{name}: expected a Python float, got {type(x).__name__}")
+    if not -_F32_INF < x < _F32_INF:  # NaN too
+        raise ValueError(f"{name}: {x!r} is not finite as a float32 (the kernel takes it as one)")
+    if positive and not x > _F32_ZERO:
+        raise ValueError(f"{name}: {x!r}, expected > 0 (at least the smallest float32, 2**-149)")
+
+
+def check_flag(name, x):
+    if not isinstance(x, bool):
+        raise ValueError(f"{name}: expected a bool, got {type(x).__name__}")
+
+
+def check_weight_bias(x):
+    if isinstance(x, bool) or not isinstance(x, int) or x not in (0, 1):
+        raise ValueError(f"weight_bias: {x!r}, expected the int 0 or 1")
+
+
+def check_unused(quant, global_scale, fp8_scale, quant_out, scale_out, fp8_scale_layout, fp8_pow2_scales):
+    """An argument given with a `quant` that does not read or write it is an error, not ignored."""
+    if global_scale is not None and quant != "nvfp4":
+        raise ValueError(f"global_scale: given with quant={quant!r}, which does not use it (only 'nvfp4' does)")
+    if fp8_scale is not None and quant != "fp8_tensor":
+        raise ValueError(f"fp8_scale: given with quant={quant!r}, which does not use it (only 'fp8_tensor' does)")
+    if quant_out is not None and quant is None:
+        raise ValueError("quant_out: given with quant=None, which writes no quantized output")
+    if scale_out is not None and quant in (None, "fp8_tensor"):
+        raise ValueError(f"scale_out: given with quant={quant!r}, which writes no scales"
+                         + (" (its scale is the fp8_scale input)" if quant else ""))
+    if quant != "fp8_group128":
+        if fp8_scale_layout != "row":
+            raise ValueError(f"fp8_scale_layout: {fp8_scale_layout!r} given with quant={quant!r}, which does not "
+                             f"use it (only 'fp8_group128' does)")
+        if fp8_pow2_scales:
+            raise ValueError(f"fp8_pow2_scales: True given with quant={quant!r}, which does not use it (only "
+                             f"'fp8_group128' does)")
+
+
+def _check_args(ws, a):
+    """Validate one call's keyword arguments (dict) in place; returns (T, K, R, profile)."""
+    D = ws.dtype
+    H = ws.hidden
+    idx = a["expanded_idx_to_permuted_idx"]
+    if not isinstance(idx, torch.Tensor) or idx.dim() != 2:
+        raise ValueError("expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
+    T, K = idx.shape
+    ins = [_tensor("expanded_idx_to_permuted_idx", idx, ws, (torch.int32,), ndim=2, align=4)]  # read
+    if T > ws.max_tokens:
+        raise ValueError(f"expanded_idx_to_permuted_idx: {T} tokens, more than the workspace's max_tokens "
+                         f"{ws.max_tokens}")
+    if not 1 <= K <= MAX_TOP_K:
+        raise ValueError(f"expanded_idx_to_permuted_idx: top_k {K} out of range 1..{MAX_TOP_K}")
+    x = a["allreduce_in"]
+    ins.append(_tensor("allreduce_in", x, ws, (D,), ndim=2))
+    R, Hx = x.shape
+    if Hx != H:
+        raise ValueError(f"allreduce_in: hidden {Hx}, the workspace was made for hidden {H}")
+    if R < T * K:
+        raise ValueError(f"allreduce_in: {R} rows, fewer than tokens * top_k = {T * K}")
+    if R >= 2 ** 31:
+        raise ValueError(f"allreduce_in: {R} rows, more than int32 indices can address")
+    if a["expert_scale_factor"] is not None:
+        ins.append(_tensor("expert_scale_factor", a["expert_scale_factor"], ws, (D, torch.float32), shape=(T, K),
+                           align=4))
+    if a["shared_expert_output"] is not None:
+        ins.append(_tensor("shared_expert_output", a["shared_expert_output"], ws, (D,), shape=(T, H)))
+    ins.append(_tensor("residual_in", a["residual_in"], ws, (D,), shape=(T, H)))
+    ins.append(_tensor("norm_weight", a["norm_weight"], ws, (D,), shape=(H,)))
+    quant = a["quant"]
+    profile = profile_for_quant(quant)
+    layout = a["fp8_scale_layout"]
+    if not isinstance(layout, str) or layout not in FP8_SCALE_LAYOUTS:
+        raise ValueError(f"fp8_scale_layout: {layout!r}, expected 'row' or 'column'")
+    check_flag("fp8_pow2_scales", a["fp8_pow2_scales"])
+    check_unused(quant, a["global_scale"], a["fp8_scale"], a["quant_out"], a["scale_out"], layout,
+                 a["fp8_pow2_scales"])
+    if quant == "nvfp4":
+        if a["global_scale"] is None:
+            raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
+        ins.append(_tensor("global_scale", a["global_scale"], ws, (torch.float32,), shape=(1,), align=4))
+    if quant == "fp8_tensor":
+        if a["fp8_scale"] is None:
+            raise ValueError("fp8_scale: required for quant='fp8_tensor' (a [1] float32 device tensor)")
+        ins.append(_tensor("fp8_scale", a["fp8_scale"], ws, (torch.float32,), shape=(1,), align=4))
+    if quant == "fp8_group128" and H % FP8_GROUP:
+        raise ValueError(f"quant: 'fp8_group128' needs hidden to be a multiple of {FP8_GROUP}, the workspace has "
+                         f"hidden {H}")
+    check_scalar("eps", a["eps"], positive=True)
+    check_scalar("routed_scaling_factor", a["routed_scaling_factor"])
+    check_weight_bias(a["weight_bias"])
+    check_flag("launch_with_pdl", a["launch_with_pdl"])
+    if a["program"] is not None and not isinstance(a["program"], str):
+        raise ValueError(f"program: expected a program name (str) or None, got {type(a['program']).__name__}")
+    outs = []  # written
+    if a["norm_out"] is not None:
+        outs.append(_tensor("norm_out", a["norm_out"], ws, (D,), shape=(T, H)))
+    if a["residual_out"] is not None:
+        outs.append(_tensor("residual_out", a["residual_out"], ws, (D,), shape=(T, H)))
+    q, s = a["quant_out"], a["scale_out"]  # None unless quant writes them (check_unused)
+    if quant == "nvfp4":
+        if q is not None:
+            outs.append(_tensor("quant_out", q, ws, (torch.uint8,), shape=(T, H // 2), align=4))
+        if s is not None:
+            outs.append(_tensor("scale_out", s, ws, (torch.uint8,), ndim=1, align=4))
+            if s.numel() < scale_out_bytes(T, H):
+                raise ValueError(f"scale_out: {s.numel()} bytes, need {scale_out_bytes(T, H)}")
+    if quant in ("fp8_group128", "fp8_tensor") and q is not None:
+        outs.append(_tensor("quant_out", q, ws, (torch.float8_e4m3fn,), shape=(T, H), align=16))
+    if quant == "fp8_group128" and s is not None:
+        outs.append(_tensor("scale_out", s, ws, (torch.float32,), shape=fp8_scale_shape(T, H, layout), align=4))
+    if outs:
+        _check_overlaps(outs, ins)
+    return T, K, R, profile
+
+
+_DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
+                 weight_bias=0, quant=None, global_scale=None, fp8_scale=None, fp8_scale_layout="row",
+                 fp8_pow2_scales=False, norm_out=None, residual_out=None, quant_out=None, scale_out=None,
+                 launch_with_pdl=False, program=None)

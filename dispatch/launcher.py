@@ -1,0 +1,200 @@
+"""The launch of a program on a workspace: the loaded kernel, its grid (every block of every rank
+resident at once), its kernel argument struct with the call's data pointers packed in, and
+cuLaunchKernelEx through ctypes on torch's current stream."""
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from . import registry
+
+_QUANT_FLAG_COLUMN_MAJOR, _QUANT_FLAG_POW2 = 1, 2  # Params.quant_flags bits (the template's QuantFlag)
+_POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
+                   "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
+# The kernel argument fields each call argument's data pointer goes to.
+_FIELD_OF = {"allreduce_in": "allreduce_in", "expanded_idx_to_permuted_idx": "expanded_idx",
+             "expert_scale_factor": "expert_scale", "shared_expert_output": "shared_in", "residual_in": "residual_in",
+             "norm_weight": "norm_weight", "global_scale": "quant_scale", "fp8_scale": "quant_scale",
+             "norm_out": "norm_out", "residual_out": "residual_out", "quant_out": "quant_out", "scale_out": "scale_out"}
+
+
+class _Launcher:
+    """One program on one workspace: the loaded kernel, its grid limit, a reusable argument struct
+    with the per-workspace fields filled in, and prebuilt launch configurations."""
+
+    def __init__(self, ws, name: str):
+        info = registry.program_info(name)
+        if info["dtype"] != ws.dtype_name or info["world_size"] != ws.world_size:
+            raise ValueError(f"program: {name} is for {info['dtype']} world size {info['world_size']}, the workspace "
+                             f"is {ws.dtype_name} world size {ws.world_size}")
+        self.name = name
+        self.family = info["family"]
+        self.regime = info["regime"]
+        self.profile = info["profile"]
+        self.sliced_units = info["sliced_units"]  # a work unit is a row slice, not a whole row
+        self.column_units = info["column_units"]  # a work unit is a column: a token of each rank
+        prog = registry.load(name, ws.device_index)
+        sms = torch.cuda.get_device_properties(ws.device).multi_processor_count
+        # Every block of every rank on this GPU must be resident at once: blocks spin on peers.
+        # When ranks share a GPU (emulation), each rank may have two kernels resident (its current
+        # one and the next, started early by PDL), and blocks of different programs (different
+        # register counts) pack onto SMs with some waste: a run that filled the GPU to 100% of
+        # the occupancy figure left a rank's blocks unplaced and timed out. Each kernel gets a
+        # quarter of its rank's share, so four kernels per rank would still fit.
+        sharing = ws.ranks_on_device * (4 if ws.ranks_on_device > 1 else 1)
+        if ws.ranks_on_device > 1:
+            # An SM holds blocks of two kernels at once only in one split of its memory between L1
+            # and shared memory, chosen per kernel. Two-shot blocks spinning on a peer rank, in a
+            # split with little shared memory, on every SM, left no SM for that rank's pipelined
+            # blocks with their row ring: a timeout (seen on one GPU: tse and tsp at 303 tokens).
+            # So here every program asks for the largest shared memory. The attribute stays with
+            # the loaded program for the process (tests that also run one rank a GPU).
+            prog.prefer_largest_shared_memory()
+        self.dynamic_smem = registry.dynamic_smem_bytes(info, ws.hidden, ws.dtype.itemsize)
+        self.max_blocks = []  # per row split of the workspace
+        for split in ws.row_splits:
+            per_sm = prog.max_blocks_per_sm(split.threads, self.dynamic_smem)
+            if per_sm < 1:
+                raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
+            self.max_blocks.append(max(1, per_sm * sms // sharing))
+        self.function_ptr = prog.function_ptr
+        self.threads = [split.threads for split in ws.row_splits]
+        # The fields every call of this program on this workspace shares.
+        template = self.template = registry.params_struct()()
+        for r, ptr in enumerate(ws.peer_buffer_ptrs):
+            template.peer_buffers[r] = ptr or None
+        template.state = ws._memory.state
+        template.error = ws._memory.error_host
+        template.buffer_elems = ws.buffer_elems
+        template.timeout_ns = ws.timeout_ns
+        template.hidden = ws.hidden
+        template.rank = ws.rank
+        self.pointer_base = type(template).allreduce_in.offset
+        self.device_index = ws.device_index
+        _driver()  # loaded here, not on the launch path
+
+    def kernel_call(self, ws, T, a, order) -> "_KernelCall":
+        """The launch state of a call signature: the kernel argument with this program's fields and the
+        call's scalars, where the data pointers of `order` (call argument names, in kernel field
+        order) go in it, and the launch configuration."""
+        params = type(self.template)()
+        ctypes.memmove(ctypes.addressof(params), ctypes.addressof(self.template), ctypes.sizeof(params))
+        scale = a["expert_scale_factor"]
+        params.scale_kind = 0 if scale is None else (1 if scale.dtype == torch.float32 else 2)
+        params.quant_flags = ((_QUANT_FLAG_COLUMN_MAJOR if a["fp8_scale_layout"] == "column" else 0)
+                              | (_QUANT_FLAG_POW2 if a["fp8_pow2_scales"] else 0))
+        params.fault_stop_after = ws._fault_stop_after_units
+        params.tokens, params.top_k, params.rows = T, a["expanded_idx_to_permuted_idx"].shape[1], \
+            a["allreduce_in"].shape[0]
+        params.routed_scaling_factor = a["routed_scaling_factor"]
+        params.eps = a["eps"]
+        params.weight_bias = float(a["weight_bias"])
+        params.vec_per_thread = ws.row_splits[ws.row_split_index(T)].vec_per_thread
+        return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"]))
+
+    def config_for(self, ws, T, pdl):
+        """The launch configuration of a call of T tokens (the stream is set at each launch)."""
+        i = ws.row_split_index(T)
+        config = _LaunchConfig()
+        if self.sliced_units:  # a unit is one row slice
+            config.gridDimX = min(T * ws.row_splits[i].vec_per_thread, self.max_blocks[i])
+        elif self.column_units:  # a unit is one column: a token of each rank
+            config.gridDimX = balanced_grid(-(-T // ws.world_size), self.max_blocks[i])
+        else:  # a unit is one row
+            config.gridDimX = min(T, self.max_blocks[i])
+        config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
+        config.blockDimX = self.threads[i]
+        config.sharedMemBytes = self.dynamic_smem
+        if pdl:
+            config.attrs, config.numAttrs = _PDL_ATTRIBUTE, 1
+        return config
+
+    def launch(self, kernel: "_KernelCall", pointers) -> None:
+        """Launch on the current stream; `pointers`: the data pointers in the kernel call's order."""
+        kernel.packer.pack_into(kernel.params, self.pointer_base, *pointers)
+        kernel.config.hStream = _current_stream(self.device_index)
+        err = _cu_launch_kernel_ex(kernel.config_ref, self.function_ptr, kernel.param_pointer, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: CUresult {err}")
+
+
+class _KernelCall:
+    """A launch of one program for one call signature (everything but the data pointers and stream)."""
+
+    __slots__ = ("params", "param_pointer", "packer", "config", "config_ref")
+
+    def __init__(self, params, order, config):
+        self.params, self.config = params, config
+        self.param_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(params))  # cuLaunchKernelEx's kernelParams
+        self.config_ref = ctypes.byref(config)
+        # The pointer fields are consecutive 8-byte words (generator/abi.py): the call's pointers go
+        # to the fields of `order`, in order; the others stay 0 (struct pad bytes).
+        fields = {_FIELD_OF[name] for name in order}
+        self.packer = struct.Struct("<" + "".join("Q" if f in fields else "8x" for f in _POINTER_FIELDS))
+
+
+# ---- the driver call -------------------------------------------------------------------------
+# cuLaunchKernelEx straight through ctypes: its configuration is a prebuilt structure per call
+# signature, so a launch sets the stream and makes one foreign call (layouts from cuda.h).
+
+class _LaunchAttributeValue(ctypes.Union):
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _LaunchAttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+_PDL_ATTRIBUTE = (_LaunchAttribute * 1)()
+_PDL_ATTRIBUTE[0].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_PDL_ATTRIBUTE[0].value.programmaticStreamSerializationAllowed = 1
+_cu_launch_kernel_ex = None
+
+
+def _driver() -> None:
+    """Load the driver's cuLaunchKernelEx (once). Called with the GIL held (PyDLL), as torch launches:
+    a launch returns at once, and letting the GIL go and taking it back per call costs more."""
+    global _cu_launch_kernel_ex
+    if _cu_launch_kernel_ex is None:
+        libcuda = ctypes.PyDLL("libcuda.so.1")
+        fn = libcuda.cuLaunchKernelEx
+        fn.restype = ctypes.c_int
+        fn.argtypes = (ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+        _cu_launch_kernel_ex = fn
+
+
+def _current_stream(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+if hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    _current_stream = torch._C._cuda_getCurrentRawStream  # noqa: F811  (the same value, without a Stream object)
+
+
+def balanced_grid(units: int, max_blocks: int) -> int:
+    """Blocks for `units` columns of the pipelined two-shot: as many as fit, less the ones that would
+    leave the other blocks a round of columns to do alone. Every block then takes the same number of
+    columns, give or take one at the end (1,024 columns, 396 blocks fit: 342 blocks of 3 columns,
+    not 232 blocks of 3 and 164 of 2). A last round run by a few blocks leaves HBM idle: at H 7168
+    on 2x H200, 1,600 tokens took 111.6 us against 1,584's 93.0 (2 columns a block, 396 blocks);
+    this grid, 107.0 (bench_results/pipelined/grid/)."""
+    grid = min(units, max_blocks)
+    rounds = -(-units // grid)
+    return -(-units // rounds)
+
+
+def _launcher(ws, name: str) -> _Launcher:
+    launcher = ws._launchers.get(name)
+    if launcher is None:
+        launcher = ws._launchers[name] = _Launcher(ws, name)
+    return launcher

@@ -1,0 +1,53 @@
+"""A workspace's sizes: the elements of its rotating buffers, what the kernel's 32-bit counts can
+hold, and the row split (threads a row) of a call. Pure arithmetic: no GPU, no torch."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+_ALL_TOKENS = 2**31 - 1  # the last row split covers every call
+
+
+class RowSplit(NamedTuple):
+    """Calls of up to `max_tokens` tokens spread a row over `threads` threads (a block), each
+    holding up to `vec_per_thread` 16-byte vectors."""
+    max_tokens: int
+    threads: int
+    vec_per_thread: int
+
+
+def _split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
+    threads = 32 * -(-nvec // (32 * vec_per_thread))  # whole warps
+    return RowSplit(max_tokens, threads, -(-nvec // threads))
+
+
+# What the kernel's 32-bit counts hold (kernels/): T times small factors
+# stays an int (the largest, FP8-group scale offsets: (H / 128 - 1) * roundup(T, 4) < 2^31), and a buffer's
+# extent is kept in 16-byte vectors in a 32-bit state word.
+MAX_TOKENS = 1 << 24
+MAX_HIDDEN = 1 << 14
+MAX_BUFFER_VECTORS = (1 << 32) - 1
+
+
+def check_sizes(world_size: int, max_tokens: int, hidden: int, oneshot_max_tokens: int) -> None:
+    """ValueError naming the argument when a workspace of these sizes needs a count the kernel keeps
+    in 32 bits to hold more than it can."""
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden: {hidden}, more than the kernel's {MAX_HIDDEN}")
+    if max_tokens > MAX_TOKENS:
+        raise ValueError(f"max_tokens: {max_tokens}, more than the kernel's 32-bit counts allow ({MAX_TOKENS})")
+    oneshot = world_size * oneshot_max_tokens * hidden
+    twoshot = buffer_elems_for(world_size, max_tokens, hidden, 0)
+    vectors = max(oneshot, twoshot) // 8
+    if vectors > MAX_BUFFER_VECTORS:
+        name = "oneshot_max_tokens" if oneshot > twoshot else "max_tokens"
+        raise ValueError(f"{name}: {oneshot_max_tokens if oneshot > twoshot else max_tokens} tokens at hidden "
+                         f"{hidden} and world size {world_size} need rotating buffers of {vectors} 16-byte vectors, "
+                         f"more than the kernel's 32-bit extents hold ({MAX_BUFFER_VECTORS})")
+
+
+def buffer_elems_for(world_size: int, max_tokens: int, hidden: int, oneshot_max_tokens: int) -> int:
+    """Elements of one rotating buffer: the larger of the one-shot and two-shot layouts."""
+    oneshot = world_size * oneshot_max_tokens * hidden
+    per_owner = -(-max_tokens // world_size)
+    twoshot = world_size * per_owner * hidden + max_tokens * hidden
+    return max(oneshot, twoshot)
