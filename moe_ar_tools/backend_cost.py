@@ -226,12 +226,13 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     import dispatch
     from moe_ar_tools import bench
+    from moe_ar_tools.provenance import git_commit
     run = Run(args)
     run.log(f"backend_cost: {run.W} ranks, {torch.cuda.get_device_name(run.device)}; constructions ...")
     result = None
     if run.rank == 0:
         result = {"gpu": torch.cuda.get_device_name(run.device), "world_size": run.W, "driver": bench._driver_version(),
-                  "versions": bench._versions(), "commit": bench._git_commit(),
+                  "versions": bench._versions(), "commit": git_commit(),
                   "date": datetime.datetime.now().isoformat(timespec="seconds"),
                   "env": {k: os.environ.get(k) for k in bench.REQUIRED_ENV},
                   "config": {"hidden": HIDDEN, "top_k": TOP_K, "shared": True, "dtype": "bf16", "profile": "plain",
