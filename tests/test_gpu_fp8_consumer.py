@@ -5,7 +5,7 @@ For each FP8 profile, one fused call on an emulated world, then:
     3 mantissa bits: every element within half a step, 2^-4 relative, of its value, or of the
     smallest step where it underflows);
   * quantize the same norm_out separately in torch, the way engines do today
-    (per_token_group_quant_fp8 / static per-tensor quant: moe_ar_tools/reference.py), and run the same
+    (per_token_group_quant_fp8 / static per-tensor quant: moe_ar_tools/reference/quant.py), and run the same
     block-FP8 GEMM on both: torch._scaled_mm with 1x128 block scales where this torch and GPU
     offer it, otherwise the same GEMM built from row-wise scaled FP8 GEMMs, one per 128-wide K
     group, summed in float32. Both must give bit-identical results, close to the bf16 GEMM of

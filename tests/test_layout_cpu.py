@@ -53,8 +53,10 @@ def test_dispatch_is_the_runtime_only():
 
 
 def test_tools_and_example_are_where_the_commands_say():
-    for module in ("bench", "soak", "reference", "reliability_summary", "provenance"):
+    for module in ("bench", "soak", "reliability_summary", "provenance"):
         assert (ROOT / TOOLS / f"{module}.py").is_file(), module
+    for package in ("reference",):
+        assert (ROOT / TOOLS / package / "__init__.py").is_file(), package
     for probe in ("gpu_burst_probe", "row_ring_probe", "ncu_one_rank", "pipelined_solo_rank"):
         path = ROOT / TOOLS / "probes" / f"{probe}.py"
         text = path.read_text()
