@@ -4,6 +4,7 @@ and tests/ holds tests and their helpers only."""
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import subprocess
 import re
@@ -53,10 +54,12 @@ def test_dispatch_is_the_runtime_only():
 
 
 def test_tools_and_example_are_where_the_commands_say():
-    for module in ("bench", "soak", "reliability_summary", "provenance"):
+    for module in ("soak", "reliability_summary", "provenance"):
         assert (ROOT / TOOLS / f"{module}.py").is_file(), module
-    for package in ("reference",):
+    for package in ("bench", "reference"):
         assert (ROOT / TOOLS / package / "__init__.py").is_file(), package
+    for command in ("bench",):  # python -m moe_ar_tools.bench (tests/run_gpu.sh)
+        assert (ROOT / TOOLS / command / "__main__.py").is_file(), command
     for probe in ("gpu_burst_probe", "row_ring_probe", "ncu_one_rank", "pipelined_solo_rank"):
         path = ROOT / TOOLS / "probes" / f"{probe}.py"
         text = path.read_text()
@@ -80,8 +83,10 @@ def test_tests_hold_no_tools():
 
 def test_console_scripts_and_packages():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the project supports 3.10)
-    assert re.search(rf'^moe-ar-bench = "{TOOLS}\.bench:main"$', text, re.M)
-    assert re.search(rf'^moe-ar-soak = "{TOOLS}\.soak:main"$', text, re.M)
+    for script, target in (("moe-ar-bench", f"{TOOLS}.bench.cli:main"), ("moe-ar-soak", f"{TOOLS}.soak:main")):
+        assert re.search(rf'^{script} = "{re.escape(target)}"$', text, re.M), script
+        module, name = target.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), target
     # The packages are listed one by one (pyproject.toml maps the data folders too): every package
     # of the tools must be there.
     listed = re.search(r"^\[tool\.setuptools\]\npackages = \[(.*?)\]$", text, re.M | re.S).group(1)
