@@ -54,11 +54,11 @@ def test_dispatch_is_the_runtime_only():
 
 
 def test_tools_and_example_are_where_the_commands_say():
-    for module in ("soak", "reliability_summary", "provenance"):
+    for module in ("reliability_summary", "provenance"):
         assert (ROOT / TOOLS / f"{module}.py").is_file(), module
-    for package in ("bench", "reference"):
+    for package in ("bench", "soak", "reference"):
         assert (ROOT / TOOLS / package / "__init__.py").is_file(), package
-    for command in ("bench",):  # python -m moe_ar_tools.bench (tests/run_gpu.sh)
+    for command in ("bench", "soak"):  # python -m moe_ar_tools.bench / .soak (tests/run_gpu.sh)
         assert (ROOT / TOOLS / command / "__main__.py").is_file(), command
     for probe in ("gpu_burst_probe", "row_ring_probe", "ncu_one_rank", "pipelined_solo_rank"):
         path = ROOT / TOOLS / "probes" / f"{probe}.py"
@@ -83,7 +83,7 @@ def test_tests_hold_no_tools():
 
 def test_console_scripts_and_packages():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the project supports 3.10)
-    for script, target in (("moe-ar-bench", f"{TOOLS}.bench.cli:main"), ("moe-ar-soak", f"{TOOLS}.soak:main")):
+    for script, target in (("moe-ar-bench", f"{TOOLS}.bench.cli:main"), ("moe-ar-soak", f"{TOOLS}.soak.cli:main")):
         assert re.search(rf'^{script} = "{re.escape(target)}"$', text, re.M), script
         module, name = target.split(":")
         assert callable(getattr(importlib.import_module(module), name)), target
