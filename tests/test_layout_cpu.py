@@ -1,6 +1,7 @@
 """The repository's layout (CPU): dispatch/ is the runtime only and imports none of the tools; the
 tools (benchmark, soak, reference, summary, probes) live in moe_ar_tools/, the example in examples/,
-and tests/ holds tests and their helpers only."""
+and tests/ holds tests and their helpers only. Modules stay small (MAX_MODULE_LINES) and the tools'
+imports among themselves form no cycle."""
 from __future__ import annotations
 
 import ast
@@ -10,8 +11,11 @@ import subprocess
 import re
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = "moe_ar_tools"
+MAX_MODULE_LINES = 600  # a longer module is split by concern
 
 
 def _imported_modules(path: pathlib.Path) -> set:
@@ -116,3 +120,105 @@ def test_every_import_of_the_project_resolves():
                         except ImportError:
                             missing.append(f"{path.relative_to(ROOT_)}:{node.lineno}: {node.module}.{alias.name}")
     assert not missing, missing
+
+
+# ---- module size and the tools' import graph -------------------------------------------------------
+
+def _too_long(folder: str) -> list:
+    lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+               for p in sorted((ROOT / folder).rglob("*.py"))}
+    return [f"{path}: {n} lines" for path, n in lengths.items() if n > MAX_MODULE_LINES]
+
+
+def test_no_tool_module_is_too_long():
+    assert not _too_long(TOOLS), _too_long(TOOLS)
+
+
+# dispatch's part: its modules are split by concern in a parallel branch; drop the mark once it is merged
+# (strict: the test fails as soon as dispatch/ passes, so that the mark is not forgotten).
+@pytest.mark.xfail(reason="dispatch split lands in a parallel branch", strict=True)
+def test_no_dispatch_module_is_too_long():
+    assert not _too_long("dispatch"), _too_long("dispatch")
+
+
+def _tool_modules() -> dict:
+    """Dotted name -> path of every module of the tools (a package by its __init__.py)."""
+    out = {}
+    for path in sorted((ROOT / TOOLS).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _tool_imports(path: pathlib.Path, modules: dict) -> set:
+    """The tool modules `path` imports (inside functions too): `from a.b import c` names a.b.c when
+    that is a module, else a.b; `import a.b` names a.b."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                names.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
+    return names & set(modules)
+
+
+def _find_cycle(graph: dict):
+    """A list of modules that import each other in a circle (the first one repeated at the end), or None."""
+    state = {}  # module -> "open" while on the current path, "done" after
+
+    def visit(name, path):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                cycle = visit(dep, path + [dep])
+                if cycle:
+                    return cycle
+        state[name] = "done"
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name, [name])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_tools_import_graph_has_no_cycle():
+    modules = _tool_modules()
+    assert {f"{TOOLS}.bench.cli", f"{TOOLS}.soak.cli", f"{TOOLS}.reference.checks"} <= set(modules)
+    graph = {name: _tool_imports(path, modules) for name, path in modules.items()}
+    assert graph[f"{TOOLS}.soak.runner"] >= {f"{TOOLS}.soak.calls", f"{TOOLS}.provenance"}
+    cycle = _find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path):
+    # a package whose __init__ imports a module (inside a function too) that imports the package back
+    init, timing = tmp_path / "init.py", tmp_path / "timing.py"
+    init.write_text("def f():\n    from moe_ar_tools.bench import timing\n")
+    timing.write_text("import math\nfrom moe_ar_tools.bench import median\n")
+    modules = {f"{TOOLS}.bench": init, f"{TOOLS}.bench.timing": timing}
+    graph = {name: _tool_imports(path, modules) for name, path in modules.items()}
+    assert graph == {f"{TOOLS}.bench": {f"{TOOLS}.bench.timing"}, f"{TOOLS}.bench.timing": {f"{TOOLS}.bench"}}
+    assert _find_cycle(graph) == [f"{TOOLS}.bench", f"{TOOLS}.bench.timing", f"{TOOLS}.bench"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_every_tool_module_imports_without_a_gpu():
+    names = sorted(_tool_modules())
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    r = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command, usage", [("bench", "Usage: python -m moe_ar_tools.bench"),
+                                            ("soak", "usage: moe-ar-soak")])
+def test_python_m_runs_each_command(command, usage):
+    """tests/run_gpu.sh runs the tools as python -m moe_ar_tools.bench / moe_ar_tools.soak."""
+    r = subprocess.run([sys.executable, "-m", f"{TOOLS}.{command}", "--help"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and r.stdout.startswith(usage), r.stdout[:500] + r.stderr[-2000:]
