@@ -63,8 +63,8 @@ class Run:
     def __init__(self, args):
         import torch
         import torch.distributed as dist
-        from moe_ar_tools import bench
-        os.environ.update(bench.REQUIRED_ENV)  # never NVLink multicast, whatever the caller's shell says
+        from moe_ar_tools.bench import config
+        os.environ.update(config.REQUIRED_ENV)  # never NVLink multicast, whatever the caller's shell says
         self.args = args
         self.local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(self.local)
@@ -76,7 +76,7 @@ class Run:
         self.dtype = torch.bfloat16
         self.max_tokens = max(args.tokens)
         props = torch.cuda.get_device_properties(self.device)
-        self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or bench.FALLBACK_L2_BYTES)
+        self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or config.FALLBACK_L2_BYTES)
 
     def log(self, msg):
         if self.rank == 0:
@@ -134,28 +134,28 @@ class Run:
     def calls(self, workspaces: dict) -> list:
         import torch
         import dispatch
-        from moe_ar_tools import bench
-        shape = bench.Shape(HIDDEN, TOP_K, True)
+        from moe_ar_tools.bench import config, inputs, systems, timing
+        shape = config.Shape(HIDDEN, TOP_K, True)
         names = sorted({dispatch.select_program(ws, T, None, True) for ws in workspaces.values()
                         for T in self.args.tokens})
         dispatch.warmup(names, device_index=self.local)  # no rank compiles while its peer waits on it
         rows = []
         for T in self.args.tokens:
             per_set = (T * TOP_K + 3 * T) * HIDDEN * 2
-            n_sets = bench.input_sets_for(per_set, self.l2_bytes, self.args.calls)
-            sets = bench.make_input_sets(shape, T, n_sets, self.dtype, self.rank, self.args.seed, self.device)
-            outs = {b: bench._alloc_outputs(T, HIDDEN, self.dtype, None, n_sets, self.device) for b in workspaces}
+            n_sets = timing.input_sets_for(per_set, self.l2_bytes, self.args.calls)
+            sets = inputs.make_input_sets(shape, T, n_sets, self.dtype, self.rank, self.args.seed, self.device)
+            outs = {b: systems._alloc_outputs(T, HIDDEN, self.dtype, None, n_sets, self.device) for b in workspaces}
 
             def step(b, i):
                 x, o = sets[i], outs[b][i]
                 dispatch.moe_finalize_allreduce(
                     workspaces[b], allreduce_in=x.allreduce_in, expanded_idx_to_permuted_idx=x.idx,
                     residual_in=x.residual, norm_weight=x.norm_weight, expert_scale_factor=x.scale,
-                    routed_scaling_factor=bench.ROUTED_SCALING_FACTOR, shared_expert_output=x.shared,
-                    eps=bench.EPS, norm_out=o["norm_out"], residual_out=o["residual_out"])
+                    routed_scaling_factor=config.ROUTED_SCALING_FACTOR, shared_expert_output=x.shared,
+                    eps=config.EPS, norm_out=o["norm_out"], residual_out=o["residual_out"])
 
             for b in workspaces:  # eager: every input set once, then the outputs compared
-                bench._poison(outs[b])
+                systems._poison(outs[b])
                 for i in range(n_sets):
                     step(b, i)
             torch.cuda.synchronize(self.device)
@@ -175,7 +175,7 @@ class Run:
             order = list(workspaces)
             ev = {b: [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(self.args.replays)] for b in order}
-            for rep, perm in enumerate(bench.replay_orders(len(order), self.args.replays, self.args.seed + T)):
+            for rep, perm in enumerate(timing.replay_orders(len(order), self.args.replays, self.args.seed + T)):
                 for j in perm:
                     b = order[j]
                     ev[b][rep][0].record()
@@ -191,7 +191,7 @@ class Run:
                    "median_us": {b: statistics.median(slowest[b]) for b in order},
                    "replay_us": slowest}
             if "ipc" in slowest and "symm_mem" in slowest:
-                row["ratio_symm_mem_over_ipc"] = bench.pair_ratio(slowest["symm_mem"], slowest["ipc"])
+                row["ratio_symm_mem_over_ipc"] = timing.pair_ratio(slowest["symm_mem"], slowest["ipc"])
             rows.append(row)
             self.log(f"  T={T}: " + ", ".join(f"{b} {row['median_us'][b]:.1f} us" for b in order)
                      + ("" if identical else "  OUTPUTS DIFFER"))
@@ -225,15 +225,16 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     import dispatch
-    from moe_ar_tools import bench
+    from moe_ar_tools.bench import config, records
+    from moe_ar_tools.provenance import git_commit
     run = Run(args)
     run.log(f"backend_cost: {run.W} ranks, {torch.cuda.get_device_name(run.device)}; constructions ...")
     result = None
     if run.rank == 0:
-        result = {"gpu": torch.cuda.get_device_name(run.device), "world_size": run.W, "driver": bench._driver_version(),
-                  "versions": bench._versions(), "commit": bench._git_commit(),
+        result = {"gpu": torch.cuda.get_device_name(run.device), "world_size": run.W,
+                  "driver": records._driver_version(), "versions": records._versions(), "commit": git_commit(),
                   "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                  "env": {k: os.environ.get(k) for k in bench.REQUIRED_ENV},
+                  "env": {k: os.environ.get(k) for k in config.REQUIRED_ENV},
                   "config": {"hidden": HIDDEN, "top_k": TOP_K, "shared": True, "dtype": "bf16", "profile": "plain",
                              "max_tokens": run.max_tokens, "tokens": args.tokens, "calls_per_graph": args.calls,
                              "replays": args.replays, "constructions": args.constructions, "seed": args.seed,

@@ -189,7 +189,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     from moe_ar_tools.provenance import git_commit
-    from moe_ar_tools.soak import machine_info
+    from moe_ar_tools.soak.result import machine_info
     results = {"commit": git_commit(), "machine": machine_info(), "runs": [measure(args.tokens, rounds=args.rounds, quant=q)
                                                    for q in (None, "nvfp4")]}
     for run in results["runs"]:

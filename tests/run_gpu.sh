@@ -9,7 +9,7 @@
 #   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
 #   autobench the automatic choice under the committed tables against every forced program
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
-#   soak      long randomized runs (moe_ar_tools/soak.py): world size 2 on two GPUs, 4 and 8 emulated
+#   soak      long randomized runs (moe_ar_tools/soak/): world size 2 on two GPUs, 4 and 8 emulated
 #             on one GPU each; moe_ar_tools/reliability_summary.py turns the results into the summary
 #   hosttime  host time of one rank's eager call (checks, launch) beside torch.add (moe_ar_tools.host_time)
 #   backend   the CUDA IPC and symmetric-memory workspaces side by side (moe_ar_tools.backend_cost)

@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import dispatch
-from moe_ar_tools import bench
+from moe_ar_tools.bench import cli, config, inputs, records, roofline, summary, systems, timing
 from moe_ar_tools import reference as ref
 
 
@@ -21,7 +21,7 @@ from moe_ar_tools import reference as ref
 
 def test_hbm_bytes_small_case_by_hand():
     # T=2 tokens, H=32, top_k=3, shared expert, bf16 (2 bytes), profile 110
-    b = bench.hbm_bytes(2, 32, 3, True, "plain", 2)
+    b = roofline.hbm_bytes(2, 32, 3, True, "plain", 2)
     assert b["expert_rows"] == 2 * 3 * 32 * 2 == 384
     assert b["routing"] == 2 * 3 * (4 + 4) == 48  # int32 index + fp32 router weight per route
     assert b["shared"] == 2 * 32 * 2 == 128
@@ -33,7 +33,7 @@ def test_hbm_bytes_small_case_by_hand():
 
 
 def test_hbm_bytes_nvfp4_no_shared_and_dropped_routes():
-    b = bench.hbm_bytes(2, 32, 3, False, "nvfp4", 2, dropped_routes=2)
+    b = roofline.hbm_bytes(2, 32, 3, False, "nvfp4", 2, dropped_routes=2)
     assert b["shared"] == 0
     assert b["expert_rows"] == (6 - 2) * 32 * 2 == 256  # dropped routes read no row
     # quant_out T*H/2 = 32 bytes; scales: rows padded to 128, H/16 = 2 columns padded to 4 -> 512
@@ -43,70 +43,70 @@ def test_hbm_bytes_nvfp4_no_shared_and_dropped_routes():
 
 def test_hbm_bytes_deepseek_shape():
     T, H, K = 16384, 7168, 8
-    b = bench.hbm_bytes(T, H, K, True, "plain")
+    b = roofline.hbm_bytes(T, H, K, True, "plain")
     assert b["total"] == T * K * H * 2 + T * K * 8 + T * H * 2 * 4 + H * 2
 
 
 def test_hbm_bytes_nvfp4_scales_are_the_runtimes_scale_out_bytes():
     for T, H in [(1, 16), (129, 7168), (16384, 7168)]:
-        b = bench.hbm_bytes(T, H, 8, False, "nvfp4")
+        b = roofline.hbm_bytes(T, H, 8, False, "nvfp4")
         assert b["nvfp4"] == T * H // 2 + dispatch.scale_out_bytes(T, H)
 
 
 def test_nvlink_bytes_by_regime():
     payload = 2 * 32 * 2  # T=2, H=32, bf16
-    assert bench.nvlink_bytes(2, 32, 2, "one_shot") == 1 * payload
-    assert bench.nvlink_bytes(2, 32, 2, "two_shot") == payload  # 2 * (W-1)/W = 1 at W=2
-    assert bench.nvlink_bytes(2, 32, 4, "one_shot") == 3 * payload
-    assert bench.nvlink_bytes(2, 32, 4, "two_shot") == 1.5 * payload
-    assert bench.nvlink_bytes(2, 32, 8, "two_shot") == 1.75 * payload
+    assert roofline.nvlink_bytes(2, 32, 2, "one_shot") == 1 * payload
+    assert roofline.nvlink_bytes(2, 32, 2, "two_shot") == payload  # 2 * (W-1)/W = 1 at W=2
+    assert roofline.nvlink_bytes(2, 32, 4, "one_shot") == 3 * payload
+    assert roofline.nvlink_bytes(2, 32, 4, "two_shot") == 1.5 * payload
+    assert roofline.nvlink_bytes(2, 32, 8, "two_shot") == 1.75 * payload
     with pytest.raises(ValueError):
-        bench.nvlink_bytes(2, 32, 2, "multicast")
+        roofline.nvlink_bytes(2, 32, 2, "multicast")
 
 
 def test_roofline_is_the_larger_time():
-    r = bench.roofline(4.2e9, 390e6, 4200.0, 390.0)  # 1 ms of HBM, 1 ms of NVLink
+    r = roofline.roofline(4.2e9, 390e6, 4200.0, 390.0)  # 1 ms of HBM, 1 ms of NVLink
     assert r["hbm_us"] == pytest.approx(1000.0)
     assert r["nvlink_us"] == pytest.approx(1000.0)
-    r = bench.roofline(4.2e9, 780e6, 4200.0, 390.0)
+    r = roofline.roofline(4.2e9, 780e6, 4200.0, 390.0)
     assert r["roofline_us"] == pytest.approx(2000.0) and r["bound"] == "nvlink"
-    r = bench.roofline(8.4e9, 390e6, 4200.0, 390.0)
+    r = roofline.roofline(8.4e9, 390e6, 4200.0, 390.0)
     assert r["roofline_us"] == pytest.approx(2000.0) and r["bound"] == "hbm"
 
 
 def test_regime_of_family():
-    assert bench.regime_of_family("oneshot") == "one_shot"
+    assert roofline.regime_of_family("oneshot") == "one_shot"
     for fam in ("twoshot", "twoshot_early", "twoshot_shared", "twoshot_early_shared"):
-        assert bench.regime_of_family(fam) == "two_shot"
+        assert roofline.regime_of_family(fam) == "two_shot"
 
 
 # ---- statistics ----------------------------------------------------------------------------------
 
 def test_median_percentile():
-    assert bench.median([3, 1, 2]) == 2
-    assert bench.median([4, 1, 2, 3]) == 2.5
-    assert bench.percentile([1, 2, 3, 4, 5], 0) == 1
-    assert bench.percentile([1, 2, 3, 4, 5], 100) == 5
-    assert bench.percentile([1, 2, 3, 4, 5], 25) == 2
-    assert bench.percentile([10, 20], 50) == 15
+    assert timing.median([3, 1, 2]) == 2
+    assert timing.median([4, 1, 2, 3]) == 2.5
+    assert timing.percentile([1, 2, 3, 4, 5], 0) == 1
+    assert timing.percentile([1, 2, 3, 4, 5], 100) == 5
+    assert timing.percentile([1, 2, 3, 4, 5], 25) == 2
+    assert timing.percentile([10, 20], 50) == 15
     with pytest.raises(ValueError):
-        bench.median([])
+        timing.median([])
 
 
 def test_pair_ratio_is_median_of_per_replay_ratios():
-    assert bench.pair_ratio([1.0, 2.0, 30.0], [2.0, 2.0, 10.0]) == 1.0  # ratios 0.5, 1, 3
+    assert timing.pair_ratio([1.0, 2.0, 30.0], [2.0, 2.0, 10.0]) == 1.0  # ratios 0.5, 1, 3
     # not the ratio of the medians: here the per-replay ratios are 1, 0.25, 2.5 (median 1),
     # while median(a) / median(b) = 1 / 4
     a, b = [1.0, 1.0, 10.0], [1.0, 4.0, 4.0]
-    assert bench.pair_ratio(a, b) == 1.0
-    assert bench.median(a) / bench.median(b) == 0.25
+    assert timing.pair_ratio(a, b) == 1.0
+    assert timing.median(a) / timing.median(b) == 0.25
     with pytest.raises(ValueError):
-        bench.pair_ratio([1.0], [1.0, 2.0])
+        timing.pair_ratio([1.0], [1.0, 2.0])
 
 
 def test_replay_orders_interleave_every_system_once_a_round_in_varying_order():
     n, rounds = 5, 200
-    orders = bench.replay_orders(n, rounds, seed=1234)
+    orders = timing.replay_orders(n, rounds, seed=1234)
     assert len(orders) == rounds
     assert all(sorted(o) == list(range(n)) for o in orders)  # interleaved: each system once a round
     # no fixed place or neighbour: every system comes first in some round, and the system
@@ -115,23 +115,23 @@ def test_replay_orders_interleave_every_system_once_a_round_in_varying_order():
     before_0 = {o[o.index(0) - 1] for o in orders if o.index(0) > 0}
     assert len(before_0) == n - 1
     # every rank computes the same sequence from the same seed; another seed gives another
-    assert bench.replay_orders(n, rounds, seed=1234) == orders
-    assert bench.replay_orders(n, rounds, seed=99) != orders
-    assert bench.replay_orders(1, 3, seed=0) == [[0], [0], [0]]
+    assert timing.replay_orders(n, rounds, seed=1234) == orders
+    assert timing.replay_orders(n, rounds, seed=99) != orders
+    assert timing.replay_orders(1, 3, seed=0) == [[0], [0], [0]]
     with pytest.raises(ValueError, match="rounds"):
-        bench.replay_orders(3, 0, seed=0)
+        timing.replay_orders(3, 0, seed=0)
 
 
 def test_slowest_rank_takes_max_per_replay():
-    assert bench.slowest_rank([[1, 5, 3], [2, 4, 3]]) == [2, 5, 3]
+    assert timing.slowest_rank([[1, 5, 3], [2, 4, 3]]) == [2, 5, 3]
 
 
 def test_input_sets_for():
     L2 = 50 * 2 ** 20
-    assert bench.input_sets_for(1, L2, 10) == 10  # tiny sets: one per captured call
-    assert bench.input_sets_for(10 * L2, L2, 10) == 1  # huge sets: one
+    assert timing.input_sets_for(1, L2, 10) == 10  # tiny sets: one per captured call
+    assert timing.input_sets_for(10 * L2, L2, 10) == 1  # huge sets: one
     per_set = 36_700_160  # T=256, H=7168, K=8, shared + residual
-    n = bench.input_sets_for(per_set, L2, 10)
+    n = timing.input_sets_for(per_set, L2, 10)
     assert n * per_set >= 2 * L2 and (n - 1) * per_set < 2 * L2
 
 
@@ -141,12 +141,12 @@ def _record(**kw):
     base = dict(system="auto", world_size=2, dtype="bf16", hidden=7168, top_k=8, shared=True, profile="plain",
                 tokens=64, median_us=12.5, roofline_us=3.25, valid=True)
     base.update(kw)
-    return bench.make_record(**base)
+    return records.make_record(**base)
 
 
 def test_record_schema():
     r = _record(ratio_vs_nccl_torch=0.5, program="moe_ar_os_bf16_ws2_plain")
-    assert tuple(r)[:len(bench.RECORD_KEYS)] == bench.RECORD_KEYS
+    assert tuple(r)[:len(records.RECORD_KEYS)] == records.RECORD_KEYS
     assert r["emulated"] is False
     assert r["ratio_vs_nccl_torch"] == 0.5 and r["program"] == "moe_ar_os_bf16_ws2_plain"
     json.dumps(r)
@@ -164,7 +164,7 @@ def test_record_rejects_bad_fields(bad):
 
 
 def test_jsonable_makes_strict_json():
-    out = bench.jsonable({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2}})
+    out = records.jsonable({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2}})
     assert out == {"a": None, "b": [1.0, None], "c": {"d": 2}}
     json.dumps(out, allow_nan=False)
 
@@ -182,7 +182,7 @@ def test_summary_picks_best_and_reports_ratios():
         _record(system="auto", median_us=12.5, program="moe_ar_os_bf16_ws2_plain", ratio_vs_nccl_torch=0.31,
                 ratio_vs_symm_torch=0.42, ratio_vs_best_program=1.04),
     ]
-    rows = bench.summary_rows(recs)
+    rows = summary.summary_rows(recs)
     assert len(rows) == 1
     r = rows[0]
     assert r["auto_us"] == 12.5 and r["nccl_torch_us"] == 40.0
@@ -191,7 +191,7 @@ def test_summary_picks_best_and_reports_ratios():
     assert r["auto_vs_nccl"] == 0.31 and r["auto_vs_best"] == 1.04
     assert r["roofline_fraction"] == pytest.approx(3.25 / 12.5)
     assert r["invalid"] == ["moe_ar_ts_bf16_ws2_plain"]
-    text = bench.format_summary(rows)
+    text = summary.format_summary(rows)
     assert "7168/8s" in text and "os;os" in text and "INVALID:ts" in text and "0.31" in text
 
 
@@ -204,113 +204,125 @@ def test_summary_reports_the_strongest_baseline():
         _record(system="symm+compiled", variant="two_shot", median_us=18.0, valid=False),  # wrong: ignored
         _record(system="auto", median_us=7.0, ratio_vs_best_baseline=0.33),
     ]
-    r = bench.summary_rows(recs)[0]
+    r = summary.summary_rows(recs)[0]
     assert r["nccl_compiled_us"] == 25.0 and r["symm_compiled_us"] == 21.0
     assert r["best_baseline"] == "symm+compiled/one_shot" and r["best_baseline_us"] == 21.0
     assert r["auto_vs_best_baseline"] == 0.33
-    text = bench.format_summary([r])
+    text = summary.format_summary([r])
     assert "symm+compiled/one_shot" in text and "0.33" in text
     # the fused-quant baseline is not an unfused step: never the best baseline
-    r = bench.summary_rows([_record(system="auto+quant", profile="fp8_tensor", median_us=1.0),
-                            _record(system="nccl+torch", profile="fp8_tensor", median_us=9.0)])[0]
+    r = summary.summary_rows([_record(system="auto+quant", profile="fp8_tensor", median_us=1.0),
+                              _record(system="nccl+torch", profile="fp8_tensor", median_us=9.0)])[0]
     assert r["best_baseline"] == "nccl+torch"
-    assert set(bench.UNFUSED_BASELINES) <= set(bench.BASELINES) <= set(bench.SYSTEM_CHOICES) | {"auto+quant"}
-    assert {"nccl+compiled", "symm+compiled"} <= set(bench.parse_list(bench.DEFAULT_SYSTEMS))
+    assert set(config.UNFUSED_BASELINES) <= set(config.BASELINES) <= set(config.SYSTEM_CHOICES) | {"auto+quant"}
+    assert {"nccl+compiled", "symm+compiled"} <= set(config.parse_list(config.DEFAULT_SYSTEMS))
 
 
 def test_summary_order_follows_the_sweep():
     recs = [_record(hidden=7168, tokens=2), _record(hidden=7168, tokens=1), _record(hidden=4096, tokens=1),
             _record(hidden=7168, tokens=1, profile="nvfp4")]
-    keys = [(r["hidden"], r["profile"], r["tokens"]) for r in bench.summary_rows(recs)]
+    keys = [(r["hidden"], r["profile"], r["tokens"]) for r in summary.summary_rows(recs)]
     assert keys == [(7168, "plain", 1), (7168, "plain", 2), (7168, "nvfp4", 1), (4096, "plain", 1)]
 
 
 def test_short_program():
-    assert bench.short_program("moe_ar_tses_fp16_ws8_nvfp4") == "tses"
-    assert bench.short_program("nccl+torch") == "nccl+torch"
-    assert bench.short_program(None) == "-"
+    assert summary.short_program("moe_ar_tses_fp16_ws8_nvfp4") == "tses"
+    assert summary.short_program("nccl+torch") == "nccl+torch"
+    assert summary.short_program(None) == "-"
 
 
 # ---- parsing and the command line ----------------------------------------------------------------
 
 def test_defaults_are_the_documented_shape_table():
-    shapes = bench.parse_shapes(bench.DEFAULT_SHAPES)
-    assert shapes == [bench.Shape(7168, 8, True), bench.Shape(7168, 8, False), bench.Shape(7168, 4, True),
-                      bench.Shape(4096, 8, False)]
-    assert bench.parse_tokens(bench.DEFAULT_TOKENS) == [2 ** i for i in range(15)]
+    shapes = config.parse_shapes(config.DEFAULT_SHAPES)
+    assert shapes == [config.Shape(7168, 8, True), config.Shape(7168, 8, False), config.Shape(7168, 4, True),
+                      config.Shape(4096, 8, False)]
+    assert config.parse_tokens(config.DEFAULT_TOKENS) == [2 ** i for i in range(15)]
 
 
 def test_parse_tokens_and_shapes():
-    assert bench.parse_tokens("1-16") == [1, 2, 4, 8, 16]
-    assert bench.parse_tokens("64,3,64") == [3, 64]
+    assert config.parse_tokens("1-16") == [1, 2, 4, 8, 16]
+    assert config.parse_tokens("64,3,64") == [3, 64]
     for bad in ("", "0", "-3"):
         with pytest.raises(ValueError):
-            bench.parse_tokens(bad)
+            config.parse_tokens(bad)
     for bad in ("7168", "7168:8:yes", "100:8", "7168:0", ""):
         with pytest.raises(ValueError):
-            bench.parse_shapes(bad)
+            config.parse_shapes(bad)
     with pytest.raises(ValueError):
-        bench.parse_list("110,112", bench.PROFILES, "profile")
+        config.parse_list("110,112", config.PROFILES, "profile")
 
 
 def test_cli_rejects_bad_options_without_a_gpu():
     runner = CliRunner()
-    assert runner.invoke(bench.main, ["--help"]).exit_code == 0
-    r = runner.invoke(bench.main, ["--shapes", "7168:8:nope"])
+    assert runner.invoke(cli.main, ["--help"]).exit_code == 0
+    r = runner.invoke(cli.main, ["--shapes", "7168:8:nope"])
     assert r.exit_code == 2 and "HIDDEN:TOP_K" in r.output
-    r = runner.invoke(bench.main, ["--systems", "auto,not_a_program"])
+    r = runner.invoke(cli.main, ["--systems", "auto,not_a_program"])
     assert r.exit_code == 2 and "not_a_program" in r.output
 
 
 def test_cli_accepts_the_compiled_baselines(monkeypatch):
     """--systems takes the +compiled names; the run then stops at the GPU count (none here)."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
-    r = CliRunner().invoke(bench.main, ["--systems", "nccl+compiled,symm+compiled,nccl+torch", "--reps", "50"])
+    r = CliRunner().invoke(cli.main, ["--systems", "nccl+compiled,symm+compiled,nccl+torch", "--reps", "50"])
     assert r.exit_code == 1 and "needs 2 GPUs" in r.output, r.output
     assert "not one of" not in r.output
 
 
 def test_default_out_path():
     import datetime
-    p = bench.default_out_path("2xH200 / host", datetime.datetime(2025, 1, 2, 3, 4, 5))
+    p = records.default_out_path("2xH200 / host", datetime.datetime(2025, 1, 2, 3, 4, 5))
     assert str(p) == "bench_results/2xH200_host-20250102-030405.json"
 
 
 def test_import_works_without_a_gpu_and_plots_lazily():
-    code = "import sys, moe_ar_tools.bench; assert 'matplotlib' not in sys.modules"
+    code = "import sys, moe_ar_tools.bench, moe_ar_tools.bench.cli; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_package_keeps_the_helpers_other_tools_import():
+    """Other tools import these from moe_ar_tools.bench; each is its home module's object."""
+    import moe_ar_tools.bench as package
+    from moe_ar_tools.bench import plotting
+    homes = {timing: ("median", "pair_ratio", "replay_orders", "input_sets_for"),
+             roofline: ("hbm_bytes", "measure_bandwidth"), records: ("jsonable", "_versions", "_driver_version"),
+             plotting: ("plot",)}
+    for module, names in homes.items():
+        for name in names:
+            assert getattr(package, name) is getattr(module, name), name
 
 
 # ---- the unfused baseline's torch math -----------------------------------------------------------
 
 def test_torch_baseline_matches_float64_on_cpu():
-    shape = bench.Shape(64, 4, True)
+    shape = config.Shape(64, 4, True)
     T = 5
-    x = bench.make_input_sets(shape, T, 1, torch.bfloat16, rank=0, seed=3, device="cpu")[0]
+    x = inputs.make_input_sets(shape, T, 1, torch.bfloat16, rank=0, seed=3, device="cpu")[0]
     partial = torch.empty(T, 64, dtype=torch.bfloat16)
-    bench.torch_finalize(x, partial)
+    systems.torch_finalize(x, partial)
     exact = torch.zeros(T, 64, dtype=torch.float64)
     for t in range(T):
         for k in range(4):
             exact[t] += float(x.scale[t, k]) * x.allreduce_in[int(x.idx[t, k])].double()
-    exact = exact * bench.ROUTED_SCALING_FACTOR + x.shared.double()
-    assert bench.rel_err(partial, exact.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
+    exact = exact * config.ROUTED_SCALING_FACTOR + x.shared.double()
+    assert inputs.rel_err(partial, exact.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
 
     out = {"residual_out": torch.empty(T, 64, dtype=torch.bfloat16), "norm_out": torch.empty(T, 64, dtype=torch.bfloat16)}
-    bench.torch_epilogue(partial, x, out)
+    systems.torch_epilogue(partial, x, out)
     res = partial.double() + x.residual.double()
-    norm = res / torch.sqrt(res.square().mean(-1, keepdim=True) + bench.EPS) * x.norm_weight.double()
-    assert bench.rel_err(out["residual_out"], res.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
-    assert bench.rel_err(out["norm_out"], norm.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
+    norm = res / torch.sqrt(res.square().mean(-1, keepdim=True) + config.EPS) * x.norm_weight.double()
+    assert inputs.rel_err(out["residual_out"], res.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
+    assert inputs.rel_err(out["norm_out"], norm.float()) < 4 * ref.UNIT_ROUNDOFF[torch.bfloat16]
     # the check that voids a leg does see a wrong result
-    assert bench.rel_err(torch.zeros_like(out["norm_out"]), norm.float()) > bench.TOLERANCE_U * \
+    assert inputs.rel_err(torch.zeros_like(out["norm_out"]), norm.float()) > config.TOLERANCE_U * \
         ref.UNIT_ROUNDOFF[torch.bfloat16]
 
 
 def test_inputs_share_routing_across_ranks_but_not_partials():
-    shape = bench.Shape(32, 2, True)
-    a = bench.make_input_sets(shape, 3, 2, torch.bfloat16, rank=0, seed=9, device="cpu")
-    b = bench.make_input_sets(shape, 3, 2, torch.bfloat16, rank=1, seed=9, device="cpu")
+    shape = config.Shape(32, 2, True)
+    a = inputs.make_input_sets(shape, 3, 2, torch.bfloat16, rank=0, seed=9, device="cpu")
+    b = inputs.make_input_sets(shape, 3, 2, torch.bfloat16, rank=1, seed=9, device="cpu")
     for x, y in zip(a, b):
         assert torch.equal(x.idx, y.idx) and torch.equal(x.scale, y.scale)
         assert torch.equal(x.residual, y.residual) and torch.equal(x.norm_weight, y.norm_weight)
@@ -322,16 +334,16 @@ def test_inputs_share_routing_across_ranks_but_not_partials():
 def test_contract_outputs_are_the_references_on_one_rank(tmp_path):
     """The bench's float64 check values (gloo, world size 1) are moe_ar_tools.reference's."""
     import torch.distributed as dist
-    shape = bench.Shape(64, 4, True)
-    x = bench.make_input_sets(shape, 5, 1, torch.bfloat16, rank=0, seed=4, device="cpu")[0]
+    shape = config.Shape(64, 4, True)
+    x = inputs.make_input_sets(shape, 5, 1, torch.bfloat16, rank=0, seed=4, device="cpu")[0]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
-        residual, norm = bench.contract_outputs(x, torch.bfloat16, dist.group.WORLD)
+        residual, norm = inputs.contract_outputs(x, torch.bfloat16, dist.group.WORLD)
     finally:
         dist.destroy_process_group()
     want = ref.reference([dict(allreduce_in=x.allreduce_in, expanded_idx_to_permuted_idx=x.idx,
                                expert_scale_factor=x.scale, shared_expert_output=x.shared, residual_in=x.residual,
-                               norm_weight=x.norm_weight)], bench.EPS, 0, bench.ROUTED_SCALING_FACTOR, torch.bfloat16)
+                               norm_weight=x.norm_weight)], config.EPS, 0, config.ROUTED_SCALING_FACTOR, torch.bfloat16)
     assert torch.equal(residual, want["residual_out"].float())
     assert torch.equal(norm, want["norm_out_f64"].float())
 
@@ -344,20 +356,20 @@ def test_compiled_baseline_is_the_eager_math(dtype, shared):
     bit for bit, writing into a view of a larger buffer (the symmetric-memory case) and nothing
     outside it."""
     T, H = 5, 64
-    shape = bench.Shape(H, 4, shared)
-    x = bench.make_input_sets(shape, T, 1, dtype, rank=0, seed=11, device="cpu")[0]
-    fin, epi = bench.compiled_fns(backend="aot_eager")
+    shape = config.Shape(H, 4, shared)
+    x = inputs.make_input_sets(shape, T, 1, dtype, rank=0, seed=11, device="cpu")[0]
+    fin, epi = systems.compiled_fns(backend="aot_eager")
     want = torch.empty(T, H, dtype=dtype)
-    bench.torch_finalize(x, want)
+    systems.torch_finalize(x, want)
     big = torch.full((T + 3, H), float("nan"), dtype=dtype)
-    bench.torch_finalize(x, big[:T], fin)
+    systems.torch_finalize(x, big[:T], fin)
     assert torch.equal(big[:T].view(torch.int16), want.view(torch.int16))
     assert torch.isnan(big[T:]).all()
 
     def outs():
         return {k: torch.full((T, H), float("nan"), dtype=dtype) for k in ("residual_out", "norm_out")}
     eager, compiled = outs(), outs()
-    bench.torch_epilogue(want, x, eager)
-    bench.torch_epilogue(want, x, compiled, epi)
+    systems.torch_epilogue(want, x, eager)
+    systems.torch_epilogue(want, x, compiled, epi)
     for k in eager:
         assert torch.equal(compiled[k].view(torch.int16), eager[k].view(torch.int16)), k

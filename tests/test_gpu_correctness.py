@@ -1,7 +1,7 @@
 """Every generated program against the float64 reference, in an emulated world (all ranks in this
 process, co-resident on one GPU, or spread over two GPUs when there are two).
 
-What is checked on every call (moe_ar_tools/reference.py: check_outputs):
+What is checked on every call (moe_ar_tools/reference/checks.py: check_outputs):
   * every output element written (outputs are poisoned first: NaN, 0xAB bytes);
   * residual_out inside the per-element bracket derived from the precision contract
     (float32 accumulation, one rounding per rank partial, one for the sum), and a
@@ -246,7 +246,7 @@ extern "C" __global__ void nvfp4_probe(unsigned char* codes, unsigned char* byte
 def test_nvfp4_encoders_equal_the_rule_for_every_float():
     """For all 2^32 float32 bit patterns (both signs, zeros, subnormals, ties, saturation, infinities,
     NaNs): the kernels' E2M1 encoders (e2m1_code, one value with compares; e2m1x8, eight values by
-    multiply-adds, x at each of the eight places) give the reference's nibble (moe_ar_tools/reference.py: count
+    multiply-adds, x at each of the eight places) give the reference's nibble (moe_ar_tools/reference/quant.py: count
     the midpoints, ties to even), and the scale byte from multiply-adds equals the one from a correctly
     rounded division by 6."""
     import cupy

@@ -5,7 +5,7 @@ For each FP8 profile, one fused call on an emulated world, then:
     3 mantissa bits: every element within half a step, 2^-4 relative, of its value, or of the
     smallest step where it underflows);
   * quantize the same norm_out separately in torch, the way engines do today
-    (per_token_group_quant_fp8 / static per-tensor quant: moe_ar_tools/reference.py), and run the same
+    (per_token_group_quant_fp8 / static per-tensor quant: moe_ar_tools/reference/quant.py), and run the same
     block-FP8 GEMM on both: torch._scaled_mm with 1x128 block scales where this torch and GPU
     offer it, otherwise the same GEMM built from row-wise scaled FP8 GEMMs, one per 128-wide K
     group, summed in float32. Both must give bit-identical results, close to the bf16 GEMM of
@@ -148,7 +148,7 @@ def test_fp8_tensor_feeds_a_scaled_mm(seed_for, record_result):
 @pytest.mark.parametrize("quant", ["fp8_group128", "fp8_tensor"])
 def test_bench_separate_quant_kernel_matches_the_rule(quant, seed_for):
     """The auto+quant baseline's separate kernel writes exactly the reference bytes."""
-    from moe_ar_tools.bench import Fp8QuantKernel
+    from moe_ar_tools.bench.fp8_quant import Fp8QuantKernel
     g = torch.Generator(device="cpu").manual_seed(seed_for("x"))
     x = (torch.randn(T, H, generator=g) * torch.rand(T, 1, generator=g) * 3).to(torch.bfloat16).cuda()
     kernel = Fp8QuantKernel(torch.cuda.current_device())

@@ -1,7 +1,7 @@
 """Reliability (issue #5): faults, hostile input and lifetimes, on the GPU.
 
 Faults, each followed by the documented recovery (`reset()`) and fresh calls checked in full against
-the float64 reference (moe_ar_tools/reference.py), in the same process:
+the float64 reference (moe_ar_tools/reference/), in the same process:
 
 * a late rank: one rank's stream sleeps ~100 ms (torch.cuda._sleep, measured with CUDA events) before
   its kernel; with a 10 s deadline every rank is correct; with a 20 ms deadline every rank either

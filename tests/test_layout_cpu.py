@@ -1,20 +1,24 @@
 """The repository's layout (CPU): dispatch/ is the runtime only and imports none of the tools; the
 runtime and the generator never import each other (both may import moe_ar_common); dispatch/'s
-modules are each of one concern, no longer than MAX_DISPATCH_LINES, and import each other one way;
-the tools (benchmark, soak, reference, summary, probes) live in moe_ar_tools/, the example in
-examples/, and tests/ holds tests and their helpers only."""
+modules are each of one concern and import each other one way; the tools (benchmark, soak,
+reference, summary, probes) live in moe_ar_tools/, the example in examples/, and tests/ holds tests
+and their helpers only. Modules stay small (MAX_MODULE_LINES) and the tools' imports among
+themselves form no cycle."""
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import subprocess
 import re
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = "moe_ar_tools"
 COMMON = "moe_ar_common"
-MAX_DISPATCH_LINES = 600
+MAX_MODULE_LINES = 600  # a longer module is split by concern
 
 
 def _imported_modules(path: pathlib.Path) -> set:
@@ -85,12 +89,6 @@ def test_dispatch_modules_import_each_other_one_way():
         visit(name)
 
 
-def test_no_dispatch_module_is_too_long():
-    lines = {p.name: len(p.read_text().splitlines()) for p in _dispatch_modules().values()}
-    long = {name: n for name, n in lines.items() if n > MAX_DISPATCH_LINES}
-    assert not long, f"over {MAX_DISPATCH_LINES} lines (split them by concern): {long}"
-
-
 def test_the_runtime_and_the_generator_never_import_each_other():
     """The manifest is their only interface: the runtime imports neither the generator nor jinja2, the
     generator never the runtime. What both need is in moe_ar_common, which either may import and which
@@ -129,8 +127,12 @@ def test_dispatch_is_the_runtime_only():
 
 
 def test_tools_and_example_are_where_the_commands_say():
-    for module in ("bench", "soak", "reference", "reliability_summary", "provenance"):
+    for module in ("reliability_summary", "provenance"):
         assert (ROOT / TOOLS / f"{module}.py").is_file(), module
+    for package in ("bench", "soak", "reference"):
+        assert (ROOT / TOOLS / package / "__init__.py").is_file(), package
+    for command in ("bench", "soak"):  # python -m moe_ar_tools.bench / .soak (tests/run_gpu.sh)
+        assert (ROOT / TOOLS / command / "__main__.py").is_file(), command
     for probe in ("gpu_burst_probe", "row_ring_probe", "ncu_one_rank", "pipelined_solo_rank"):
         path = ROOT / TOOLS / "probes" / f"{probe}.py"
         text = path.read_text()
@@ -154,8 +156,10 @@ def test_tests_hold_no_tools():
 
 def test_console_scripts_and_packages():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the project supports 3.10)
-    assert re.search(rf'^moe-ar-bench = "{TOOLS}\.bench:main"$', text, re.M)
-    assert re.search(rf'^moe-ar-soak = "{TOOLS}\.soak:main"$', text, re.M)
+    for script, target in (("moe-ar-bench", f"{TOOLS}.bench.cli:main"), ("moe-ar-soak", f"{TOOLS}.soak.cli:main")):
+        assert re.search(rf'^{script} = "{re.escape(target)}"$', text, re.M), script
+        module, name = target.split(":")
+        assert callable(getattr(importlib.import_module(module), name)), target
     # The packages are listed one by one (pyproject.toml maps the data folders too): every package
     # of the tools must be there.
     listed = re.search(r"^\[tool\.setuptools\]\npackages = \[(.*?)\]$", text, re.M | re.S).group(1)
@@ -185,3 +189,102 @@ def test_every_import_of_the_project_resolves():
                         except ImportError:
                             missing.append(f"{path.relative_to(ROOT_)}:{node.lineno}: {node.module}.{alias.name}")
     assert not missing, missing
+
+
+# ---- module size and the tools' import graph -------------------------------------------------------
+
+def _too_long(folder: str) -> list:
+    lengths = {p.relative_to(ROOT).as_posix(): len(p.read_text().splitlines())
+               for p in sorted((ROOT / folder).rglob("*.py"))}
+    return [f"{path}: {n} lines" for path, n in lengths.items() if n > MAX_MODULE_LINES]
+
+
+def test_no_tool_module_is_too_long():
+    assert not _too_long(TOOLS), _too_long(TOOLS)
+
+
+def test_no_dispatch_module_is_too_long():
+    assert not _too_long("dispatch"), _too_long("dispatch")
+
+
+def _tool_modules() -> dict:
+    """Dotted name -> path of every module of the tools (a package by its __init__.py)."""
+    out = {}
+    for path in sorted((ROOT / TOOLS).rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _tool_imports(path: pathlib.Path, modules: dict) -> set:
+    """The tool modules `path` imports (inside functions too): `from a.b import c` names a.b.c when
+    that is a module, else a.b; `import a.b` names a.b."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                names.add(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules else node.module)
+    return names & set(modules)
+
+
+def _find_cycle(graph: dict):
+    """A list of modules that import each other in a circle (the first one repeated at the end), or None."""
+    state = {}  # module -> "open" while on the current path, "done" after
+
+    def visit(name, path):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            if state.get(dep) == "open":
+                return path[path.index(dep):] + [dep]
+            if dep not in state:
+                cycle = visit(dep, path + [dep])
+                if cycle:
+                    return cycle
+        state[name] = "done"
+        return None
+
+    for name in sorted(graph):
+        if name not in state:
+            cycle = visit(name, [name])
+            if cycle:
+                return cycle
+    return None
+
+
+def test_the_tools_import_graph_has_no_cycle():
+    modules = _tool_modules()
+    assert {f"{TOOLS}.bench.cli", f"{TOOLS}.soak.cli", f"{TOOLS}.reference.checks"} <= set(modules)
+    graph = {name: _tool_imports(path, modules) for name, path in modules.items()}
+    assert graph[f"{TOOLS}.soak.runner"] >= {f"{TOOLS}.soak.calls", f"{TOOLS}.provenance"}
+    cycle = _find_cycle(graph)
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path):
+    # a package whose __init__ imports a module (inside a function too) that imports the package back
+    init, timing = tmp_path / "init.py", tmp_path / "timing.py"
+    init.write_text("def f():\n    from moe_ar_tools.bench import timing\n")
+    timing.write_text("import math\nfrom moe_ar_tools.bench import median\n")
+    modules = {f"{TOOLS}.bench": init, f"{TOOLS}.bench.timing": timing}
+    graph = {name: _tool_imports(path, modules) for name, path in modules.items()}
+    assert graph == {f"{TOOLS}.bench": {f"{TOOLS}.bench.timing"}, f"{TOOLS}.bench.timing": {f"{TOOLS}.bench"}}
+    assert _find_cycle(graph) == [f"{TOOLS}.bench", f"{TOOLS}.bench.timing", f"{TOOLS}.bench"]
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_every_tool_module_imports_without_a_gpu():
+    names = sorted(_tool_modules())
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    r = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command, usage", [("bench", "Usage: python -m moe_ar_tools.bench"),
+                                            ("soak", "usage: moe-ar-soak")])
+def test_python_m_runs_each_command(command, usage):
+    """tests/run_gpu.sh runs the tools as python -m moe_ar_tools.bench / moe_ar_tools.soak."""
+    r = subprocess.run([sys.executable, "-m", f"{TOOLS}.{command}", "--help"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and r.stdout.startswith(usage), r.stdout[:500] + r.stderr[-2000:]

@@ -73,6 +73,11 @@ def test_the_wheel_ships_every_file_the_runtime_and_the_generator_read(pyproject
             assert f"{package}/{module.name}" == shipped[f"{package}/{module.name}"].relative_to(ROOT).as_posix()
     assert not [k for k in shipped if k.startswith("moe_ar_data/generated/") and
                 k.removeprefix("moe_ar_data/generated/") not in [*manifest["files"], "manifest.json"]]
+    # The tools: every module, in every subpackage (bench, soak, reference, probes), at its own path.
+    tools = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "moe_ar_tools").rglob("*.py"))
+    assert "moe_ar_tools/bench/cli.py" in tools and "moe_ar_tools/reference/__init__.py" in tools
+    for rel in tools:
+        assert rel in shipped and shipped[rel].relative_to(ROOT).as_posix() == rel, rel
 
 
 def test_every_data_folder_is_a_listed_package(pyproject):

@@ -1,4 +1,4 @@
-"""CPU tests of moe_ar_tools/reference.py against independent implementations.
+"""CPU tests of moe_ar_tools/reference/ against independent implementations.
 
 Every check here compares the reference with something computed another way
 (exact rationals, nearest-value search over a decoded table, hand-worked bytes,

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moe_ar_tools import reliability_summary as rs
-from moe_ar_tools import soak
+from moe_ar_tools.soak import runner
 from test_soak_cpu import FakeWorld, _soak_args
 
 GPU = dict(gpu="NVIDIA H200", gpus=2, base_seed=1, time="2026-12-01T00:00:00")
@@ -44,7 +44,7 @@ def _records():
 
 @pytest.fixture(scope="module")
 def soak_result():
-    r = soak.Soak(_soak_args(2, 60), world=FakeWorld(2, 40, 64, torch.bfloat16)).run()
+    r = runner.Soak(_soak_args(2, 60), world=FakeWorld(2, 40, 64, torch.bfloat16)).run()
     r["machine"] = dict(gpu="NVIDIA H200", gpus=2, hostname="gpu-host")
     r["commit"] = "abc1234"
     return r

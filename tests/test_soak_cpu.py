@@ -1,4 +1,4 @@
-"""moe_ar_tools/soak.py without a GPU: argument parsing, the token sampler, the soak's cheap per-call
+"""moe_ar_tools/soak/ without a GPU: argument parsing, the token sampler, the soak's cheap per-call
 check (the reference's residual_expectation, norm_expectation and nvfp4_blocks) against the float64
 reference, and the whole soak loop against a stand-in world whose "kernel" is the float64 reference
 (every call's arguments pass the runtime's own checks first)."""
@@ -15,20 +15,20 @@ import torch
 from moe_ar_tools import reference as ref
 from dispatch import op
 from dispatch.call_arguments import _DEFAULTS, _check_args
-from moe_ar_tools import soak
+from moe_ar_tools.soak import cli, result, runner, sampling
 
 # ---- arguments ------------------------------------------------------------------------------------
 
 
 def test_parse_args_defaults_and_devices():
-    a = soak.parse_args(["--world-size", "4", "--seed", "5"])
+    a = cli.parse_args(["--world-size", "4", "--seed", "5"])
     assert a.world_size == 4 and a.calls == 100_000 and a.device_list is None and a.seed == 5
     assert a.quant_list == [None, "nvfp4"] and a.dtype == "bf16" and a.hidden == 2048
-    a = soak.parse_args(["--world-size", "4", "--devices", "0,1", "--calls", "10", "--time-budget-s", "3",
-                         "--out", "x.json", "--quants", "nvfp4"])
+    a = cli.parse_args(["--world-size", "4", "--devices", "0,1", "--calls", "10", "--time-budget-s", "3",
+                        "--out", "x.json", "--quants", "nvfp4"])
     assert a.device_list == [0, 1, 0, 1] and a.calls == 10 and a.time_budget_s == 3.0 and a.out == "x.json"
     assert a.quant_list == ["nvfp4"] and isinstance(a.seed, int)
-    assert soak.parse_args(["--world-size", "2", "--devices", "0,1"]).device_list == [0, 1]
+    assert cli.parse_args(["--world-size", "2", "--devices", "0,1"]).device_list == [0, 1]
 
 
 @pytest.mark.parametrize("argv", [
@@ -43,7 +43,7 @@ def test_parse_args_defaults_and_devices():
 ])
 def test_parse_args_rejects(argv):
     with pytest.raises(SystemExit) as e:
-        soak.parse_args(argv)
+        cli.parse_args(argv)
     assert e.value.code == 2
 
 
@@ -52,7 +52,7 @@ def test_default_max_tokens_reaches_every_regime_of_the_selection_table():
     rows = registry.program_set().manifest["selection"]["boundaries"]
     for dname in ("bf16", "fp16"):
         for W in (2, 4, 8):
-            m = soak.default_max_tokens(rows, dname, W)
+            m = sampling.default_max_tokens(rows, dname, W)
             assert m >= 2048 and m % 128 == 0
             for s in rows:
                 if s["dtype"] == dname and s["world_size"] == W:
@@ -73,21 +73,21 @@ def _fake_select(T, quant, shared):
 
 
 def test_regime_boundaries_finds_every_change():
-    b = soak.regime_boundaries(_fake_select, 2048, [None, "nvfp4"])
+    b = sampling.regime_boundaries(_fake_select, 2048, [None, "nvfp4"])
     assert b == {None: [257, 1501], "nvfp4": [1025, 1501]}
-    assert soak.regime_ranges(b[None], 2048) == [(1, 256), (257, 1500), (1501, 2048)]
+    assert sampling.regime_ranges(b[None], 2048) == [(1, 256), (257, 1500), (1501, 2048)]
 
 
 @pytest.mark.parametrize("W", [2, 4, 8])
 def test_sampler_covers_every_regime_and_both_sides_of_every_boundary(W):
     max_tokens = 2304
     bounds = {None: [17, 2049], "nvfp4": [17, 1025, 2049]}
-    s = soak.TokenSampler(max_tokens, bounds, W, random.Random(3))
+    s = sampling.TokenSampler(max_tokens, bounds, W, random.Random(3))
     for q, bs in bounds.items():
         seen = [s.draw(q) for _ in range(6000)]
         assert min(seen) >= 1 and max(seen) <= max_tokens
         assert 1 in seen and max_tokens in seen and W in seen
-        for lo, hi in soak.regime_ranges(bs, max_tokens):
+        for lo, hi in sampling.regime_ranges(bs, max_tokens):
             assert sum(lo <= t <= hi for t in seen) >= 30, (q, lo, hi)
         for b in bs:
             assert b - 1 in seen and b in seen, (q, b)
@@ -102,7 +102,7 @@ def test_sampler_covers_every_regime_and_both_sides_of_every_boundary(W):
 
 def test_graph_token_counts_cover_each_regime():
     rnd = random.Random(1)
-    Ts = soak.graph_token_counts([257, 1501], 2048, rnd)
+    Ts = sampling.graph_token_counts([257, 1501], 2048, rnd)
     for lo, hi in [(1, 256), (257, 1500), (1501, 2048)]:
         assert lo in Ts and hi in Ts and sum(lo <= t <= hi for t in Ts) >= 2
 
@@ -111,10 +111,10 @@ def test_draw_config_keeps_rows_within_the_buffers():
     rnd = random.Random(0)
     for T in (1, 7, 100, 2048):
         for _ in range(200):
-            c = soak.draw_config(rnd, "nvfp4", T, 2048 * 8 + 16)
+            c = sampling.draw_config(rnd, "nvfp4", T, 2048 * 8 + 16)
             assert 1 <= c.top_k <= 16 and c.tokens * c.top_k + c.padded_rows <= 2048 * 8 + 16
             assert c.scale in ("none", "fp32", "dtype") and c.shared in ("none", "all", "rank0")
-            assert c.gs_range in soak.GS_LOG_RANGES and c.rsf == ref.f32(c.rsf)
+            assert c.gs_range in sampling.GS_LOG_RANGES and c.rsf == ref.f32(c.rsf)
     hash(c)  # graph cache key
 
 
@@ -308,15 +308,15 @@ class FakeWorld:
 
 
 def _soak_args(W, calls, extra=()):
-    return soak.parse_args(["--world-size", str(W), "--calls", str(calls), "--hidden", "64", "--max-tokens", "40",
-                            "--full-check-every", "25", "--check-every", "50", "--no-progress", "--seed", "7",
-                            *extra])
+    return cli.parse_args(["--world-size", str(W), "--calls", str(calls), "--hidden", "64", "--max-tokens", "40",
+                           "--full-check-every", "25", "--check-every", "50", "--no-progress", "--seed", "7",
+                           *extra])
 
 
 @pytest.mark.parametrize("W", [2, 4])
 def test_soak_loop_with_a_correct_world_passes(W, tmp_path):
     world = FakeWorld(W, 40, 64, torch.bfloat16)
-    s = soak.Soak(_soak_args(W, 150), world=world)
+    s = runner.Soak(_soak_args(W, 150), world=world)
     assert s.max_tokens == 40 and s.graph_note.startswith("eager calls only")
     r = s.run()
     assert r["passed"], json.dumps(r["failures"], indent=1)[:3000]
@@ -330,10 +330,10 @@ def test_soak_loop_with_a_correct_world_passes(W, tmp_path):
     assert r["tokens"]["min"] == 1 and r["tokens"]["max"] == 40
     assert all(c["up"] and c["down"] for c in r["boundary_crossings"].values()), r["boundary_crossings"]
     assert world.closed is False  # a world given to Soak is the caller's
-    soak.write_result(r, tmp_path / "out" / "soak.json")
+    result.write_result(r, tmp_path / "out" / "soak.json")
     back = json.loads((tmp_path / "out" / "soak.json").read_text())
     assert back["calls"] == 150 and back["commit"] and back["machine"]["gpus"] == 0
-    assert "PASS" in soak.summary_line(back)
+    assert "PASS" in result.summary_line(back)
 
 
 def _add_one(name, rank, where=(0, 0)):
@@ -354,7 +354,7 @@ def _add_one(name, rank, where=(0, 0)):
 ])
 def test_soak_loop_counts_a_wrong_element_and_checks_that_call_in_full(what, damage):
     world = FakeWorld(2, 40, 64, torch.bfloat16, corrupt={37: damage})
-    r = soak.Soak(_soak_args(2, 60), world=world).run()
+    r = runner.Soak(_soak_args(2, 60), world=world).run()
     assert not r["passed"] and r["wrong_calls"] >= 1 and r["wrong_elements"] >= 1, what
     assert r["failures"][0]["call"] == 37, r["failures"]
     assert r["full_check_failures"] >= 1, what  # the failing call got a full reference check, which failed too
@@ -371,7 +371,7 @@ def test_soak_loop_checks_nvfp4_bytes_and_the_untouched_scale_tail():
             kws[1]["scale_out"][-1] = 0  # past the required length: must stay untouched
     for damage, counter in ((damage_quant, "quant_out"), (damage_tail, "scale_tail")):
         world = FakeWorld(2, 40, 64, torch.bfloat16, corrupt={i: damage for i in range(40)})
-        r = soak.Soak(_soak_args(2, 40, ["--quants", "nvfp4"]), world=world).run()
+        r = runner.Soak(_soak_args(2, 40, ["--quants", "nvfp4"]), world=world).run()
         assert not r["passed"] and r["wrong_by_output"][counter] >= 1, (counter, r["wrong_by_output"])
 
 
@@ -388,12 +388,12 @@ def test_soak_loop_records_a_timeout_and_resets():
         def reset(self):
             TimingOut.resets += 1
     world = TimingOut(2, 40, 64, torch.float16)
-    r = soak.Soak(_soak_args(2, 30, ["--dtype", "fp16"]), world=world).run()
+    r = runner.Soak(_soak_args(2, 30, ["--dtype", "fp16"]), world=world).run()
     assert r["timeouts"] == 1 and TimingOut.resets == 1 and not r["passed"] and r["wrong_elements"] == 0
     assert "timed out" in r["timeout_messages"][0]
 
 
 def test_soak_loop_stops_at_the_time_budget():
     world = FakeWorld(2, 40, 64, torch.bfloat16)
-    r = soak.Soak(_soak_args(2, 10_000, ["--time-budget-s", "0.5"]), world=world).run()
+    r = runner.Soak(_soak_args(2, 10_000, ["--time-budget-s", "0.5"]), world=world).run()
     assert r["stopped_by"] == "time_budget" and 0 < r["calls"] < 10_000 and r["passed"]

@@ -1,0 +1,66 @@
+"""The timing protocol's arithmetic: medians and percentiles, per-replay ratios, the shuffled
+interleaved replay orders, the slowest rank, and how many input sets the captured calls rotate
+through (docs/measurement.md)."""
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+
+def median(xs) -> float:
+    xs = [float(x) for x in xs]
+    if not xs:
+        raise ValueError("median of nothing")
+    return float(statistics.median(xs))
+
+
+def percentile(xs, q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    xs = sorted(float(x) for x in xs)
+    if not xs:
+        raise ValueError("percentile of nothing")
+    pos = (len(xs) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def pair_ratio(times, baseline_times) -> float:
+    """Median over replays i of times[i] / baseline_times[i] (below 1: faster than the baseline).
+
+    The two series come from the same interleaved loop, replay i of both in the same round,
+    so slow drift of the machine cancels in each ratio."""
+    if len(times) != len(baseline_times) or not times:
+        raise ValueError(f"pair_ratio: {len(times)} and {len(baseline_times)} replays")
+    return median(a / b for a, b in zip(times, baseline_times))
+
+
+def replay_orders(n: int, rounds: int, seed: int) -> list[list[int]]:
+    """The order of the n systems in each of `rounds` rounds: every round replays each system
+    once (interleaved, docs/measurement.md), in an order shuffled per round. A fixed order puts one system
+    always after the same neighbour (the baselines, say) and at the same place in the round:
+    auto, replayed first after the baselines, measured up to 7% slower than the very program it
+    ran at 16 NVFP4 tokens and 2.5-3.5% faster at 2,048-16,384 tokens. The orders depend only on
+    the arguments, so every rank replays the same sequence (collectives must match)."""
+    if n < 1 or rounds < 1:
+        raise ValueError(f"replay_orders: n={n} systems and rounds={rounds} must be positive")
+    rng = random.Random(seed)
+    orders = []
+    for _ in range(rounds):
+        order = list(range(n))
+        rng.shuffle(order)
+        orders.append(order)
+    return orders
+
+
+def slowest_rank(per_rank_times) -> list[float]:
+    """[rank][replay] -> [replay]: the maximum over ranks (the step ends when the slowest does)."""
+    return [max(col) for col in zip(*per_rank_times)]
+
+
+def input_sets_for(bytes_per_set: int, l2_bytes: int, calls: int) -> int:
+    """How many input sets the captured calls rotate through: enough that the sets together are
+    at least twice the L2 (so a call does not find the previous call's inputs cached), at most
+    one per call."""
+    return max(1, min(calls, -(-2 * l2_bytes // max(1, bytes_per_set))))
