@@ -58,7 +58,6 @@ import math
 import os
 import pathlib
 import platform
-import re
 import subprocess
 import sys
 import time
@@ -564,16 +563,19 @@ def _versions() -> dict:
 
 
 class Runner:
-    """The run on this process's current GPU."""
+    """The run on this process's current GPU (another `device`, with a `capability` to assume, only for
+    the CPU test that stubs CUDA graphs, events and the op)."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, device=None, capability: tuple = (9, 0)):
         import torch
         self.cfg = cfg
-        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device or torch.device("cuda", torch.cuda.current_device())
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.dtype]
-        props = torch.cuda.get_device_properties(self.device)
-        self.capability = (props.major, props.minor)
-        self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or bench.FALLBACK_L2_BYTES)
+        self.capability, self.l2_bytes = capability, bench.FALLBACK_L2_BYTES
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            self.capability = (props.major, props.minor)
+            self.l2_bytes = int(getattr(props, "L2_cache_size", 0) or bench.FALLBACK_L2_BYTES)
         self.records, self.skipped = [], []
         self.workspaces, self.compiled = {}, {}
         self.failed = {}  # (system, compile mode, profile) -> why it could not run: not compiled again

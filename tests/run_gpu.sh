@@ -126,7 +126,7 @@ if step bench1; then
     # dynamic compiles (5 profiles x {T=1, T>1} + the finalize) ~50 s; the per-T compiles (15 T x 5 profiles
     # + the finalize) ~3 s each, ~270 s, the bulk and the least certain; the 75 points' timing ~110 s (up to
     # ~7 s a point at 8,192-16,384 tokens). The budget stops starting points at BENCH1_BUDGET s (skipped
-    # ones listed in summary.json). The other shapes (dynamic compiles only, ~5 min): a second call with
+    # ones listed in summary.json). The other shapes (dynamic compiles only, ~6-7 min): a second call with
     # BENCH1_SHAPES=7168:8,7168:4:shared,4096:8.
     timeout "${BENCH1_TIMEOUT:-550}" python3 -m moe_ar_tools.bench_world_one --shapes "${BENCH1_SHAPES:-7168:8:shared}" \
         --tokens "${BENCH1_TOKENS:-1-16384}" --profiles "${BENCH1_PROFILES:-plain,nvfp4,fp8_group128_row,fp8_group128_col,fp8_tensor}" \

@@ -6,7 +6,7 @@ the reasons a profile has none)."""
 from __future__ import annotations
 
 import json
-import math
+import time
 import pathlib
 import subprocess
 import zipfile
@@ -487,3 +487,154 @@ def test_fetch_script():
 def test_the_gpu_script_runs_it():
     text = (ROOT / "tests" / "run_gpu.sh").read_text()
     assert "step bench1" in text and "moe_ar_tools.bench_world_one" in text and ".baselines" in text
+
+
+# ---- the whole run on CPU: CUDA graphs, events and the op stubbed --------------------------------------
+
+class _Event:
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3
+
+
+class _Graph:
+    """A captured graph's stand-in: replay makes the captured calls again, into the same outputs."""
+
+    def __init__(self, replay):
+        self.replay = replay
+
+
+def _op_writing(skip_norm_for=None):
+    """dispatch.moe_finalize_allreduce's stand-in, with its keyword arguments: the torch chain written
+    into the outputs given (norm_out left alone for the quant `skip_norm_for`: a wrong result)."""
+    def op(ws, *, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight, expert_scale_factor=None,
+           routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6, weight_bias=0, quant=None,
+           global_scale=None, fp8_scale=None, fp8_scale_layout="row", fp8_pow2_scales=False, norm_out=None,
+           residual_out=None, quant_out=None, scale_out=None, launch_with_pdl=False, program=None):
+        assert isinstance(ws, _Workspace) and routed_scaling_factor == b1.ROUTED_SCALING_FACTOR
+        assert (global_scale is not None) == (quant == "nvfp4") and (fp8_scale is not None) == (quant == "fp8_tensor")
+        out = tc.chain(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor, shared_expert_output,
+                       residual_in, norm_weight, eps, quant, fp8_scale_layout == "column", global_scale, fp8_scale)
+        for name, t in (("norm_out", norm_out), ("residual_out", residual_out), ("quant_out", quant_out),
+                        ("scale_out", scale_out)):
+            if t is not None and not (name == "norm_out" and quant == skip_norm_for and quant is not None):
+                t.copy_(out[name])
+    return op
+
+
+class _Workspace:
+    def __init__(self, *, max_tokens, hidden, dtype):
+        self.closed = False
+
+    def close(self):
+        self.closed = True
+
+
+class _FlashInfer:
+    """FlashInfer's two kernels as their docstrings say, in torch."""
+    path = pathlib.Path("stub.so")
+
+    def fused_add_rmsnorm(self, input, residual, weight, eps, pdl):
+        residual += input
+        input.copy_(torch.nn.functional.rms_norm(residual, (residual.shape[1],), weight, eps))
+
+    def fused_add_rmsnorm_quant(self, out, input, residual, weight, scale_value, scale_tensor, eps, pdl):
+        residual += input
+        norm = torch.nn.functional.rms_norm(residual, (residual.shape[1],), weight, eps)
+        out.copy_((norm.float() / scale_value).clamp(-448, 448).to(torch.float8_e4m3fn))
+
+
+class _CpuRunner(b1.Runner):
+    def programs_for(self, profile):
+        return ["moe_ar_a_bf16_ws1_o110", "moe_ar_b_bf16_ws1_o110"] if profile == "plain" else ["moe_ar_c_bf16_ws1"]
+
+    def load_flashinfer(self):
+        self.flashinfer, self.flashinfer_info = _FlashInfer(), {"available": True}
+
+    def compiled_fns(self, mode):  # the eager functions stand in for the compiled ones
+        return {"chain": tc.chain, "finalize": tc.finalize}
+
+    def capture(self, system):
+        for j in range(self.cfg.warmup):
+            system.call(j % self.cfg.calls)
+        captured = [system.call(j) for j in range(self.cfg.calls)]
+
+        def replay():
+            again = [system.call(j) for j in range(self.cfg.calls)]
+            for old, new in zip(captured, again):
+                for name in (old or {}):
+                    if old[name] is not new[name]:
+                        old[name].copy_(new[name])
+        if captured[0] is not None:
+            system.outputs = list(enumerate(captured))
+        system.graph = _Graph(replay)
+
+
+@pytest.fixture
+def stubbed_gpu(monkeypatch):
+    import dispatch
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub GPU")
+    monkeypatch.setattr(bench, "measure_bandwidth", lambda world, gib: {"hbm_GBps": 4000.0})
+    monkeypatch.setattr(dispatch, "LocalWorkspace", _Workspace, raising=False)
+    monkeypatch.setattr(dispatch, "moe_finalize_allreduce", _op_writing())
+    monkeypatch.setattr(dispatch, "select_program", lambda ws, T, quant, shared: f"auto_{quant}")
+    monkeypatch.setattr(dispatch, "warmup", lambda names, device_index=None: [])
+    monkeypatch.setattr(b1, "EmptyKernel", lambda index: (lambda: None))
+    monkeypatch.setattr(b1.Runner, "over_budget", lambda self: False)
+    return monkeypatch
+
+
+def _run(tmp_path, **options):
+    cfg = b1.make_config(shapes="256:4:shared", reps=3, calls=3, warmup=1, out=str(tmp_path / "out"), **options)
+    return _CpuRunner(cfg, device=torch.device("cpu")).run()
+
+
+def test_the_run_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
+    summary = _run(tmp_path, tokens="1,3", profiles="plain,nvfp4,fp8_group128_col,fp8_tensor")
+    assert {p.name for p in (tmp_path / "out").iterdir()} >= {"summary.json", "records.json", "table.md"}
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == json.loads(
+        json.dumps(bench.jsonable(summary["rows"])))
+    assert summary["complete"] is True and summary["empty_kernel_us"] > 0 and summary["copy_gbps"] == 4000.0
+    assert summary["ours_1_token_us"]["pdl"] > 0 and summary["floor"]["program"] == "auto_None"
+    rows = {(r["profile"], r["tokens"]): r for r in summary["rows"]}
+    assert len(rows) == 2 * 4
+    for (profile, T), row in rows.items():
+        assert row["us"]["ours"] and row["us"]["torch_eager"] and row["us"]["torch_compile"], (profile, T, row)
+        assert row["program"] == f"auto_{b1.PROFILES[profile].quant}" and row["compile_mode"] in b1.COMPILE_MODES
+    # in place on the residual, restored before each checked replay: right at plain and per-tensor FP8
+    assert rows[("plain", 3)]["us"]["flashinfer"] and rows[("fp8_tensor", 3)]["us"]["flashinfer"]
+    assert "sm_100" in rows[("nvfp4", 1)]["null_reasons"]["flashinfer"]
+    assert "per-token-group" in rows[("fp8_group128_col", 1)]["null_reasons"]["flashinfer"]
+    # several world-size-1 programs for plain: each forced; one for nvfp4: not
+    assert set(rows[("plain", 1)]["programs"]) == {"moe_ar_a_bf16_ws1_o110", "moe_ar_b_bf16_ws1_o110"}
+    assert rows[("nvfp4", 1)]["programs"] == {}
+    records = json.loads((tmp_path / "out" / "records.json").read_text())["records"]
+    assert all(len(r["replay_us"]) == 3 for r in records if r["valid"])
+    assert "| 3 |" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_a_wrong_result_voids_ours(tmp_path, stubbed_gpu):
+    import dispatch
+    stubbed_gpu.setattr(dispatch, "moe_finalize_allreduce", _op_writing(skip_norm_for="fp8_tensor"))
+    summary = _run(tmp_path, tokens="2", profiles="plain,fp8_tensor", systems="ours,torch_eager")
+    plain, fp8 = summary["rows"]
+    assert plain["us"]["ours"] and fp8["us"]["ours"] is None
+    assert "wrong result" in fp8["null_reasons"]["ours"] and "norm_out" in fp8["null_reasons"]["ours"]
+    target = next(t for t in summary["targets"] if t["profile"] == "fp8_tensor")
+    assert target["never_slower"]["ours_missing"] == [2] and target["pass"] is False
+
+
+def test_the_budget_skips_what_does_not_fit(tmp_path, stubbed_gpu):
+    stubbed_gpu.setattr(b1.Runner, "over_budget", lambda self: bool(self.records))  # room for one point
+    summary = _run(tmp_path, tokens="1,2", profiles="plain", systems="ours,torch_eager")
+    assert [r["tokens"] for r in summary["rows"]] == [1] and summary["complete"] is False
+    assert summary["skipped"] == [dict(profile="plain", tokens=2, hidden=256, top_k=4, shared=True,
+                                       reason="budget: 480 s")]
