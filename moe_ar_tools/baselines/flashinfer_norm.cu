@@ -20,7 +20,7 @@ int add_rmsnorm(void* input, void* residual, void* weight, unsigned tokens, unsi
 template <typename T>
 int add_rmsnorm_fp8(void* input, void* residual, void* weight, void* out, unsigned tokens, unsigned hidden,
                     float scale, float* scale_on_device, float eps, bool pdl, cudaStream_t stream) {
-#ifdef MOE_AR_FI_SCALE_ON_DEVICE  // releases after 0.6.x read the scale from a device pointer
+#ifdef MOE_AR_FI_SCALE_ON_DEVICE  // 0.7.4 reads the scale from a device pointer, 0.6.5 takes a float
   (void)scale;
   auto scale_arg = scale_on_device;
 #else

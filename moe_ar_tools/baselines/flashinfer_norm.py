@@ -12,10 +12,11 @@ for sm_90 and sm_100). On the GPU machine `load` takes that library, or builds i
 (about 20 s), or says why it cannot: the bench then records `flashinfer` as null with that reason.
 
 Why 0.6.5: its fused_add_rmsnorm and fused_add_rmsnorm_quant run these CUDA kernels by default;
-later releases default to CuTe-DSL kernels (nvidia-cutlass-dsl, far over what can travel) and keep
-the CUDA ones as their fallback. Another version can be fetched (`fetch_flashinfer.sh VERSION`):
-the include closure is computed, and the FP8 kernel's scale argument (a float up to 0.6.x, a device
-pointer later) is read from its header.
+later releases default to CuTe-DSL kernels (nvidia-cutlass-dsl: its CUDA 13 library wheel alone is
+92 MB, over what can travel) and keep the CUDA ones as their fallback. Another version can be
+fetched (`fetch_flashinfer.sh VERSION`; 0.7.4 extracts and builds too): the include closure is
+computed, and the FP8 kernel's scale argument (a float in 0.6.5, a device pointer in 0.7.4) is read
+from its header.
 
     python -m moe_ar_tools.baselines.flashinfer_norm extract WHEEL DEST
     python -m moe_ar_tools.baselines.flashinfer_norm build DEST [--arch sm_90 --arch sm_100]
@@ -112,8 +113,8 @@ def _normalize(path: pathlib.PurePosixPath) -> str:
 
 
 def scale_on_device(norm_header: str) -> bool:
-    """True when FusedAddRMSNormQuant reads its FP8 scale from a device pointer (releases after
-    0.6.x), False when it takes a float (0.6.0 .. 0.6.5)."""
+    """True when FusedAddRMSNormQuant reads its FP8 scale from a device pointer (0.7.4), False when
+    it takes a float (0.6.5)."""
     m = re.search(r"cudaError_t\s+FusedAddRMSNormQuant\s*\(([^)]*)\)", norm_header)
     if m is None:
         raise ValueError("norm.cuh declares no FusedAddRMSNormQuant (FlashInfer 0.6.0 or later has it)")
