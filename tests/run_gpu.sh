@@ -14,6 +14,10 @@
 #   hosttime  host time of one rank's eager call (checks, launch) beside torch.add (moe_ar_tools.host_time)
 #   backend   the CUDA IPC and symmetric-memory workspaces side by side (moe_ar_tools.backend_cost)
 #   example   the two-process examples: moe_tail.py plain and NVFP4, minimal.py
+#   bench1    world size 1 on one GPU: ours against the eager and compiled torch chains and FlashInfer's
+#             norm kernels (moe_ar_tools.bench_world_one), into $OUT/bench1/ directly (summary.json,
+#             records.json, table.md, latency.png) and $OUT/bench1.log; FlashInfer's kernels come from
+#             .baselines/ (moe_ar_tools/baselines/fetch_flashinfer.sh here, then carry .baselines)
 # Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +33,7 @@ OUT=${RES:-$(mktemp -d /tmp/moe-ar-gpu-XXXX)}; mkdir -p "$OUT"
 pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null; true; }
 trap pack EXIT
 export MOE_AR_COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-STEPS=${STEPS:-tests bench fp8bench autobench latency soak hosttime backend example}
+STEPS=${STEPS:-tests bench fp8bench autobench latency soak hosttime backend example bench1}
 GPUS=$(nvidia-smi -L | wc -l)
 status=0
 step() { pack; [[ " $STEPS " == *" $1 "* ]]; }  # packs what the steps before wrote
@@ -114,5 +118,19 @@ if step example && [ "$GPUS" -ge 2 ]; then
     done
     timeout 180 torchrun --standalone --nproc-per-node 2 examples/minimal.py 2>&1 \
         | tail -4 | tee -a "$OUT/example.log" || status=1
+fi
+if step bench1; then
+    # Sized for one ~9-minute device call of STEPS=bench1 alone (the compile-cache fill above first, ~15 s):
+    # the target shape, every profile, 1..16,384 tokens, torch.compile dynamic and per T. Expected: start-up,
+    # bandwidth, programs and the floor ~20 s (+ ~25 s where FlashInfer's library was not prebuilt); the
+    # dynamic compiles (5 profiles x {T=1, T>1} + the finalize) ~50 s; the per-T compiles (15 T x 5 profiles
+    # + the finalize) ~3 s each, ~270 s, the bulk and the least certain; the 75 points' timing ~110 s (up to
+    # ~7 s a point at 8,192-16,384 tokens). The budget stops starting points at BENCH1_BUDGET s (skipped
+    # ones listed in summary.json). The other shapes (dynamic compiles only, ~6-7 min): a second call with
+    # BENCH1_SHAPES=7168:8,7168:4:shared,4096:8.
+    timeout "${BENCH1_TIMEOUT:-550}" python3 -m moe_ar_tools.bench_world_one --shapes "${BENCH1_SHAPES:-7168:8:shared}" \
+        --tokens "${BENCH1_TOKENS:-1-16384}" --profiles "${BENCH1_PROFILES:-plain,nvfp4,fp8_group128_row,fp8_group128_col,fp8_tensor}" \
+        --budget-s "${BENCH1_BUDGET:-470}" --out "$FINAL_OUT/bench1" 2>&1 | tee "$FINAL_OUT/bench1.log" | tail -60 || status=1
+    cp -r "$FINAL_OUT/bench1" "$FINAL_OUT/bench1.log" "$OUT/" 2>/dev/null  # into results.tgz too
 fi
 exit $status
