@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import dispatch
-from moe_ar_tools.bench import cli, config, inputs, records, roofline, summary, systems, timing
+from moe_ar_tools.bench import cli, config, inputs, point, records, roofline, summary, systems, timing
 from moe_ar_tools import reference as ref
 
 
@@ -373,3 +373,59 @@ def test_compiled_baseline_is_the_eager_math(dtype, shared):
     systems.torch_epilogue(want, x, compiled, epi)
     for k in eager:
         assert torch.equal(compiled[k].view(torch.int16), eager[k].view(torch.int16)), k
+
+
+# ---- the output check ------------------------------------------------------------------------------
+
+def _one_rank_outputs(tmp_path, profile, seed, n_sets=2, T=5, H=256):
+    """A one-rank PointRunner with its check's state only (the cross-rank gather: this rank's tensor),
+    the torch baseline's outputs of `n_sets` input sets (quantized by the reference's rules) and their
+    float64 check values (contract_outputs over gloo, world size 1)."""
+    import torch.distributed as dist
+    runner = object.__new__(point.PointRunner)
+    runner.dtype, runner.W = torch.bfloat16, 1
+    runner.all_gather = lambda t: t.unsqueeze(0)
+    sets = inputs.make_input_sets(config.Shape(H, 4, True), T, n_sets, torch.bfloat16, rank=0, seed=seed, device="cpu")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        refs = [inputs.contract_outputs(x, torch.bfloat16, dist.group.WORLD) for x in sets]
+    finally:
+        dist.destroy_process_group()
+    amax = max(float(norm.abs().max()) for _, norm in refs)
+    gs_value = ref.f32(ref.E4M3_MAX * 6.0 / amax)
+    runner.fp8_scale_value = ref.f32(amax / ref.E4M3_MAX)
+    outputs = []
+    for x in sets:
+        partial = torch.empty(T, H, dtype=torch.bfloat16)
+        systems.torch_finalize(x, partial)
+        outs = {"residual_out": torch.empty_like(partial), "norm_out": torch.empty_like(partial)}
+        systems.torch_epilogue(partial, x, outs)
+        if profile == "nvfp4":
+            outs["quant_out"], outs["scale_out"] = ref.nvfp4_ref(outs["norm_out"], torch.tensor([gs_value]))
+        elif profile == "fp8_group128":
+            outs["quant_out"], outs["scale_out"] = ref.fp8_group_ref(outs["norm_out"])
+        elif profile == "fp8_tensor":
+            outs["quant_out"] = ref.fp8_tensor_ref(outs["norm_out"], runner.fp8_scale_value)
+        outputs.append(outs)
+    return runner, outputs, refs, gs_value
+
+
+@pytest.mark.parametrize("profile", list(config.PROFILES))
+def test_check_refuses_an_output_left_poisoned(tmp_path, profile, seed_for):
+    """A NaN error (an unwritten output, still poisoned) fails its check, whichever input set it is in
+    and whatever the other sets' errors are: max(0.0, nan) is 0.0 and must not hide it."""
+    runner, outputs, refs, gs_value = _one_rank_outputs(tmp_path, profile, seed_for("inputs"))
+    quant = config.PROFILES[profile]
+
+    def reasons(outs):
+        return runner.check(systems.System("nccl+torch", "two_shot", None, outs), refs, gs_value, quant)["reasons"]
+    assert reasons(outputs) == []
+    dequant = "nvfp4 dequant" if quant == "nvfp4" else "fp8 dequant"
+    names = {"residual_out": ["residual_out"], "norm_out": ["norm_out"] + ([dequant] if quant else []),
+             "quant_out": [dequant], "scale_out": [dequant]}
+    for name in outputs[0]:
+        for poisoned_set in range(len(outputs)):
+            outs = [{k: v.clone() for k, v in o.items()} for o in outputs]
+            systems._poison([{name: outs[poisoned_set][name]}])
+            got = reasons(outs)
+            assert [why.split(" rel err")[0] for why in got] == names[name], (name, poisoned_set, got)

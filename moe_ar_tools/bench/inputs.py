@@ -1,7 +1,9 @@
-"""Each point's random inputs (the same routing on every rank, each rank's own partials) and the
-float64 values the outputs are checked against (moe_ar_tools.reference's functions)."""
+"""Each point's random inputs (the same routing on every rank, each rank's own partials), the
+float64 values the outputs are checked against (moe_ar_tools.reference's functions), and the error
+measure of the checks (rel_err, worst)."""
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -70,3 +72,9 @@ def rel_err(x, want) -> float:
     diff = torch.linalg.vector_norm(x.float() - want)
     norm = torch.linalg.vector_norm(want)
     return float(diff / norm) if float(norm) > 0 else float(diff)
+
+
+def worst(a: float, b: float) -> float:
+    """The larger error, NaN (an output left unwritten, still poisoned) above any number: Python's
+    max(0.0, nan) is 0.0."""
+    return b if math.isnan(b) or b > a else a
