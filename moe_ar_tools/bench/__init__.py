@@ -53,11 +53,12 @@ the larger of the two times.
 
 The modules, by concern: config (systems, profiles, tolerances, shapes, the run's options),
 roofline (byte counts, bandwidth), timing (statistics, replay orders, input-set rotation), records
-(the JSON records and their metadata), summary (the table), plotting, inputs (random inputs and
-their float64 check values), systems (the unfused baselines, symmetric memory), fp8_quant (the
-auto+quant kernel), worker, point and sweep (one rank: its setup, one point, the sweep),
-cold_start, cli (the command). The pure-Python parts are tested on CPU by tests/test_bench_cpu.py;
-everything that needs a GPU is imported lazily, so that every module imports without one.
+(the JSON records and their metadata), summary (the table), plotting, inputs (random inputs,
+their float64 check values and the checks' error measure: rel_err, worst), systems (the unfused
+baselines, symmetric memory), fp8_quant (the auto+quant kernel), worker, point and sweep (one rank:
+its setup, one point, the sweep), cold_start, cli (the command). The pure-Python parts are tested
+on CPU by tests/test_bench_cpu.py; everything that needs a GPU is imported lazily, so that every
+module imports without one.
 """
 # Helpers other tools import from the package (the modules above are their home).
 from moe_ar_tools.bench.plotting import plot
