@@ -15,7 +15,7 @@
 #   backend   the CUDA IPC and symmetric-memory workspaces side by side (moe_ar_tools.backend_cost)
 #   example   the two-process examples: moe_tail.py plain and NVFP4, minimal.py
 #   bench1    world size 1 on one GPU: ours against the eager and compiled torch chains and FlashInfer's
-#             norm kernels (moe_ar_tools.bench_world_one), into $OUT/bench1/ directly (summary.json,
+#             norm kernels (moe_ar_tools.bench_one), into $OUT/bench1/ directly (summary.json,
 #             records.json, table.md, latency.png) and $OUT/bench1.log; FlashInfer's kernels come from
 #             .baselines/ (moe_ar_tools/baselines/fetch_flashinfer.sh here, then carry .baselines)
 # Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
@@ -128,7 +128,7 @@ if step bench1; then
     # ~7 s a point at 8,192-16,384 tokens). The budget stops starting points at BENCH1_BUDGET s (skipped
     # ones listed in summary.json). The other shapes (dynamic compiles only, ~6-7 min): a second call with
     # BENCH1_SHAPES=7168:8,7168:4:shared,4096:8.
-    timeout "${BENCH1_TIMEOUT:-550}" python3 -m moe_ar_tools.bench_world_one --shapes "${BENCH1_SHAPES:-7168:8:shared}" \
+    timeout "${BENCH1_TIMEOUT:-550}" python3 -m moe_ar_tools.bench_one --shapes "${BENCH1_SHAPES:-7168:8:shared}" \
         --tokens "${BENCH1_TOKENS:-1-16384}" --profiles "${BENCH1_PROFILES:-plain,nvfp4,fp8_group128_row,fp8_group128_col,fp8_tensor}" \
         --budget-s "${BENCH1_BUDGET:-470}" --out "$FINAL_OUT/bench1" 2>&1 | tee "$FINAL_OUT/bench1.log" | tail -60 || status=1
     cp -r "$FINAL_OUT/bench1" "$FINAL_OUT/bench1.log" "$OUT/" 2>/dev/null  # into results.tgz too

@@ -1,4 +1,4 @@
-"""The world-size-1 benchmark's parts that need no GPU (moe_ar_tools/bench_world_one.py and
+"""The world-size-1 benchmark's parts that need no GPU (moe_ar_tools/bench_one/ and
 moe_ar_tools/baselines/): byte counts, options, the torch chain against the float64 reference,
 the correctness check and dequantization, the summary's schema, the targets and the table on
 synthetic records, and the preparation of FlashInfer's norm kernels (extraction, build command,
@@ -15,11 +15,22 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from moe_ar_tools import bench
-from moe_ar_tools import bench_world_one as b1
 from moe_ar_tools import reference as ref
 from moe_ar_tools.baselines import flashinfer_norm as fin
 from moe_ar_tools.baselines import torch_chain as tc
+from moe_ar_tools.bench.config import (DEFAULT_SHAPES, EPS, FP8_TOLERANCE, NVFP4_TOLERANCE, ROUTED_SCALING_FACTOR,
+                                       TOLERANCE_U, Shape, parse_shapes)
+from moe_ar_tools.bench.inputs import make_input_sets, rel_err
+from moe_ar_tools.bench.records import jsonable
+from moe_ar_tools.bench.roofline import hbm_bytes
+from moe_ar_tools.bench_one import runner as one_runner
+from moe_ar_tools.bench_one.cli import main
+from moe_ar_tools.bench_one.config import BASELINES, COMPILE_MODES, PROFILES, SYSTEMS, TARGET_SHAPE, make_config
+from moe_ar_tools.bench_one.report import format_markdown, plot
+from moe_ar_tools.bench_one.runner import Runner
+from moe_ar_tools.bench_one.summary import (check_targets, hbm_bytes_ws1, make_record, roofline_us, summarize,
+                                            summary_rows)
+from moe_ar_tools.bench_one.systems import System, alloc_outputs, contract_ws1, dequantize
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -30,46 +41,46 @@ def test_hbm_bytes_ws1_by_hand():
     # T=3, H=256, top_k=2, shared, bf16: rows 3*2*256*2, routing 3*2*8, shared / residual 3*256*2 each,
     # gamma 256*2, residual_out + norm_out 2*3*256*2
     plain = 3 * 2 * 256 * 2 + 3 * 2 * 8 + 2 * 3 * 256 * 2 + 256 * 2 + 2 * 3 * 256 * 2
-    assert b1.hbm_bytes_ws1(3, 256, 2, True, "plain")["total"] == plain
+    assert hbm_bytes_ws1(3, 256, 2, True, "plain")["total"] == plain
     # FP8 group-128 row-major: quant 3*256 bytes + [3, 2] float32 scales
-    assert b1.hbm_bytes_ws1(3, 256, 2, True, "fp8_group128_row")["total"] == plain + 3 * 256 + 3 * 2 * 4
+    assert hbm_bytes_ws1(3, 256, 2, True, "fp8_group128_row")["total"] == plain + 3 * 256 + 3 * 2 * 4
     # column-major: [2, roundup(3, 4)] float32, the padding written too
-    col = b1.hbm_bytes_ws1(3, 256, 2, True, "fp8_group128_col")
+    col = hbm_bytes_ws1(3, 256, 2, True, "fp8_group128_col")
     assert col["total"] == plain + 3 * 256 + 2 * 4 * 4 and col["fp8"] == 3 * 256 + 2 * 4 * 4
-    assert b1.hbm_bytes_ws1(3, 256, 2, True, "fp8_tensor")["total"] == plain + 3 * 256
+    assert hbm_bytes_ws1(3, 256, 2, True, "fp8_tensor")["total"] == plain + 3 * 256
     # NVFP4: T*H/2 bytes + the swizzled scales (rows padded to 128, 16 columns already a multiple of 4)
-    assert b1.hbm_bytes_ws1(3, 256, 2, True, "nvfp4")["total"] == plain + 3 * 128 + 128 * 16
-    assert b1.hbm_bytes_ws1(3, 256, 2, False, "plain")["total"] == plain - 3 * 256 * 2
+    assert hbm_bytes_ws1(3, 256, 2, True, "nvfp4")["total"] == plain + 3 * 128 + 128 * 16
+    assert hbm_bytes_ws1(3, 256, 2, False, "plain")["total"] == plain - 3 * 256 * 2
     with pytest.raises(KeyError):
-        b1.hbm_bytes_ws1(3, 256, 2, True, "111")
+        hbm_bytes_ws1(3, 256, 2, True, "111")
 
 
 def test_roofline_us():
-    assert b1.roofline_us(4.2e9, 4200.0) == pytest.approx(1000.0)  # 4.2 GB at 4,200 GB/s: 1 ms
+    assert roofline_us(4.2e9, 4200.0) == pytest.approx(1000.0)  # 4.2 GB at 4,200 GB/s: 1 ms
 
 
 # ---- options ---------------------------------------------------------------------------------------
 
 def test_make_config_defaults_and_errors():
-    cfg = b1.make_config()
-    assert cfg.shapes == bench.parse_shapes(bench.DEFAULT_SHAPES) and cfg.shapes[0] == b1.TARGET_SHAPE
+    cfg = make_config()
+    assert cfg.shapes == parse_shapes(DEFAULT_SHAPES) and cfg.shapes[0] == TARGET_SHAPE
     assert cfg.tokens == [2 ** i for i in range(15)]
-    assert cfg.profiles == list(b1.PROFILES) and cfg.systems == list(b1.SYSTEMS)
-    assert cfg.static_compile_shapes == [b1.TARGET_SHAPE] and cfg.reps >= 50
-    assert cfg.static_compile(b1.TARGET_SHAPE) and not cfg.static_compile(bench.Shape(4096, 8, False))
-    assert not b1.make_config(compile_modes="dynamic").static_compile(b1.TARGET_SHAPE)
-    assert b1.make_config(static_compile_shapes="").static_compile_shapes == []
+    assert cfg.profiles == list(PROFILES) and cfg.systems == list(SYSTEMS)
+    assert cfg.static_compile_shapes == [TARGET_SHAPE] and cfg.reps >= 50
+    assert cfg.static_compile(TARGET_SHAPE) and not cfg.static_compile(Shape(4096, 8, False))
+    assert not make_config(compile_modes="dynamic").static_compile(TARGET_SHAPE)
+    assert make_config(static_compile_shapes="").static_compile_shapes == []
     for kwargs, name in ((dict(profiles="plain,fp8"), "profile"), (dict(systems="ours,vllm"), "system"),
                          (dict(compile_modes="max-autotune"), "compile mode"), (dict(reps=0), "reps"),
                          (dict(calls=True), "calls"), (dict(budget_s=-1.0), "budget_s"), (dict(dtype="fp8"), "dtype"),
                          (dict(shapes="7168"), "shape"), (dict(tokens="0"), "tokens")):
         with pytest.raises(ValueError, match=name):
-            b1.make_config(**kwargs)
+            make_config(**kwargs)
 
 
 def test_cli_dry_run_and_bad_options():
     runner = CliRunner()
-    res = runner.invoke(b1.main, ["--dry-run", "--shapes", "7168:8:shared,4096:8", "--tokens", "1-8",
+    res = runner.invoke(main, ["--dry-run", "--shapes", "7168:8:shared,4096:8", "--tokens", "1-8",
                                   "--profiles", "plain,nvfp4", "--budget-s", "300"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output)
@@ -78,42 +89,42 @@ def test_cli_dry_run_and_bad_options():
     assert plan["compiles"]["static"] == 4 * (2 + 1)
     # dynamic: (profile, shared, T == 1) of the chain + (shared, T == 1) of the finalize
     assert plan["compiles"]["dynamic"] == 2 * 2 * 2 + 2 * 2
-    res = runner.invoke(b1.main, ["--dry-run", "--systems", "ours,torch_eager"])
+    res = runner.invoke(main, ["--dry-run", "--systems", "ours,torch_eager"])
     assert json.loads(res.output)["compiles"] == {"dynamic": 0, "static": 0}
     for args, word in ((["--profiles", "bogus"], "profile"), (["--systems", "nccl"], "system"),
                        (["--budget-s", "-5"], "budget_s"), (["--reps", "0"], "reps")):
-        res = runner.invoke(b1.main, ["--dry-run", *args])
+        res = runner.invoke(main, ["--dry-run", *args])
         assert res.exit_code == 2 and word in res.output, res.output
-    res = runner.invoke(b1.main, ["--dry-run", "--reps", "10"])
+    res = runner.invoke(main, ["--dry-run", "--reps", "10"])
     assert res.exit_code == 0 and "below the 50" in res.output
 
 
 # ---- the torch chain against the float64 reference ----------------------------------------------------
 
 def _inputs(T, H=256, K=4, shared=True, dtype=torch.bfloat16, seed=7):
-    return bench.make_input_sets(bench.Shape(H, K, shared), T, 1, dtype, 0, seed, "cpu")[0]
+    return make_input_sets(Shape(H, K, shared), T, 1, dtype, 0, seed, "cpu")[0]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("T,shared", [(1, True), (5, True), (130, False)])
 def test_chain_matches_the_ws1_contract(T, shared, dtype):
     x = _inputs(T, shared=shared, dtype=dtype)
-    out = tc.chain(x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, b1.EPS, None)
-    res_ref, norm_ref = b1.contract_ws1(x, dtype)
-    tol = b1.TOLERANCE_U * ref.UNIT_ROUNDOFF[dtype]
+    out = tc.chain(x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, EPS, None)
+    res_ref, norm_ref = contract_ws1(x, dtype)
+    tol = TOLERANCE_U * ref.UNIT_ROUNDOFF[dtype]
     assert out["residual_out"].dtype == dtype and out["norm_out"].shape == (T, 256)
-    assert bench.rel_err(out["residual_out"], res_ref) <= tol
-    assert bench.rel_err(out["norm_out"], norm_ref) <= tol
+    assert rel_err(out["residual_out"], res_ref) <= tol
+    assert rel_err(out["norm_out"], norm_ref) <= tol
     # a wrong finalize (the shared expert left out, the router weights unscaled) is far outside it
-    wrong = tc.chain(x.allreduce_in, x.idx, x.scale, None, x.residual, x.norm_weight, b1.EPS, None)
+    wrong = tc.chain(x.allreduce_in, x.idx, x.scale, None, x.residual, x.norm_weight, EPS, None)
     if shared:
-        assert bench.rel_err(wrong["residual_out"], res_ref) > 10 * tol
+        assert rel_err(wrong["residual_out"], res_ref) > 10 * tol
 
 
 def test_contract_ws1_rounds_once():
     x = _inputs(3)
-    res_ref, _ = b1.contract_ws1(x, torch.bfloat16)
-    exact = ref.finalize_partial(x.allreduce_in, x.idx, x.scale, b1.ROUTED_SCALING_FACTOR, x.shared) + \
+    res_ref, _ = contract_ws1(x, torch.bfloat16)
+    exact = ref.finalize_partial(x.allreduce_in, x.idx, x.scale, ROUTED_SCALING_FACTOR, x.shared) + \
         x.residual.double()
     assert torch.equal(res_ref, ref.round_to_dtype(exact, torch.bfloat16).float())
 
@@ -121,14 +132,14 @@ def test_contract_ws1_rounds_once():
 @pytest.mark.parametrize("T", [1, 5, 129])
 def test_chain_quantizations_follow_the_reference_bit_for_bit(T):
     x = _inputs(T, H=384)
-    norm = tc.chain(x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, b1.EPS, None)["norm_out"]
+    norm = tc.chain(x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, EPS, None)["norm_out"]
     gs = torch.tensor([ref.typical_global_scale(norm)], dtype=torch.float32)
     fp8_scale = torch.tensor([ref.f32(float(norm.abs().max()) / ref.E4M3_MAX)], dtype=torch.float32)
-    args = (x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, b1.EPS)
+    args = (x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, EPS)
     got = tc.chain(*args, "nvfp4", False, gs, fp8_scale)
     want_q, want_s = ref.nvfp4_ref(got["norm_out"], gs)
     assert torch.equal(got["quant_out"], want_q) and torch.equal(got["scale_out"], want_s)
-    assert got["scale_out"].numel() == bench.hbm_bytes(T, 384, 4, True, "111")["nvfp4"] - T * 192
+    assert got["scale_out"].numel() == hbm_bytes(T, 384, 4, True, "nvfp4")["nvfp4"] - T * 192
     for column in (False, True):
         got = tc.chain(*args, "fp8_group128", column, gs, fp8_scale)
         want_q, want_s = ref.fp8_group_ref(got["norm_out"], column_major=column)
@@ -145,7 +156,7 @@ def test_chain_quantizations_follow_the_reference_bit_for_bit(T):
 def test_swizzle_128x4_is_the_runtimes_layout(T, G):
     scales = torch.randint(0, 256, (T, G), dtype=torch.uint8)
     out = tc.swizzle_128x4(scales)
-    assert out.numel() == b1.hbm_bytes_ws1(T, 16 * G, 1, False, "nvfp4")["nvfp4"] - T * 8 * G
+    assert out.numel() == hbm_bytes_ws1(T, 16 * G, 1, False, "nvfp4")["nvfp4"] - T * 8 * G
     want = torch.zeros_like(out)
     want[ref.swizzle_offsets(T, 16 * G).reshape(-1)] = scales.reshape(-1)
     assert torch.equal(out, want)
@@ -156,14 +167,14 @@ def test_swizzle_128x4_is_the_runtimes_layout(T, G):
 
 def _runner():
     """A Runner's CPU-side state only: the check and the systems' outputs need no GPU."""
-    r = object.__new__(b1.Runner)
+    r = object.__new__(Runner)
     r.dtype = torch.bfloat16
     return r
 
 
 def _data(T=6, H=256, n_sets=2):
-    sets = bench.make_input_sets(bench.Shape(H, 4, True), T, n_sets, torch.bfloat16, 0, 11, "cpu")
-    refs = [b1.contract_ws1(x, torch.bfloat16) for x in sets]
+    sets = make_input_sets(Shape(H, 4, True), T, n_sets, torch.bfloat16, 0, 11, "cpu")
+    refs = [contract_ws1(x, torch.bfloat16) for x in sets]
     amax = max(float(norm.abs().max()) for _, norm in refs)
     gs_value, fp8_value = ref.f32(ref.E4M3_MAX * 6.0 / amax), ref.f32(amax / ref.E4M3_MAX)
     return {"sets": sets, "refs": refs, "gs_value": gs_value, "fp8_value": fp8_value,
@@ -171,26 +182,26 @@ def _data(T=6, H=256, n_sets=2):
 
 
 def _chain_outputs(data, profile):
-    p = b1.PROFILES[profile]
-    return [(j, tc.chain(x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, b1.EPS, p.quant,
+    p = PROFILES[profile]
+    return [(j, tc.chain(x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, EPS, p.quant,
                          p.scale_layout == "column", data["gs"], data["fp8"]))
             for j, x in enumerate(data["sets"] * 2)]  # calls 0..3 over 2 input sets
 
 
-@pytest.mark.parametrize("profile", list(b1.PROFILES))
+@pytest.mark.parametrize("profile", list(PROFILES))
 def test_check_accepts_right_outputs_and_refuses_poisoned_or_wrong_ones(profile):
     runner, data = _runner(), _data()
-    system = b1.System("torch_eager", None, lambda j: None, _chain_outputs(data, profile))
+    system = System("torch_eager", None, lambda j: None, _chain_outputs(data, profile))
     assert runner.check(system, profile, data) == []
     # outputs of call j are checked against input set j % 2: swapping the sets is caught
-    swapped = b1.System("torch_eager", None, lambda j: None,
+    swapped = System("torch_eager", None, lambda j: None,
                         [(j + 1, outs) for j, outs in _chain_outputs(data, profile)])
     assert any("residual_out" in why for why in runner.check(swapped, profile, data))
     system.prepare()  # poisoned, as before a checked replay: nothing written is caught
     reasons = runner.check(system, profile, data)
     assert any("residual_out" in why for why in reasons) and any("norm_out" in why for why in reasons)
-    if b1.PROFILES[profile].quant is not None:
-        system = b1.System("torch_eager", None, lambda j: None, _chain_outputs(data, profile))
+    if PROFILES[profile].quant is not None:
+        system = System("torch_eager", None, lambda j: None, _chain_outputs(data, profile))
         for _, outs in system.outputs:
             ref.repoison({"quant_out": outs["quant_out"]})
         assert [why for why in runner.check(system, profile, data) if "dequant" in why]
@@ -201,35 +212,35 @@ def test_check_catches_a_transposed_column_major_scale():
     outs = _chain_outputs(data, "fp8_group128_col")
     for _, o in outs:  # column-major [H/128, 8] written as row-major [8, H/128] would be
         o["scale_out"] = o["scale_out"].t().contiguous().view(o["scale_out"].shape)
-    reasons = runner.check(b1.System("torch_eager", None, lambda j: None, outs), "fp8_group128_col", data)
+    reasons = runner.check(System("torch_eager", None, lambda j: None, outs), "fp8_group128_col", data)
     assert any("dequant" in why for why in reasons)
 
 
 def test_dequantize_each_profile_close_to_norm_out():
     data = _data(T=5)
-    for profile, p in b1.PROFILES.items():
+    for profile, p in PROFILES.items():
         if p.quant is None:
             continue
         (_, outs), = _chain_outputs(data, profile)[:1]
-        deq = b1.dequantize(outs, profile, data["fp8_value"], data["gs_value"])
+        deq = dequantize(outs, profile, data["fp8_value"], data["gs_value"])
         assert deq.shape == outs["norm_out"].shape
-        assert bench.rel_err(deq, outs["norm_out"].float()) < (b1.NVFP4_TOLERANCE if p.quant == "nvfp4" else b1.FP8_TOLERANCE)
+        assert rel_err(deq, outs["norm_out"].float()) < (NVFP4_TOLERANCE if p.quant == "nvfp4" else FP8_TOLERANCE)
 
 
 def test_alloc_outputs_are_what_dispatch_takes():
     from dispatch.op import fp8_scale_shape, scale_out_bytes
-    outs = b1.alloc_outputs(5, 256, torch.bfloat16, "nvfp4", "cpu")
+    outs = alloc_outputs(5, 256, torch.bfloat16, "nvfp4", "cpu")
     assert outs["quant_out"].shape == (5, 128) and outs["scale_out"].numel() == scale_out_bytes(5, 256)
-    outs = b1.alloc_outputs(5, 256, torch.bfloat16, "fp8_group128_col", "cpu")
+    outs = alloc_outputs(5, 256, torch.bfloat16, "fp8_group128_col", "cpu")
     assert outs["quant_out"].dtype == torch.float8_e4m3fn and outs["scale_out"].shape == fp8_scale_shape(5, 256, "column")
-    assert set(b1.alloc_outputs(5, 256, torch.bfloat16, "fp8_tensor", "cpu")) == {"norm_out", "residual_out", "quant_out"}
-    assert set(b1.alloc_outputs(5, 256, torch.bfloat16, "plain", "cpu")) == {"norm_out", "residual_out"}
+    assert set(alloc_outputs(5, 256, torch.bfloat16, "fp8_tensor", "cpu")) == {"norm_out", "residual_out", "quant_out"}
+    assert set(alloc_outputs(5, 256, torch.bfloat16, "plain", "cpu")) == {"norm_out", "residual_out"}
 
 
 def test_prepare_restores_what_a_system_updates_in_place_and_poisons_the_rest():
     residual_in = torch.randn(2, 16).to(torch.bfloat16)
     buf, norm = torch.zeros(2, 16, dtype=torch.bfloat16), torch.zeros(2, 16, dtype=torch.bfloat16)
-    system = b1.System("flashinfer", "dynamic", lambda j: None, [(0, {"residual_out": buf, "norm_out": norm})],
+    system = System("flashinfer", "dynamic", lambda j: None, [(0, {"residual_out": buf, "norm_out": norm})],
                        restore=lambda: buf.copy_(residual_in))
     system.prepare()
     assert torch.equal(buf, residual_in) and torch.isnan(norm).all()
@@ -240,12 +251,12 @@ def test_prepare_restores_what_a_system_updates_in_place_and_poisons_the_rest():
 def _rec(system, T, us, profile="plain", variant=None, shape=(7168, 8, True), **kw):
     """A valid record whose replays are `us` (a number: 50 replays around it) or a list."""
     series = us if isinstance(us, list) else [us * (1 + 0.01 * ((i % 5) - 2)) for i in range(50)]
-    return b1.make_record(system=system, variant=variant, profile=profile, tokens=T, hidden=shape[0], top_k=shape[1],
+    return make_record(system=system, variant=variant, profile=profile, tokens=T, hidden=shape[0], top_k=shape[1],
                           shared=shape[2], valid=True, replay_us=series, **kw)
 
 
 def _bad(system, T, reason, profile="plain", variant=None, shape=(7168, 8, True)):
-    return b1.make_record(system=system, variant=variant, profile=profile, tokens=T, hidden=shape[0], top_k=shape[1],
+    return make_record(system=system, variant=variant, profile=profile, tokens=T, hidden=shape[0], top_k=shape[1],
                           shared=shape[2], valid=False, reason=reason)
 
 
@@ -253,7 +264,7 @@ COPY_GBPS = 4000.0
 
 
 def _roof(T, profile="plain"):
-    return b1.roofline_us(b1.hbm_bytes_ws1(T, 7168, 8, True, profile)["total"], COPY_GBPS)
+    return roofline_us(hbm_bytes_ws1(T, 7168, 8, True, profile)["total"], COPY_GBPS)
 
 
 def _records():
@@ -262,7 +273,7 @@ def _records():
     recs = []
     for T in (1, 2048, 4096):
         ours = 6.0 if T == 1 else _roof(T) / 0.95
-        recs += [_rec("ours", T, ours, program="moe_ar_x_bf16_ws1_o110"),
+        recs += [_rec("ours", T, ours, program="moe_ar_x_bf16_ws1_plain"),
                  _rec("torch_eager", T, 4 * ours),
                  _rec("torch_compile", T, 3 * ours, variant="dynamic"),
                  _rec("torch_compile", T, (2.5 if T == 2048 else 3.5) * ours, variant="static")]
@@ -274,30 +285,30 @@ def _records():
 def test_make_record_schema():
     r = _rec("ours", 4, 10.0)
     assert r["median_us"] == pytest.approx(10.0) and len(r["replay_us"]) == 50 and r["p10_us"] <= r["p90_us"]
-    assert b1.make_record(system="flashinfer", profile="nvfp4", tokens=1, hidden=16, top_k=1, shared=False,
+    assert make_record(system="flashinfer", profile="nvfp4", tokens=1, hidden=16, top_k=1, shared=False,
                           valid=False, reason="none on sm_90")["median_us"] is None
     for kw, word in ((dict(system="vllm"), "system"), (dict(profile="111"), "profile"),
                      (dict(valid=True, replay_us=[]), "replay_us"), (dict(valid=False), "reason")):
         base = dict(system="ours", profile="plain", tokens=1, hidden=16, top_k=1, shared=False, valid=True,
                     replay_us=[1.0])
         with pytest.raises(ValueError, match=word):
-            b1.make_record(**dict(base, **kw))
+            make_record(**dict(base, **kw))
 
 
 def test_summary_rows():
-    rows = b1.summary_rows(_records(), COPY_GBPS)
+    rows = summary_rows(_records(), COPY_GBPS)
     assert [r["tokens"] for r in rows] == [1, 2048, 4096]
     r1, r2, r4 = rows
-    assert set(r1["us"]) == set(b1.SYSTEMS) and set(r1["ratios"]) == set(b1.BASELINES)
+    assert set(r1["us"]) == set(SYSTEMS) and set(r1["ratios"]) == set(BASELINES)
     assert r1["us"]["flashinfer"] is None and "wrong result" in r1["null_reasons"]["flashinfer"]
     assert r1["null_reasons"].keys() == {"flashinfer"} and r1["ratios"]["flashinfer"] is None
-    assert r1["us"]["ours"] == pytest.approx(6.0) and r1["program"] == "moe_ar_x_bf16_ws1_o110"
+    assert r1["us"]["ours"] == pytest.approx(6.0) and r1["program"] == "moe_ar_x_bf16_ws1_plain"
     # the faster compile mode per point, ratios baseline / ours from the per-round pairs
     assert r1["compile_mode"] == "dynamic" and r2["compile_mode"] == "static"
     assert r2["ratios"]["torch_compile"] == pytest.approx(2.5) and r2["ratios"]["torch_eager"] == pytest.approx(4.0)
     assert r2["best_baseline"] == "torch_compile" and r2["speedup_vs_best_baseline"] == pytest.approx(2.5)
     assert r4["best_baseline"] == "flashinfer" and r4["flashinfer_finalize"] == "dynamic"
-    assert r4["roofline_fraction"] == pytest.approx(0.95) and r4["hbm_bytes"] == b1.hbm_bytes_ws1(4096, 7168, 8, True,
+    assert r4["roofline_fraction"] == pytest.approx(0.95) and r4["hbm_bytes"] == hbm_bytes_ws1(4096, 7168, 8, True,
                                                                                                  "plain")["total"]
     assert r1["roofline_us"] == pytest.approx(_roof(1))
 
@@ -305,34 +316,34 @@ def test_summary_rows():
 def test_pair_ratios_are_per_round_not_of_medians():
     # rounds: ours 1, 1, 10; baseline 2, 4, 5 -> per-round ratios 2, 4, 0.5 (median 2), medians 4 / 1
     recs = [_rec("ours", 8, [1.0, 1.0, 10.0]), _rec("torch_eager", 8, [2.0, 4.0, 5.0])]
-    row, = b1.summary_rows(recs, COPY_GBPS)
+    row, = summary_rows(recs, COPY_GBPS)
     assert row["ratios"]["torch_eager"] == 2.0 and row["us"]["torch_eager"] / row["us"]["ours"] == 4.0
 
 
 def test_targets_pass_and_fail():
-    rows = b1.summary_rows(_records(), COPY_GBPS)
-    t, = b1.check_targets(rows, empty_kernel_us=4.0)
+    rows = summary_rows(_records(), COPY_GBPS)
+    t, = check_targets(rows, empty_kernel_us=4.0)
     assert t["profile"] == "plain" and t["pass"] is True
     assert t["bandwidth"]["worst_fraction"] == pytest.approx(0.95) and t["bandwidth"]["min_fraction"] == 0.88
     assert t["geomean_speedup"]["value"] == pytest.approx((3 * 2.5 * 2.8) ** (1 / 3))
     assert t["one_token"] == {"ours_us": pytest.approx(6.0), "limit_us": 8.0, "pass": True}
     # 1 token over twice the empty kernel; no empty kernel measured: not checked
-    assert b1.check_targets(rows, empty_kernel_us=2.9)[0]["one_token"]["pass"] is False
-    assert b1.check_targets(rows, empty_kernel_us=None)[0]["one_token"]["pass"] is None
+    assert check_targets(rows, empty_kernel_us=2.9)[0]["one_token"]["pass"] is False
+    assert check_targets(rows, empty_kernel_us=None)[0]["one_token"]["pass"] is None
     # NVFP4's bar is 85%: 0.86 passes there, fails for plain
     recs = [_rec("ours", 4096, _roof(4096, p) / 0.86, profile=p) for p in ("plain", "nvfp4")]
-    by = {t["profile"]: t for t in b1.check_targets(b1.summary_rows(recs, COPY_GBPS), None)}
+    by = {t["profile"]: t for t in check_targets(summary_rows(recs, COPY_GBPS), None)}
     assert by["plain"]["bandwidth"]["pass"] is False and by["nvfp4"]["bandwidth"]["pass"] is True
     assert by["plain"]["pass"] is False and by["plain"]["never_slower"]["pass"] is None
     # slower than one baseline at one point; a geometric mean under 2
     recs = _records() + [_rec("ours", 16, 10.0), _rec("torch_compile", 16, 5.0, variant="dynamic")]
-    t, = b1.check_targets(b1.summary_rows(recs, COPY_GBPS), 4.0)
+    t, = check_targets(summary_rows(recs, COPY_GBPS), 4.0)
     assert t["never_slower"]["slower"] == [{"tokens": 16, "baseline": "torch_compile", "ratio": pytest.approx(0.5)}]
     assert t["never_slower"]["pass"] is False and t["pass"] is False
     assert t["geomean_speedup"]["value"] < 2.0 and t["geomean_speedup"]["pass"] is False
     # ours wrong where a baseline ran: never_slower fails
     recs = [_bad("ours", 32, "wrong result"), _rec("torch_eager", 32, 50.0)]
-    t, = b1.check_targets(b1.summary_rows(recs, COPY_GBPS), 4.0)
+    t, = check_targets(summary_rows(recs, COPY_GBPS), 4.0)
     assert t["never_slower"]["ours_missing"] == [32] and t["pass"] is False
 
 
@@ -340,7 +351,7 @@ def _summary(records, skipped=()):
     header = {"gpu": "NVIDIA H200", "commit": "0123456789abcdef", "date": "2026-12-01T12:00:00", "dtype": "bf16",
               "copy_gbps": COPY_GBPS, "empty_kernel_us": 4.0, "ours_1_token_us": {"no_pdl": 6.0, "pdl": 5.5},
               "driver": "580", "versions": {"torch": "2.11"}}
-    return b1.summarize(header, records, list(skipped), complete=not skipped)
+    return summarize(header, records, list(skipped), complete=not skipped)
 
 
 def test_summary_schema_is_strict_json():
@@ -353,11 +364,11 @@ def test_summary_schema_is_strict_json():
     for row in summary["rows"]:
         assert {"profile", "tokens", "hidden", "top_k", "shared", "us", "ratios", "best_baseline",
                 "speedup_vs_best_baseline", "roofline_fraction", "compile_mode", "program"} <= set(row)
-    json.loads(json.dumps(bench.jsonable(summary), allow_nan=False))
+    json.loads(json.dumps(jsonable(summary), allow_nan=False))
 
 
 def test_markdown_table():
-    text = b1.format_markdown(_summary(_records()))
+    text = format_markdown(_summary(_records()))
     assert "**plain**" in text and "| T | ours | torch eager | torch.compile | flashinfer | speed-up | roofline |" in text
     assert "| 2048 |" in text and "(s)" in text and "95%" in text and "2.50x" in text
     line = next(s for s in text.splitlines() if s.startswith("| 1 |"))
@@ -367,12 +378,12 @@ def test_markdown_table():
     assert "| 7168/8s | plain | yes (95% at " in text
     # another shape only: its table, no target shape
     other = [_rec("ours", 1, 5.0, shape=(4096, 8, False))]
-    assert "H 4096, top_k 8;" in b1.format_markdown(_summary(other))
+    assert "H 4096, top_k 8;" in format_markdown(_summary(other))
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    b1.plot(_summary(_records()), tmp_path / "latency.png")
+    plot(_summary(_records()), tmp_path / "latency.png")
     assert (tmp_path / "latency.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -486,7 +497,7 @@ def test_fetch_script():
 
 def test_the_gpu_script_runs_it():
     text = (ROOT / "tests" / "run_gpu.sh").read_text()
-    assert "step bench1" in text and "moe_ar_tools.bench_world_one" in text and ".baselines" in text
+    assert "step bench1" in text and "python3 -m moe_ar_tools.bench_one " in text and ".baselines" in text
 
 
 # ---- the whole run on CPU: CUDA graphs, events and the op stubbed --------------------------------------
@@ -516,7 +527,7 @@ def _op_writing(skip_norm_for=None):
            routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6, weight_bias=0, quant=None,
            global_scale=None, fp8_scale=None, fp8_scale_layout="row", fp8_pow2_scales=False, norm_out=None,
            residual_out=None, quant_out=None, scale_out=None, launch_with_pdl=False, program=None):
-        assert isinstance(ws, _Workspace) and routed_scaling_factor == b1.ROUTED_SCALING_FACTOR
+        assert isinstance(ws, _Workspace) and routed_scaling_factor == ROUTED_SCALING_FACTOR
         assert (global_scale is not None) == (quant == "nvfp4") and (fp8_scale is not None) == (quant == "fp8_tensor")
         out = tc.chain(allreduce_in, expanded_idx_to_permuted_idx, expert_scale_factor, shared_expert_output,
                        residual_in, norm_weight, eps, quant, fp8_scale_layout == "column", global_scale, fp8_scale)
@@ -549,9 +560,9 @@ class _FlashInfer:
         out.copy_((norm.float() / scale_value).clamp(-448, 448).to(torch.float8_e4m3fn))
 
 
-class _CpuRunner(b1.Runner):
+class _CpuRunner(Runner):
     def programs_for(self, profile):
-        return ["moe_ar_a_bf16_ws1_o110", "moe_ar_b_bf16_ws1_o110"] if profile == "plain" else ["moe_ar_c_bf16_ws1"]
+        return ["moe_ar_a_bf16_ws1_plain", "moe_ar_b_bf16_ws1_plain"] if profile == "plain" else ["moe_ar_c_bf16_ws1"]
 
     def load_flashinfer(self):
         self.flashinfer, self.flashinfer_info = _FlashInfer(), {"available": True}
@@ -582,18 +593,18 @@ def stubbed_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub GPU")
-    monkeypatch.setattr(bench, "measure_bandwidth", lambda world, gib: {"hbm_GBps": 4000.0})
+    monkeypatch.setattr(one_runner, "measure_bandwidth", lambda world, gib: {"hbm_GBps": 4000.0})
     monkeypatch.setattr(dispatch, "LocalWorkspace", _Workspace, raising=False)
     monkeypatch.setattr(dispatch, "moe_finalize_allreduce", _op_writing())
     monkeypatch.setattr(dispatch, "select_program", lambda ws, T, quant, shared: f"auto_{quant}")
     monkeypatch.setattr(dispatch, "warmup", lambda names, device_index=None: [])
-    monkeypatch.setattr(b1, "EmptyKernel", lambda index: (lambda: None))
-    monkeypatch.setattr(b1.Runner, "over_budget", lambda self: False)
+    monkeypatch.setattr(one_runner, "EmptyKernel", lambda index: (lambda: None))
+    monkeypatch.setattr(Runner, "over_budget", lambda self: False)
     return monkeypatch
 
 
 def _run(tmp_path, **options):
-    cfg = b1.make_config(shapes="256:4:shared", reps=3, calls=3, warmup=1, out=str(tmp_path / "out"), **options)
+    cfg = make_config(shapes="256:4:shared", reps=3, calls=3, warmup=1, out=str(tmp_path / "out"), **options)
     return _CpuRunner(cfg, device=torch.device("cpu")).run()
 
 
@@ -601,20 +612,20 @@ def test_the_run_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
     summary = _run(tmp_path, tokens="1,3", profiles="plain,nvfp4,fp8_group128_col,fp8_tensor")
     assert {p.name for p in (tmp_path / "out").iterdir()} >= {"summary.json", "records.json", "table.md"}
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["rows"] == json.loads(
-        json.dumps(bench.jsonable(summary["rows"])))
+        json.dumps(jsonable(summary["rows"])))
     assert summary["complete"] is True and summary["empty_kernel_us"] > 0 and summary["copy_gbps"] == 4000.0
     assert summary["ours_1_token_us"]["pdl"] > 0 and summary["floor"]["program"] == "auto_None"
     rows = {(r["profile"], r["tokens"]): r for r in summary["rows"]}
     assert len(rows) == 2 * 4
     for (profile, T), row in rows.items():
         assert row["us"]["ours"] and row["us"]["torch_eager"] and row["us"]["torch_compile"], (profile, T, row)
-        assert row["program"] == f"auto_{b1.PROFILES[profile].quant}" and row["compile_mode"] in b1.COMPILE_MODES
+        assert row["program"] == f"auto_{PROFILES[profile].quant}" and row["compile_mode"] in COMPILE_MODES
     # in place on the residual, restored before each checked replay: right at plain and per-tensor FP8
     assert rows[("plain", 3)]["us"]["flashinfer"] and rows[("fp8_tensor", 3)]["us"]["flashinfer"]
     assert "sm_100" in rows[("nvfp4", 1)]["null_reasons"]["flashinfer"]
     assert "per-token-group" in rows[("fp8_group128_col", 1)]["null_reasons"]["flashinfer"]
     # several world-size-1 programs for plain: each forced; one for nvfp4: not
-    assert set(rows[("plain", 1)]["programs"]) == {"moe_ar_a_bf16_ws1_o110", "moe_ar_b_bf16_ws1_o110"}
+    assert set(rows[("plain", 1)]["programs"]) == {"moe_ar_a_bf16_ws1_plain", "moe_ar_b_bf16_ws1_plain"}
     assert rows[("nvfp4", 1)]["programs"] == {}
     records = json.loads((tmp_path / "out" / "records.json").read_text())["records"]
     assert all(len(r["replay_us"]) == 3 for r in records if r["valid"])
@@ -633,7 +644,7 @@ def test_a_wrong_result_voids_ours(tmp_path, stubbed_gpu):
 
 
 def test_the_budget_skips_what_does_not_fit(tmp_path, stubbed_gpu):
-    stubbed_gpu.setattr(b1.Runner, "over_budget", lambda self: bool(self.records))  # room for one point
+    stubbed_gpu.setattr(Runner, "over_budget", lambda self: bool(self.records))  # room for one point
     summary = _run(tmp_path, tokens="1,2", profiles="plain", systems="ours,torch_eager")
     assert [r["tokens"] for r in summary["rows"]] == [1] and summary["complete"] is False
     assert summary["skipped"] == [dict(profile="plain", tokens=2, hidden=256, top_k=4, shared=True,

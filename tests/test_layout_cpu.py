@@ -129,9 +129,9 @@ def test_dispatch_is_the_runtime_only():
 def test_tools_and_example_are_where_the_commands_say():
     for module in ("reliability_summary", "provenance"):
         assert (ROOT / TOOLS / f"{module}.py").is_file(), module
-    for package in ("bench", "soak", "reference"):
+    for package in ("bench", "bench_one", "soak", "reference"):
         assert (ROOT / TOOLS / package / "__init__.py").is_file(), package
-    for command in ("bench", "soak"):  # python -m moe_ar_tools.bench / .soak (tests/run_gpu.sh)
+    for command in ("bench", "bench_one", "soak"):  # python -m moe_ar_tools.bench / .bench_one / .soak (run_gpu.sh)
         assert (ROOT / TOOLS / command / "__main__.py").is_file(), command
     for probe in ("gpu_burst_probe", "row_ring_probe", "ncu_one_rank", "pipelined_solo_rank"):
         path = ROOT / TOOLS / "probes" / f"{probe}.py"
@@ -156,7 +156,9 @@ def test_tests_hold_no_tools():
 
 def test_console_scripts_and_packages():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the project supports 3.10)
-    for script, target in (("moe-ar-bench", f"{TOOLS}.bench.cli:main"), ("moe-ar-soak", f"{TOOLS}.soak.cli:main")):
+    for script, target in (("moe-ar-bench", f"{TOOLS}.bench.cli:main"),
+                           ("moe-ar-bench-one", f"{TOOLS}.bench_one.cli:main"),
+                           ("moe-ar-soak", f"{TOOLS}.soak.cli:main")):
         assert re.search(rf'^{script} = "{re.escape(target)}"$', text, re.M), script
         module, name = target.split(":")
         assert callable(getattr(importlib.import_module(module), name)), target
@@ -281,10 +283,11 @@ def test_every_tool_module_imports_without_a_gpu():
     assert r.returncode == 0, r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("command, usage", [("bench", "Usage: python -m moe_ar_tools.bench"),
+@pytest.mark.parametrize("command, usage", [("bench", "Usage: python -m moe_ar_tools.bench "),
+                                            ("bench_one", "Usage: python -m moe_ar_tools.bench_one "),
                                             ("soak", "usage: moe-ar-soak")])
 def test_python_m_runs_each_command(command, usage):
-    """tests/run_gpu.sh runs the tools as python -m moe_ar_tools.bench / moe_ar_tools.soak."""
+    """tests/run_gpu.sh runs the tools as python -m moe_ar_tools.bench / .bench_one / .soak."""
     r = subprocess.run([sys.executable, "-m", f"{TOOLS}.{command}", "--help"], cwd=ROOT, capture_output=True,
                        text=True)
     assert r.returncode == 0 and r.stdout.startswith(usage), r.stdout[:500] + r.stderr[-2000:]

@@ -1,0 +1,106 @@
+"""The short table (table.md, printed at the end) and the plot (latency.png) of a run's summary."""
+from __future__ import annotations
+
+import pathlib
+from typing import Optional
+
+from moe_ar_tools.bench_one.config import PROFILES, SYSTEMS, TARGET_SHAPE
+
+
+def table_shape(rows: list) -> Optional[tuple]:
+    """(hidden, top_k, shared) the table and the plot show: the target shape if measured, else the first."""
+    shapes = [(r["hidden"], r["top_k"], r["shared"]) for r in rows]
+    target = (TARGET_SHAPE.hidden, TARGET_SHAPE.top_k, TARGET_SHAPE.shared)
+    return target if target in shapes else (shapes[0] if shapes else None)
+
+
+def _us(v) -> str:
+    return "-" if v is None else (f"{v:.1f}" if v >= 10 else f"{v:.2f}")
+
+
+def _yes(v) -> str:
+    return {True: "yes", False: "**no**", None: "-"}[v]
+
+
+def format_markdown(summary: dict) -> str:
+    """The short table: per profile at the target shape, T, ours and each baseline (microseconds),
+    ours' speed-up over the fastest baseline and its fraction of the roofline; then the targets."""
+    rows = summary["rows"]
+    lines = [f"World size 1 on {summary['gpu']}, {summary['dtype']}, commit {summary['commit'][:12]}, "
+             f"{summary['date']}: copy {summary['copy_gbps']:.0f} GB/s (read + write), empty kernel "
+             f"{_us(summary['empty_kernel_us'])} us, ours at 1 token {_us(summary['ours_1_token_us']['no_pdl'])} us "
+             f"({_us(summary['ours_1_token_us']['pdl'])} us with PDL).", ""]
+    shape = table_shape(rows)
+    if shape is not None:
+        lines += [f"Microseconds per call, H {shape[0]}, top_k {shape[1]}{' + shared expert' if shape[2] else ''}; "
+                  "speed-up = the fastest baseline's time / ours (median of per-round ratios); torch.compile "
+                  "d / s = dynamic shapes / compiled per T; flashinfer: compiled finalize + FlashInfer's norm "
+                  "kernel, `-` where it has none (see summary.json `null_reasons`).", ""]
+    for profile in PROFILES:
+        mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile]
+        if not mine:
+            continue
+        lines += [f"**{profile}**", "", "| T | ours | torch eager | torch.compile | flashinfer | speed-up | roofline |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in mine:
+            us = r["us"]
+            mode = f" ({r['compile_mode'][0]})" if r["compile_mode"] else ""
+            speedup = "-" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
+            frac = "-" if r["roofline_fraction"] is None else f"{100 * r['roofline_fraction']:.0f}%"
+            lines.append(f"| {r['tokens']} | {_us(us['ours'])} | {_us(us['torch_eager'])} | "
+                         f"{_us(us['torch_compile'])}{mode} | {_us(us['flashinfer'])} | {speedup} | {frac} |")
+        lines.append("")
+    lines += ["Targets: bandwidth = ours' roofline fraction from 2,048 tokens (>= 88%, NVFP4 >= 85%); never slower "
+              "than any baseline; geometric mean over T of the speed-up over the fastest baseline >= 2x; 1 token <= "
+              "2x the empty kernel.", "",
+              "| shape | profile | bandwidth (worst) | never slower | geomean speed-up | 1 token | all |",
+              "|---|---|---|---|---|---|---|"]
+    for t in summary["targets"]:
+        b, n, g, o = t["bandwidth"], t["never_slower"], t["geomean_speedup"], t["one_token"]
+        worst = "-" if b["worst_fraction"] is None else f"{100 * b['worst_fraction']:.0f}% at {b['worst_tokens']}"
+        slower = ", ".join(f"{s['baseline']} at {s['tokens']}" for s in n["slower"][:3]) + \
+            ("" if len(n["slower"]) <= 3 else ", ...")
+        nsl = _yes(n["pass"]) + (f" ({slower})" if slower else "") + \
+            (f" (ours missing at {n['ours_missing']})" if n["ours_missing"] else "")
+        gm = "-" if g["value"] is None else f"{g['value']:.2f}x"
+        one = "-" if o["ours_us"] is None else f"{_us(o['ours_us'])} / {_us(o['limit_us'])} us"
+        lines.append(f"| {t['hidden']}/{t['top_k']}{'s' if t['shared'] else ''} | {t['profile']} | {_yes(b['pass'])} "
+                     f"({worst}) | {nsl} | {_yes(g['pass'])} ({gm}) | {_yes(o['pass'])} ({one}) | {_yes(t['pass'])} |")
+    if summary.get("skipped"):
+        lines += ["", f"{len(summary['skipped'])} points skipped (summary.json `skipped`)."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(summary: dict, path: pathlib.Path) -> None:
+    """Latency against tokens, log-log, one line per system, one panel per profile, at table_shape;
+    the roofline dotted and the empty kernel dash-dotted."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = summary["rows"]
+    shape = table_shape(rows)
+    profiles = [p for p in PROFILES if any(r["profile"] == p for r in rows)]
+    if shape is None or not profiles:
+        return
+    fig, axes = plt.subplots(1, len(profiles), figsize=(5.5 * len(profiles), 4.4), squeeze=False)
+    for ax, profile in zip(axes[0], profiles):
+        mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile]
+        for system in SYSTEMS:
+            pts = [(r["tokens"], r["us"][system]) for r in mine if r["us"][system] is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", markersize=3, linewidth=2 if system == "ours" else 1.2, label=system)
+        ax.plot([r["tokens"] for r in mine], [r["roofline_us"] for r in mine], "k:", label="HBM roofline")
+        if summary.get("empty_kernel_us"):
+            ax.axhline(summary["empty_kernel_us"], color="grey", linestyle="-.", linewidth=1, label="empty kernel")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(profile, fontsize=10)
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("us per call")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"world size 1, H {shape[0]} top_k {shape[1]}{' + shared' if shape[2] else ''}, {summary['gpu']}, "
+                 f"{summary['dtype']}, {summary['commit'][:12]}, {summary['date']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
