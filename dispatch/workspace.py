@@ -51,7 +51,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from . import registry
+from . import registry, table_sets
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 SENTINEL_WORD = 0x80008000  # two -0.0 halves
@@ -186,6 +186,7 @@ class RankDescriptor:
     symm_mem_unavailable: str = ""  # why this rank cannot use torch symmetric memory; "" when it can
     nvlink_domain: str = ""         # this GPU's NVLink domain where the driver proves one (nvlink_domain())
     nvlink_note: str = ""           # why no domain is proven
+    selection: str = ""             # the table set and a digest of its boundaries (table_sets.Selection.label)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -400,11 +401,13 @@ def _show(field: str, value) -> str:
         return "None (chosen per call)"
     if field == "program_set":
         return f"programs with manifest sha256 {value[:16]}..."
+    if field == "selection":
+        return f"selection tables {value} (dispatch.selection_info says where each cell comes from)"
     return str(value)
 
 
-_FIELD_ARGUMENT = {"timeout_ns": "timeout_s"}
-_SAME = ("world_size", "backend", "program_set", "dtype", "hidden", "max_tokens", "oneshot_max_tokens",
+_FIELD_ARGUMENT = {"timeout_ns": "timeout_s", "selection": "tables"}
+_SAME = ("world_size", "backend", "program_set", "dtype", "hidden", "max_tokens", "selection", "oneshot_max_tokens",
          "vec_per_thread", "timeout_ns", "buffer_bytes")
 
 
@@ -702,7 +705,7 @@ class _WorkspaceBase:
     world_size: int
 
     def _init_common(self, world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
-                     oneshot_max_tokens, ranks_on_device, vec_per_thread=None):
+                     oneshot_max_tokens, ranks_on_device, vec_per_thread=None, tables=None, boundaries=None):
         _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
         limits = registry.program_set().limits
         world_size, max_tokens, hidden = int(world_size), int(max_tokens), int(hidden)
@@ -716,10 +719,15 @@ class _WorkspaceBase:
         self.device = torch.device("cuda", device_index)
         self.device_index = device_index
         self.timeout_ns = _timeout_ns(timeout_s)
+        # the selection boundaries of every call, chosen here once: the table set for this device, a
+        # user's set, the boundaries= override (dispatch/table_sets.py)
+        self.selection = table_sets.for_workspace(self.dtype_name, world_size, hidden, dtype.itemsize, device_index,
+                                                  tables, boundaries)
         # default: the largest one-shot boundary of the tables, so no automatic call loses its one-shot
         # and no memory is held for one-shot calls only a forced program= would make
-        self.oneshot_max_tokens = (min(max_tokens, registry.oneshot_boundary(world_size)) if oneshot_max_tokens is None
-                                   else int(oneshot_max_tokens))
+        oneshot_field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
+        self.oneshot_max_tokens = (min(max_tokens, self.selection.oneshot_capacity(oneshot_field))
+                                   if oneshot_max_tokens is None else int(oneshot_max_tokens))
         self.vec_per_thread = vec_per_thread
         check_sizes(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.buffer_elems = buffer_elems_for(world_size, max_tokens, hidden, self.oneshot_max_tokens)
@@ -793,13 +801,16 @@ class Workspace(_WorkspaceBase):
     Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer, 0..86400;
     0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, 1..max_tokens, default
-    min(max_tokens, B): B the largest one-shot boundary of the selection tables for the world size,
-    dispatch.registry.oneshot_boundary(W); a forced one-shot program= above it needs it larger),
+    min(max_tokens, B): B the largest one-shot boundary, in tokens, of the workspace's selection
+    tables (any output profile); a forced one-shot program= above it needs it larger),
     `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every call; default None: per
     call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above),
     `backend` ("ipc", the default: cudaMalloc and CUDA IPC, one host; "symm_mem": torch symmetric
     memory, one host or one multi-node NVLink domain; "auto": "symm_mem" where every rank can use
     it, else "ipc" with a RuntimeWarning saying why). `backend` and `backend_reason` hold the choice.
+    `tables` (a table set file written by `gen-programs tune`; default $MOE_AR_TABLES, else the
+    committed set for the device) and `boundaries` ({ladder field: tokens} pinned by hand) decide
+    the selection boundaries (dispatch/table_sets.py; `dispatch.selection_info(ws)`).
 
     Before allocating anything the ranks exchange a RankDescriptor: every rank must pass the same
     arguments and have the same buffer size, programs (manifest hash) and world size, each on its own
@@ -810,7 +821,8 @@ class Workspace(_WorkspaceBase):
     """
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, *, timeout_s: float = 10.0,
-                 oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None, backend: str = "ipc"):
+                 oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None, backend: str = "ipc",
+                 tables=None, boundaries: dict | None = None):
         rank, world_size = self._group_rank(group)
         self.group = group
         self._memory = None
@@ -822,10 +834,12 @@ class Workspace(_WorkspaceBase):
         descriptor, error, asked = None, None, None
         try:
             _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+            table_sets.check_arguments(tables, boundaries)
             asked = _check_backend(backend)
             device_index = torch.cuda.current_device()
             self._init_common(world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
-                              oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread)
+                              oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread, tables=tables,
+                              boundaries=boundaries)
             gpu = _gpu_identity(device_index)
             unavailable = note = "not checked (backend 'ipc')"
             domain = ""
@@ -837,7 +851,8 @@ class Workspace(_WorkspaceBase):
                 max_tokens=self.max_tokens, oneshot_max_tokens=self.oneshot_max_tokens,
                 vec_per_thread=self.vec_per_thread, timeout_ns=self.timeout_ns,
                 buffer_bytes=3 * self.buffer_elems * dtype.itemsize, host=host_identity(), gpu=gpu,
-                backend=asked, symm_mem_unavailable=unavailable, nvlink_domain=domain, nvlink_note=note)
+                backend=asked, symm_mem_unavailable=unavailable, nvlink_domain=domain, nvlink_note=note,
+                selection=self.selection.label)
         except Exception as e:
             error = e
         self._closed = True  # until every rank has built it
@@ -1000,7 +1015,8 @@ class Workspace(_WorkspaceBase):
 class _EmulatedRank(_WorkspaceBase):
     def __init__(self, world, rank, device_index, ranks_on_device):
         self._init_common(world.world_size, rank, world.max_tokens, world.hidden, world.dtype, device_index,
-                          world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread)
+                          world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread,
+                          world.tables, world.boundaries)
         self._memory = _RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.world = world
@@ -1030,14 +1046,17 @@ class EmulatedWorld:
     allocation fails, every rank's memory is freed and RuntimeError names the rank. Proves
     correctness of world sizes 4 and 8 without 4 or 8 GPUs; its timings say nothing about a real machine.
     `backend`: None or "ipc" (accepted for symmetry with Workspace; nothing crosses a process here).
+    `tables` and `boundaries` as for Workspace; every rank must select alike (ValueError naming
+    `devices` where the ranks' GPUs select different tables).
     """
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, dtype: torch.dtype, *, devices=None,
                  timeout_s: float = 10.0, oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, tables=None, boundaries: dict | None = None):
         import cupy
         from cupy.cuda import runtime
         _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+        table_sets.check_arguments(tables, boundaries)
         if backend is not None and (not isinstance(backend, str) or backend != "ipc"):
             raise ValueError(f"backend: {backend!r}; EmulatedWorld keeps every rank in this process and reaches the "
                              f"peers' buffers directly (no CUDA IPC, no symmetric memory): pass None or 'ipc'")
@@ -1049,6 +1068,7 @@ class EmulatedWorld:
         self.world_size, self.max_tokens, self.hidden, self.dtype = world_size, int(max_tokens), int(hidden), dtype
         self.timeout_s, self.oneshot_max_tokens = timeout_s, oneshot_max_tokens
         self.vec_per_thread = vec_per_thread
+        self.tables, self.boundaries = tables, boundaries
         self.devices = devices
         self.workspaces = []
         for a in set(devices):  # peers on other GPUs are reached over NVLink
@@ -1068,6 +1088,10 @@ class EmulatedWorld:
                 what = f"rank {r}'s buffers on GPU {d}"
                 self.workspaces.append(_EmulatedRank(self, r, d, devices.count(d)))
             what = "the per-rank streams"
+            labels = {w.selection.label for w in self.workspaces}
+            if len(labels) > 1:  # every rank must run the same regime for the same T
+                raise ValueError(f"devices: the ranks' GPUs select different tables ({', '.join(sorted(labels))}); "
+                                 f"pass tables= or boundaries= so that they agree, or use GPUs of one kind")
             ptrs = [w._memory.buffers for w in self.workspaces]
             for w in self.workspaces:
                 w._peer_buffers = ptrs + [0] * (registry.program_set().limits["max_world_size"] - world_size)

@@ -216,10 +216,28 @@ def tables(ctx):
         click.echo()
     selection = manifest["selection"]
     fields = [field for _regime, field in selection["ladder"] if field is not None]
-    click.echo(f"selection ({selection['table']}, source: {selection['source']}): "
-               f"{' / '.join(fields)} (all: no bound)")
-    click.echo(f"  {selection['rule']}")
-    bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in selection["boundaries"]}
+    click.echo(f"selection: {selection['rule']}")
+    click.echo("  per device the runtime takes the first set whose key matches (exact product, then the same compute "
+               "capability and interconnect), then the written model; boundaries in tokens, or in bytes per rank "
+               "(KiB, MiB: T x hidden x element bytes); all: no bound")
+    for table_set in selection["sets"]:
+        _print_set(table_set, axes, profile_names, fields)
+
+
+def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list) -> None:
+    """One table set: its key, its measurement files, its boundaries as a grid."""
+    from .tuning import shown_limit
+
+    match = table_set["match"]
+    click.echo()
+    click.echo(f"set {table_set['name']} ({table_set['table']}): {table_set['title']}")
+    if match:
+        click.echo(f"  for product {match['product']!r}, compute capability {match['capability']}, interconnect "
+                   f"{match['interconnect']}")
+    for source in table_set["sources"]:
+        click.echo(f"  measured in {source['file']}")
+    click.echo(f"  {' / '.join(fields)}")
+    bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in table_set["boundaries"]}
     rows = []
     for dtype in axes["dtypes"]:
         for world_size in axes["world_sizes"]:
@@ -227,11 +245,11 @@ def tables(ctx):
             for profile in profile_names:
                 cell = bounds[(dtype, world_size, profile)]
                 mark = "" if cell["source"].startswith("measured") else " (model)"
-                shown = ["all" if cell[field] == selection["all_tokens"] else str(cell[field]) for field in fields]
-                row.append(" / ".join(shown) + mark)
+                row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in fields) + mark)
             rows.append(row)
     _print_rows(rows, ("  ", *profile_names))
-    click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
+    if any(not cell["source"].startswith("measured") for cell in bounds.values()):
+        click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
 
 
 def _cell(entry: dict) -> tuple:

@@ -258,16 +258,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def default_max_tokens(selection_rows, dtype_name: str, world_size: int) -> int:
+def default_max_tokens(bounds: list) -> int:
     """max(2048, last boundary + 255) rounded up to a multiple of 128, so that every regime of every
-    profile of (dtype, world size) in the selection table is reachable."""
+    profile of the workspace's selection (`bounds`: {ladder field: tokens} per profile,
+    dispatch.table_sets.Selection.limits) is reachable."""
     from dispatch import registry
-    last = 1
-    for row in selection_rows:
-        if row.get("dtype") == dtype_name and int(row.get("world_size", -1)) == world_size:
-            last = max(last, *(int(row[key]) + 1 for key in ("oneshot_max_tokens", "early_max_tokens",
-                                                            "twoshot_max_tokens", "loads_max_tokens")
-                               if int(row[key]) < registry.program_set().all_tokens))
+    last = max([1] + [int(value) + 1 for row in bounds for value in row.values()
+                      if int(value) < registry.program_set().all_tokens])
     need = last + 255
     return max(2048, -(-need // 128) * 128)
 
@@ -367,8 +364,16 @@ class Soak:
         self.dtype = ref.NAME_TO_DTYPE[args.dtype]
         self.W, self.H = args.world_size, args.hidden
         self.quants = list(args.quant_list)
-        selection_rows = registry.program_set().manifest["selection"]["boundaries"]
-        self.max_tokens = args.max_tokens or default_max_tokens(selection_rows, args.dtype, self.W)
+        if args.max_tokens:
+            self.max_tokens = args.max_tokens
+        else:  # the selection the world will have (rank 0's GPU, or the one a given world is on)
+            from dispatch import table_sets
+            device = (world.workspaces[0].device.index if world is not None else
+                      (args.device_list or [None])[0])
+            if device is None:
+                device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            selection = table_sets.for_workspace(args.dtype, self.W, self.H, self.dtype.itemsize, device)
+            self.max_tokens = default_max_tokens([selection.limits(profile) for profile in selection.cells])
         self.max_rows = self.max_tokens * 8 + 16
         self.own_world = world is None
         if world is None:
