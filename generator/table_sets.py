@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 
 from . import fit, spec, tuning
@@ -183,3 +184,42 @@ def table_sets(root: pathlib.Path | None = None) -> tuple[TableSet, ...]:
     sets = [build_set(declared, [read_measurements(root, rel) for rel in declared.files])
             for declared in COMMITTED_SETS]
     return (*sets, model_set())
+
+
+# ---- the key of fitted boundaries ---------------------------------------------------------------
+
+def key_comparison(root: pathlib.Path, rel: str) -> str:
+    """Markdown: every cell a file measured, fitted with each key (fit.KEYS) against the written
+    model: the boundaries and the fit's error over all its points; then fitted on the shapes of
+    hidden TARGET_SHAPE[0] alone and scored on the others (a hidden size it did not see)."""
+    measurements = read_measurements(root, rel)
+    lines = [f"Fitted to `{rel}` (every measured cell; boundaries as `gen-programs tables` shows them)\n",
+             "| cell | key | boundaries | points over 1.05x (at the target shape) | worst | mean |",
+             "|---|---|---|---:|---:|---:|"]
+    held_out = ["", f"Fitted on hidden {fit.TARGET_SHAPE[0]} only, scored on the other hidden sizes\n",
+                "| cell | key | points over 1.05x | worst | mean |", "|---|---|---:|---:|---:|"]
+    for (dtype, world_size, profile), points in sorted(measurements.cells.items()):
+        prior = tuning.model(world_size).limits
+        for key in fit.KEYS:
+            result = fit.fit_cell(points, prior, key=key, elem_bytes=spec.DTYPE_BYTES[dtype])
+            shown = " / ".join(tuning.shown_limit(v, key) for v in result.limits)
+            lines.append(f"| {dtype} ws{world_size} {profile} | {key} | {shown} | {result.over} "
+                         f"({result.over_at_target}) | {result.worst:.3f} | {result.mean:.4f} |")
+            seen = {p: t for p, t in points.items() if p[0] == fit.TARGET_SHAPE[0]}
+            unseen = {p: t for p, t in points.items() if p[0] != fit.TARGET_SHAPE[0]}
+            if seen and unseen:
+                limits = fit.fit_cell(seen, prior, key=key, elem_bytes=spec.DTYPE_BYTES[dtype]).limits
+                slowdowns = [times[tuning.LADDER_FAMILIES[fit.rung_of(limits, fit.key_value(
+                    key, p[3], p[0], spec.DTYPE_BYTES[dtype]))]].median_us / min(t.median_us for t in times.values())
+                    for p, times in unseen.items()]
+                held_out.append(f"| {dtype} ws{world_size} {profile} | {key} | "
+                                f"{sum(s > fit.TARGET_SLOWDOWN for s in slowdowns)} of {len(slowdowns)} | "
+                                f"{max(slowdowns):.3f} | "
+                                f"{math.exp(sum(map(math.log, slowdowns)) / len(slowdowns)):.4f} |")
+    return "\n".join(lines + held_out) + "\n"
+
+
+if __name__ == "__main__":
+    import sys
+    print(key_comparison(pathlib.Path(__file__).resolve().parent.parent,
+                         sys.argv[1] if len(sys.argv) > 1 else COMMITTED_SETS[0].files[0]), end="")

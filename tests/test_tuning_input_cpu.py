@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from generator import render, table_sets
+from generator import fit, render, table_sets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 H200_FILE = table_sets.COMMITTED_SETS[0].files[0]
@@ -74,3 +74,11 @@ def test_only_forced_valid_programs_are_read(tmp_path):
                 assert time.median_us == forced[(name, hidden, top_k, shared, tokens)]
                 read += 1
     assert read == len(forced)
+
+
+def test_the_key_comparison_in_the_readme_is_current():
+    """bench_results/tuning/README.md holds key_comparison's output verbatim (rerun
+    `python -m generator.table_sets` and paste it when the fit or the benchmark changes)."""
+    text = (ROOT / "bench_results" / "tuning" / "README.md").read_text()
+    assert table_sets.key_comparison(ROOT, H200_FILE).strip() in text
+    assert "## The choice: bytes per rank" in text and fit.FIT_KEY == "bytes_per_rank"
