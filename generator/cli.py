@@ -8,6 +8,8 @@
     gen-programs diff REV        table cells changed since git revision REV
     gen-programs compile [filters] [--arch A ...] [--jobs N]
                                  NVRTC-compile programs, print registers/spills
+    gen-programs tune [options]  measure this machine's table set on its GPUs (python -m
+                                 moe_ar_tools.tune in a subprocess: the generator never touches a GPU)
 
 In a source checkout (or an editable install) these read and write the checkout's generated/.
 Installed from a wheel, they read the installed tree (package data, generator/locations.py);
@@ -346,6 +348,21 @@ def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs, spill
                f"({sum(result.seconds for result in results):.1f} s of compile time, {jobs} jobs)")
     if failed:
         ctx.exit(1)
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def tune(args):
+    """Measure this machine's table set on its GPUs: runs `python -m moe_ar_tools.tune ARGS` (its
+    --help lists them) in a subprocess, so that the generator itself never imports the runtime."""
+    import subprocess
+
+    env = dict(os.environ)
+    root = locations.checkout_root()
+    if root is not None:  # the checkout's moe_ar_tools and dispatch, as this generator is the checkout's
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    code = subprocess.run([sys.executable, "-m", "moe_ar_tools.tune", *args], env=env).returncode
+    sys.exit(code)
+
 
 if __name__ == "__main__":
     main()

@@ -92,7 +92,11 @@ def read_measurements(root: pathlib.Path, rel: str) -> Measurements:
     path = pathlib.Path(root) / rel
     if not path.is_file():
         raise ValueError(f"table_sets: {rel}, a file a committed set is fitted to, is missing under {root}")
-    doc = json.loads(path.read_text())
+    return parse_measurements(json.loads(path.read_text()), rel)
+
+
+def parse_measurements(doc: dict, rel: str) -> Measurements:
+    """read_measurements of a file's parsed JSON (`rel` names it in errors and sources)."""
     if doc.get("format") == TUNE_FORMAT:
         if doc.get("version") != TUNE_VERSION:
             raise ValueError(f"table_sets: {rel}: version {doc.get('version')!r}, this generator reads {TUNE_VERSION}")
@@ -123,7 +127,7 @@ def _check_stamp(declared: Declared, measurements: Measurements) -> None:
     multi = any(world_size > 1 for _dtype, world_size, _profile in measurements.cells)
     for field, value in (("product", gpu.get("product")), ("capability", gpu.get("capability")),
                          ("interconnect", link.get("kind") if multi else None)):
-        if value is not None and value != declared.match[field]:
+        if value not in (None, "unknown") and value != declared.match[field]:
             raise ValueError(f"table_sets: {measurements.file}: {field} {value!r}, but the set {declared.name} "
                              f"is for {declared.match[field]!r}")
 
@@ -137,6 +141,31 @@ def model_set() -> TableSet:
                     boundaries)
 
 
+def fitted_cells(measured: dict) -> dict:
+    """{(dtype, world size, profile): tuning.Boundaries} of every cell the measurements cover
+    (`measured`: cell -> (file, points)), its own or a donor's: the other dtype's (same bytes an
+    element), then the plain profile's (the same exchange); the cells nothing covers are left out."""
+    boundaries = {}
+    for dtype in spec.DTYPES:
+        for world_size in spec.WORLD_SIZES:
+            for profile in spec.OUTPUT_PROFILES:
+                # Own measurements first, then the other dtype's, then the plain profile's.
+                donors = [(donor_dtype, world_size, donor_profile) for donor_profile in (profile, spec.PLAIN)
+                          for donor_dtype in (dtype, *spec.DTYPES)]
+                donor = next((cell for cell in donors if cell in measured), None)
+                if donor is None:
+                    continue
+                file, points = measured[donor]
+                fitted = fit.fit_cell(points, tuning.model(world_size).limits, key=fit.FIT_KEY,
+                                      elem_bytes=spec.DTYPE_BYTES[donor[0]])
+                borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
+                borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
+                borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
+                boundaries[(dtype, world_size, profile)] = tuning.Boundaries(
+                    fitted.limits, f"measured{borrowed} in {file}: {fitted.describe()}", fitted.key, fitted.measured)
+    return boundaries
+
+
 def build_set(declared: Declared, files: list[Measurements]) -> TableSet:
     """Every cell of a set: fitted where its files measured it (or a donor cell), the model elsewhere."""
     measured: dict = {}
@@ -147,25 +176,8 @@ def build_set(declared: Declared, files: list[Measurements]) -> TableSet:
                 raise ValueError(f"table_sets: {declared.name}: {cell} measured in both {measured[cell][0]} and "
                                  f"{measurements.file}; a set takes each cell from one file")
             measured[cell] = (measurements.file, points)
-    boundaries = {}
-    for dtype in spec.DTYPES:
-        for world_size in spec.WORLD_SIZES:
-            for profile in spec.OUTPUT_PROFILES:
-                # Own measurements first, then the other dtype's, then the plain profile's.
-                donors = [(donor_dtype, world_size, donor_profile) for donor_profile in (profile, spec.PLAIN)
-                          for donor_dtype in (dtype, *spec.DTYPES)]
-                donor = next((cell for cell in donors if cell in measured), None)
-                if donor is None:
-                    boundaries[(dtype, world_size, profile)] = tuning.model(world_size)
-                    continue
-                file, points = measured[donor]
-                fitted = fit.fit_cell(points, tuning.model(world_size).limits, key=fit.FIT_KEY,
-                                      elem_bytes=spec.DTYPE_BYTES[donor[0]])
-                borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
-                borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
-                borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
-                boundaries[(dtype, world_size, profile)] = tuning.Boundaries(
-                    fitted.limits, f"measured{borrowed} in {file}: {fitted.describe()}", fitted.key, fitted.measured)
+    model, fitted = model_set().boundaries, fitted_cells(measured)
+    boundaries = {cell: fitted.get(cell, model[cell]) for cell in model}
     return TableSet(declared.name, declared.title, dict(declared.match),
                     tuple({"file": m.file, "stamp": m.stamp} for m in files), boundaries)
 
