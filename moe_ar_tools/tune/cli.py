@@ -123,6 +123,8 @@ def main(out, budget_s, world_sizes, dtype, profiles, shapes, tokens, reps, call
             mp.spawn(_rank_main, args=(world_size, todo, dict(run, init_method=f"tcp://127.0.0.1:{bench._free_port()}")),
                      nprocs=world_size, join=True)
     doc = output.load(out)
+    for row in (doc["set"] or {}).get("boundaries", []):  # the fit's error per cell: how close auto comes to the best
+        click.echo(f"  {row['dtype']} ws{row['world_size']} {row['profile']}: {row['source']}")
     state = "complete" if doc["complete"] else "stopped by the time budget" if doc["truncated"] else "incomplete"
     click.echo(f"{out}: {len(doc['done'])} units, {len(doc['set']['boundaries']) if doc['set'] else 0} cells fitted, "
                f"{state}. Use it with MOE_AR_TABLES={out} or Workspace(..., tables=...); commit it as a table "
