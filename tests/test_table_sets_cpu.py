@@ -22,6 +22,12 @@ H100_SXM = table_sets.DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, "nvlink")
 H100_PCIE = table_sets.DeviceKey("NVIDIA H100 PCIe", "9.0", 114, "none")
 B200 = table_sets.DeviceKey("NVIDIA B200", "10.0", 148, "nvlink")
 ROW = 7168 * 2  # bytes of one bf16 row of hidden 7168
+ONESHOT = FIELDS.index("oneshot_max_tokens")
+
+
+def from_oneshot(value) -> tuple:
+    """Every boundary from the one-shot's on at `value`; a rung before it ends at 0."""
+    return (0,) * ONESHOT + (value,) * (len(FIELDS) - ONESHOT)
 
 
 def _resolve(device=H200, world_size=2, hidden=7168, user=None, boundaries=None, sha=None, dtype="bf16"):
@@ -112,7 +118,7 @@ def test_a_bytes_range_holding_no_token_count_leaves_the_cell_to_the_fallback():
 
 def _user_doc(match=None, sha=None, cells=None, name="tuned here"):
     match = match or {"product": "NVIDIA H200", "capability": "9.0", "sm_count": 132, "interconnect": "nvlink"}
-    cells = cells if cells is not None else {("bf16", 2, "plain"): ((1024 * ROW,) * len(FIELDS), (ROW, 2048 * ROW))}
+    cells = cells if cells is not None else {("bf16", 2, "plain"): (from_oneshot(1024 * ROW), (ROW, 2048 * ROW))}
     rows = [{"dtype": d, "world_size": w, "profile": p, "key": "bytes_per_rank",
              "limits": dict(zip(FIELDS, limits)), "measured": list(measured), "source": "measured here"}
             for (d, w, p), (limits, measured) in cells.items()]
@@ -132,7 +138,7 @@ def test_a_users_set_serves_the_cells_it_measured_and_the_chain_the_rest(tmp_pat
     selection = _resolve(user=user)
     assert selection.set == "tuned here" and selection.user_set == str(tmp_path / "tables.json")
     assert selection.cells["plain"].set == "tuned here"
-    assert selection.limits("plain") == dict.fromkeys(FIELDS, 1024)  # its one-shot to 1024, then the pipelined
+    assert selection.limits("plain") == dict(zip(FIELDS, from_oneshot(1024)))  # its one-shot to 1024, then the pipelined
     assert selection.cells["nvfp4"].set == "h200_nvlink"  # a cell it lacks: the committed set
     assert selection.limits("nvfp4") == _resolve().limits("nvfp4")
     assert _resolve(user=user, world_size=4).cells["plain"].set == "h200_nvlink"
@@ -212,16 +218,20 @@ def test_the_override_pins_its_fields_and_clamps_the_others():
         limits = selection.limits(profile)
         assert limits["oneshot_max_tokens"] == 128 and list(limits.values()) == sorted(limits.values())
         assert "pinned by boundaries= (oneshot_max_tokens 128)" in cell.source
-    assert selection.limits("plain") == {"oneshot_max_tokens": 128, "early_max_tokens": 292,
-                                         "twoshot_max_tokens": 292, "loads_max_tokens": 292}
+    # below the set's one-shot boundary (292 tokens): the later rungs keep theirs
+    assert selection.limits("plain") == dict(zip(FIELDS, (0,) * ONESHOT + (128,) + (292,) * (len(FIELDS) - ONESHOT - 1)))
     # above the set's other boundaries: they move up with it
-    assert list(_resolve(boundaries={"oneshot_max_tokens": 4096}).limits("plain").values()) == [4096] * 4
+    assert _resolve(boundaries={"oneshot_max_tokens": 4096}).limits("plain") == dict(zip(FIELDS, from_oneshot(4096)))
     # every field pinned: exactly the override, whatever the device
-    pinned = dict(zip(FIELDS, (8, 16, 32, 64)))
+    pinned = dict(zip(FIELDS, range(8, 8 * (len(FIELDS) + 1), 8)))
     for device in (H200, B200):
         assert _resolve(device, boundaries=pinned).limits("nvfp4") == pinned
-    assert table_sets.pin((10, 20, 30, 40), {"early_max_tokens": 5}, FIELDS) == (5, 5, 30, 40)
-    assert table_sets.pin((10, 20, 30, 40), {"twoshot_max_tokens": 50}, FIELDS) == (10, 20, 50, 50)
+    limits = tuple(10 * (i + 1) for i in range(len(FIELDS)))  # 10, 20, 30, ...
+    early = FIELDS.index("early_max_tokens")
+    assert table_sets.pin(limits, {"early_max_tokens": 5}, FIELDS) == (
+        tuple(min(v, 5) for v in limits[:early]) + (5,) + limits[early + 1:])
+    assert table_sets.pin(limits, {"early_max_tokens": 10 * len(FIELDS) + 5}, FIELDS) == (
+        limits[:early] + (10 * len(FIELDS) + 5,) * (len(FIELDS) - early))
 
 
 # ---- the workspace: chosen once, when it is built ---------------------------------------------------------
@@ -294,7 +304,7 @@ def test_selection_info_says_the_set_and_each_cells_source(monkeypatch, tmp_path
     info = dispatch.selection_info(ws)
     assert info["set"] == "tuned here" and info["user_set"] == str(tmp_path / "tables.json")
     assert info["device"] == {"product": "NVIDIA H200", "capability": "9.0", "sm_count": 132, "interconnect": "nvlink"}
-    assert info["cells"]["plain"] == {"boundaries": dict.fromkeys(FIELDS, 1024), "set": "tuned here",
+    assert info["cells"]["plain"] == {"boundaries": dict(zip(FIELDS, from_oneshot(1024))), "set": "tuned here",
                                       "source": "measured here; T outside 1..2048 from h200_nvlink"}
     assert info["cells"]["nvfp4"]["set"] == "h200_nvlink" and info["cells"]["nvfp4"]["source"].startswith("measured in ")
     assert dispatch.selection_info(types.SimpleNamespace(workspaces=[ws])) == info  # an EmulatedWorld: rank 0's
