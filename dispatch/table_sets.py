@@ -39,7 +39,6 @@ ENV_VAR = "MOE_AR_TABLES"
 TUNE_FORMAT = "moe_ar_table_set"
 TUNE_VERSION = 1
 KEYS = ("tokens", "bytes_per_rank")
-ONESHOT_REGIME = registry.ONESHOT_REGIME
 
 log = logging.getLogger("moe_ar.tables")
 _said = set()       # log lines and warnings already given in this process

@@ -17,7 +17,7 @@ from dispatch.workspace import program_set_sha256
 from generator import spec
 from generator import table_sets as generator_sets
 from moe_ar_tools.bench import Shape
-from moe_ar_tools.tune import cli, loop, output, units
+from moe_ar_tools.tune import cli, loop, units
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STAMP = {"gpu": {"product": "NVIDIA H200", "count": 2, "sm_count": 132, "capability": "9.0"},
