@@ -8,6 +8,7 @@ Reads only the committed, verified generated/ tree; see README.md and op.moe_fin
 """
 from .op import MoeFinalizeOutputs, moe_finalize_allreduce, scale_out_bytes, select_program
 from .registry import program_info, programs, warmup
+from .table_sets import selection_info
 from .workspace import Workspace, check
 from .emulated_world import EmulatedWorld
 from .torch_op import moe_finalize_allreduce_op, workspace_from_handle, workspace_handle  # registers moe_ar::
@@ -22,4 +23,4 @@ def gpu_available() -> bool:
 
 __all__ = ["EmulatedWorld", "MoeFinalizeOutputs", "Workspace", "check", "gpu_available", "moe_finalize_allreduce",
            "moe_finalize_allreduce_op", "program_info", "programs", "scale_out_bytes", "select_program",
-           "trtllm_moe_finalize_allreduce_fusion", "warmup", "workspace_from_handle", "workspace_handle"]
+           "selection_info", "trtllm_moe_finalize_allreduce_fusion", "warmup", "workspace_from_handle", "workspace_handle"]

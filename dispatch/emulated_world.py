@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from . import registry
+from . import registry, table_sets
 from .op import prepare_call
 from .overlaps import check_rank_overlaps
 from .rank_memory import _RankMemory
@@ -16,7 +16,8 @@ from .workspace_arguments import _check_arguments, _check_devices
 class _EmulatedRank(_WorkspaceBase):
     def __init__(self, world, rank, device_index, ranks_on_device):
         self._init_common(world.world_size, rank, world.max_tokens, world.hidden, world.dtype, device_index,
-                          world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread)
+                          world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread,
+                          world.tables, world.boundaries)
         self._memory = _RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.world = world
@@ -46,14 +47,17 @@ class EmulatedWorld:
     allocation fails, every rank's memory is freed and RuntimeError names the rank. Proves
     correctness of world sizes 4 and 8 without 4 or 8 GPUs; its timings say nothing about a real machine.
     `backend`: None or "ipc" (accepted for symmetry with Workspace; nothing crosses a process here).
+    `tables` and `boundaries` as for Workspace; every rank must select alike (ValueError naming
+    `devices` where the ranks' GPUs select different tables).
     """
 
     def __init__(self, world_size: int, max_tokens: int, hidden: int, dtype: torch.dtype, *, devices=None,
                  timeout_s: float = 10.0, oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, tables=None, boundaries: dict | None = None):
         import cupy
         from cupy.cuda import runtime
         _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+        table_sets.check_arguments(tables, boundaries)
         if backend is not None and (not isinstance(backend, str) or backend != "ipc"):
             raise ValueError(f"backend: {backend!r}; EmulatedWorld keeps every rank in this process and reaches the "
                              f"peers' buffers directly (no CUDA IPC, no symmetric memory): pass None or 'ipc'")
@@ -65,6 +69,7 @@ class EmulatedWorld:
         self.world_size, self.max_tokens, self.hidden, self.dtype = world_size, int(max_tokens), int(hidden), dtype
         self.timeout_s, self.oneshot_max_tokens = timeout_s, oneshot_max_tokens
         self.vec_per_thread = vec_per_thread
+        self.tables, self.boundaries = tables, boundaries
         self.devices = devices
         self.workspaces = []
         for a in set(devices):  # peers on other GPUs are reached over NVLink
@@ -84,6 +89,10 @@ class EmulatedWorld:
                 what = f"rank {r}'s buffers on GPU {d}"
                 self.workspaces.append(_EmulatedRank(self, r, d, devices.count(d)))
             what = "the per-rank streams"
+            labels = {w.selection.label for w in self.workspaces}
+            if len(labels) > 1:  # every rank must run the same regime for the same T
+                raise ValueError(f"devices: the ranks' GPUs select different tables ({', '.join(sorted(labels))}); "
+                                 f"pass tables= or boundaries= so that they agree, or use GPUs of one kind")
             ptrs = [w._memory.buffers for w in self.workspaces]
             for w in self.workspaces:
                 w._peer_buffers = ptrs + [0] * (registry.program_set().limits["max_world_size"] - world_size)

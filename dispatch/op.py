@@ -27,7 +27,8 @@ def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str
     (None, "nvfp4", "fp8_group128" or "fp8_tensor") and, when `has_shared`, a shared-expert operand.
     Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell."""
     profile = profile_for_quant(quant)
-    family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens)
+    family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens,
+                                    bounds=ws.selection.limits(profile))
     return registry.program_for(family, ws.dtype_name, ws.world_size, profile)
 
 

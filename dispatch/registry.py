@@ -64,7 +64,6 @@ class _ProgramSet:
         self.params = [tuple(x) for x in self.manifest["param_plan"]]
         self.limits = self.manifest["limits"]
         selection = self.manifest["selection"]
-        self.selection = {(s["dtype"], s["world_size"], s["profile"]): s for s in selection["boundaries"]}
         # The regime ladder: (regime, the boundary field that ends its range, or None for the last).
         self.ladder = [tuple(rung) for rung in selection["ladder"]]
         # A boundary of this value bounds nothing: its regime runs every larger T.
@@ -125,19 +124,11 @@ def params_struct() -> type:
 ONESHOT_REGIME = "oneshot"
 
 
-def oneshot_boundary(world_size: int) -> int:
-    """The largest one-shot boundary of the committed selection tables for `world_size`, over dtypes
-    and output profiles: no automatic call runs the one-shot above it (a workspace's default one-shot
-    capacity). 1 when no table of that world size has a one-shot range."""
-    generated = program_set()
-    field = dict(generated.ladder)[ONESHOT_REGIME]
-    return max([1] + [bounds[field] for (_, w, _), bounds in generated.selection.items() if w == world_size])
-
-
 def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool,
-                  oneshot_capacity: int) -> str:
-    """The family for a call: the first regime of the manifest's ladder whose boundary in this
-    cell's committed boundaries T does not exceed, then its shared-expert variant.
+                  oneshot_capacity: int, *, bounds: dict) -> str:
+    """The family for a call: the first regime of the manifest's ladder whose boundary in `bounds`
+    ({field: tokens}: the workspace's, dispatch/table_sets.py) T does not exceed, then its
+    shared-expert variant.
 
     The token regime is chosen from T (the same on every rank); the shared-expert
     variant from a rank-local fact, so it must stay within the protocol class of
@@ -146,7 +137,6 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
     the one-shot range.
     """
     generated = program_set()
-    bounds = generated.selection[(dtype, world_size, profile)]
     for regime, max_tokens_field in generated.ladder:
         if max_tokens_field is None:
             break

@@ -38,6 +38,7 @@ class RankDescriptor:
     symm_mem_unavailable: str = ""  # why this rank cannot use torch symmetric memory; "" when it can
     nvlink_domain: str = ""         # this GPU's NVLink domain where the driver proves one (nvlink_domain())
     nvlink_note: str = ""           # why no domain is proven
+    selection: str = ""             # the table set and a digest of its boundaries (table_sets.Selection.label)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,11 +123,13 @@ def _show(field: str, value) -> str:
         return "None (chosen per call)"
     if field == "program_set":
         return f"programs with manifest sha256 {value[:16]}..."
+    if field == "selection":
+        return f"selection tables {value} (dispatch.selection_info says where each cell comes from)"
     return str(value)
 
 
-_FIELD_ARGUMENT = {"timeout_ns": "timeout_s"}
-_SAME = ("world_size", "backend", "program_set", "dtype", "hidden", "max_tokens", "oneshot_max_tokens",
+_FIELD_ARGUMENT = {"timeout_ns": "timeout_s", "selection": "tables"}
+_SAME = ("world_size", "backend", "program_set", "dtype", "hidden", "max_tokens", "selection", "oneshot_max_tokens",
          "vec_per_thread", "timeout_ns", "buffer_bytes")
 
 

@@ -21,7 +21,7 @@ import weakref
 
 import torch
 
-from . import registry
+from . import registry, table_sets
 from .backend_facts import nvlink_domain, symm_mem_unavailable
 from .rank_memory import STATE_BAD_ROWS, _RankMemory, _SymmMemBuffers
 from .rendezvous import (RankDescriptor, _attempt, _gather_status, _gpu_identity, _Ok, _raise_failures,
@@ -47,7 +47,7 @@ class _WorkspaceBase:
     world_size: int
 
     def _init_common(self, world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
-                     oneshot_max_tokens, ranks_on_device, vec_per_thread=None):
+                     oneshot_max_tokens, ranks_on_device, vec_per_thread=None, tables=None, boundaries=None):
         _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
         limits = registry.program_set().limits
         world_size, max_tokens, hidden = int(world_size), int(max_tokens), int(hidden)
@@ -61,10 +61,15 @@ class _WorkspaceBase:
         self.device = torch.device("cuda", device_index)
         self.device_index = device_index
         self.timeout_ns = _timeout_ns(timeout_s)
+        # the selection boundaries of every call, chosen here once: the table set for this device, a
+        # user's set, the boundaries= override (dispatch/table_sets.py)
+        self.selection = table_sets.for_workspace(self.dtype_name, world_size, hidden, dtype.itemsize, device_index,
+                                                  tables, boundaries)
         # default: the largest one-shot boundary of the tables, so no automatic call loses its one-shot
         # and no memory is held for one-shot calls only a forced program= would make
-        self.oneshot_max_tokens = (min(max_tokens, registry.oneshot_boundary(world_size)) if oneshot_max_tokens is None
-                                   else int(oneshot_max_tokens))
+        oneshot_field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
+        self.oneshot_max_tokens = (min(max_tokens, self.selection.oneshot_capacity(oneshot_field))
+                                   if oneshot_max_tokens is None else int(oneshot_max_tokens))
         self.vec_per_thread = vec_per_thread
         check_sizes(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.buffer_elems = buffer_elems_for(world_size, max_tokens, hidden, self.oneshot_max_tokens)
@@ -138,13 +143,16 @@ class Workspace(_WorkspaceBase):
     Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
     `dtype` (torch.float16 or torch.bfloat16), `timeout_s` (deadline of any wait on a peer, 0..86400;
     0 disables it), `oneshot_max_tokens` (one-shot buffer capacity, 1..max_tokens, default
-    min(max_tokens, B): B the largest one-shot boundary of the selection tables for the world size,
-    dispatch.registry.oneshot_boundary(W); a forced one-shot program= above it needs it larger),
+    min(max_tokens, B): B the largest one-shot boundary, in tokens, of the workspace's selection
+    tables (any output profile); a forced one-shot program= above it needs it larger),
     `vec_per_thread` (16-byte vectors of a row per thread, 1..4, for every call; default None: per
     call, 2 up to the manifest's few_tokens_max (256) tokens and 4 above),
     `backend` ("ipc", the default: cudaMalloc and CUDA IPC, one host; "symm_mem": torch symmetric
     memory, one host or one multi-node NVLink domain; "auto": "symm_mem" where every rank can use
     it, else "ipc" with a RuntimeWarning saying why). `backend` and `backend_reason` hold the choice.
+    `tables` (a table set file written by `gen-programs tune`; default $MOE_AR_TABLES, else the
+    committed set for the device) and `boundaries` ({ladder field: tokens} pinned by hand) decide
+    the selection boundaries (dispatch/table_sets.py; `dispatch.selection_info(ws)`).
 
     Before allocating anything the ranks exchange a RankDescriptor: every rank must pass the same
     arguments and have the same buffer size, programs (manifest hash) and world size, each on its own
@@ -155,7 +163,8 @@ class Workspace(_WorkspaceBase):
     """
 
     def __init__(self, group, max_tokens: int, hidden: int, dtype: torch.dtype, *, timeout_s: float = 10.0,
-                 oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None, backend: str = "ipc"):
+                 oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None, backend: str = "ipc",
+                 tables=None, boundaries: dict | None = None):
         rank, world_size = self._group_rank(group)
         self.group = group
         self._memory = None
@@ -167,10 +176,12 @@ class Workspace(_WorkspaceBase):
         descriptor, error, asked = None, None, None
         try:
             _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+            table_sets.check_arguments(tables, boundaries)
             asked = _check_backend(backend)
             device_index = torch.cuda.current_device()
             self._init_common(world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
-                              oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread)
+                              oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread, tables=tables,
+                              boundaries=boundaries)
             gpu = _gpu_identity(device_index)
             unavailable = note = "not checked (backend 'ipc')"
             domain = ""
@@ -182,7 +193,8 @@ class Workspace(_WorkspaceBase):
                 max_tokens=self.max_tokens, oneshot_max_tokens=self.oneshot_max_tokens,
                 vec_per_thread=self.vec_per_thread, timeout_ns=self.timeout_ns,
                 buffer_bytes=3 * self.buffer_elems * dtype.itemsize, host=host_identity(), gpu=gpu,
-                backend=asked, symm_mem_unavailable=unavailable, nvlink_domain=domain, nvlink_note=note)
+                backend=asked, symm_mem_unavailable=unavailable, nvlink_domain=domain, nvlink_note=note,
+                selection=self.selection.label)
         except Exception as e:
             error = e
         self._closed = True  # until every rank has built it

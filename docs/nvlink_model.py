@@ -124,14 +124,20 @@ def crossover(W, s, beta, hbm, alpha, fixed, limit=1 << 17):
     return last
 
 
-def committed_oneshot_max_tokens() -> dict:
-    """World size -> oneshot_max_tokens of the committed tables (bf16, plain profile), if present."""
+def committed_oneshot_max_tokens(s: Shape) -> dict:
+    """World size -> (oneshot_max_tokens, source) of the first committed table set (bf16, plain), in
+    tokens at the shape's hidden size (a cell fitted in bytes per rank divided by the row's bytes)."""
     path = BENCH.parent.parent / "generated" / "manifest.json"
     if not path.exists():
         return {}
-    sel = json.loads(path.read_text()).get("selection", {}).get("boundaries", [])
-    return {b["world_size"]: (b["oneshot_max_tokens"], b["source"].split(":")[0]) for b in sel
-            if b["dtype"] == "bf16" and b["profile"] == "plain"}
+    sets = [t for t in json.loads(path.read_text()).get("selection", {}).get("sets", []) if t["match"]]
+    out = {}
+    for b in sets[0]["boundaries"] if sets else []:
+        if b["dtype"] == "bf16" and b["profile"] == "plain":
+            limit = b["limits"]["oneshot_max_tokens"]
+            row = 1 if b["key"] == "tokens" else s.hidden * s.elem_bytes
+            out[b["world_size"]] = (limit // row, b["source"].split(":")[0].split(" in ")[0])
+    return out
 
 
 def mb(x: float) -> str:
@@ -219,7 +225,7 @@ def main(argv=None):
     print("Crossover: the largest T at which the one-shot is still no slower than the two-shot (the "
           f"pipelined two-shot counted from {PIPELINED_MIN_TOKENS} tokens)\n")
     alphas = sorted({a.alpha_us, 3.7})
-    committed = committed_oneshot_max_tokens()
+    committed = committed_oneshot_max_tokens(s)
     head = " | ".join(f"{n.split(',')[0]}, alpha {al:g} us" for n, _, _ in sets for al in alphas)
     print(f"| W | {head} | committed tables (bf16, plain) |")
     print("|---:|" + "---:|" * (len(sets) * len(alphas)) + "---|")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from dispatch.registry import oneshot_boundary
+from dispatch import registry, table_sets
 from dispatch.rank_memory import ERROR_WORDS, STATE_WORDS
 from dispatch.workspace_sizes import buffer_elems_for
 
@@ -21,6 +21,14 @@ ELEM_BYTES = 2  # bf16
 WORLD_SIZES = (2, 4, 8, 16)
 MAX_TOKENS = (1, 128, 1024, 8192, 16384, 65536)
 FORCED_CAP = 1024  # the capacity the benchmark's sweeps ask for (and the default before the tables sized it)
+DEVICE = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")  # the device whose tables size the default
+
+
+def oneshot_boundary(W: int) -> int:
+    """The default one-shot capacity's bound B of a bf16 workspace of HIDDEN on DEVICE."""
+    selection = table_sets.resolve(dtype="bf16", world_size=W, hidden=HIDDEN, elem_bytes=ELEM_BYTES, device=DEVICE,
+                                   user=None, program_set_sha256="")
+    return selection.oneshot_capacity(dict(registry.program_set().ladder)[registry.ONESHOT_REGIME])
 
 
 def rank_bytes(W: int, T: int, oneshot_tokens: int) -> tuple[int, int, str]:
@@ -68,7 +76,7 @@ def main(argv=None) -> None:
                                             if more else ", same")
 
     table("Default one-shot capacity, oneshot_max_tokens = min(max_tokens, B), B = the largest one-shot boundary "
-          "of the committed tables for W (" + ", ".join(f"W {W}: B = {bounds[W]}" for W in WORLD_SIZES) +
+          f"of the tables an {DEVICE.product} with NVLink selects for W (" + ", ".join(f"W {W}: B = {bounds[W]}" for W in WORLD_SIZES) +
           "); [which layout sizes the buffer]", default)
     table("Emulated world on one GPU (EmulatedWorld: all W ranks' workspaces on one device), default capacity",
           lambda W, T: human(W * rank_bytes(W, T, min(T, bounds[W]))[0]))

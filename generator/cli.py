@@ -8,6 +8,8 @@
     gen-programs diff REV        table cells changed since git revision REV
     gen-programs compile [filters] [--arch A ...] [--jobs N]
                                  NVRTC-compile programs, print registers/spills
+    gen-programs tune [options]  measure this machine's table set on its GPUs (python -m
+                                 moe_ar_tools.tune in a subprocess: the generator never touches a GPU)
 
 In a source checkout (or an editable install) these read and write the checkout's generated/.
 Installed from a wheel, they read the installed tree (package data, generator/locations.py);
@@ -218,10 +220,28 @@ def tables(ctx):
         click.echo()
     selection = manifest["selection"]
     fields = [field for _regime, field in selection["ladder"] if field is not None]
-    click.echo(f"selection ({selection['table']}, source: {selection['source']}): "
-               f"{' / '.join(fields)} (all: no bound)")
-    click.echo(f"  {selection['rule']}")
-    bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in selection["boundaries"]}
+    click.echo(f"selection: {selection['rule']}")
+    click.echo("  per device the runtime takes the first set whose key matches (exact product, then the same compute "
+               "capability and interconnect), then the written model; boundaries in tokens, or in bytes per rank "
+               "(KiB, MiB: T x hidden x element bytes); all: no bound")
+    for table_set in selection["sets"]:
+        _print_set(table_set, axes, profile_names, fields)
+
+
+def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list) -> None:
+    """One table set: its key, its measurement files, its boundaries as a grid."""
+    from .tuning import shown_limit
+
+    match = table_set["match"]
+    click.echo()
+    click.echo(f"set {table_set['name']} ({table_set['table']}): {table_set['title']}")
+    if match:
+        click.echo(f"  for product {match['product']!r}, compute capability {match['capability']}, interconnect "
+                   f"{match['interconnect']}")
+    for source in table_set["sources"]:
+        click.echo(f"  measured in {source['file']}")
+    click.echo(f"  {' / '.join(fields)}")
+    bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in table_set["boundaries"]}
     rows = []
     for dtype in axes["dtypes"]:
         for world_size in axes["world_sizes"]:
@@ -229,11 +249,11 @@ def tables(ctx):
             for profile in profile_names:
                 cell = bounds[(dtype, world_size, profile)]
                 mark = "" if cell["source"].startswith("measured") else " (model)"
-                shown = ["all" if cell[field] == selection["all_tokens"] else str(cell[field]) for field in fields]
-                row.append(" / ".join(shown) + mark)
+                row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in fields) + mark)
             rows.append(row)
     _print_rows(rows, ("  ", *profile_names))
-    click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
+    if any(not cell["source"].startswith("measured") for cell in bounds.values()):
+        click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
 
 
 def _cell(entry: dict) -> tuple:
@@ -332,6 +352,21 @@ def compile_cmd(ctx, families, dtypes, world_sizes, profiles, archs, jobs, spill
                f"({sum(result.seconds for result in results):.1f} s of compile time, {jobs} jobs)")
     if failed:
         ctx.exit(1)
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True, "help_option_names": []})
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def tune(args):
+    """Measure this machine's table set on its GPUs: runs `python -m moe_ar_tools.tune ARGS` (its
+    --help lists them) in a subprocess, so that the generator itself never imports the runtime."""
+    import subprocess
+
+    env = dict(os.environ)
+    root = locations.checkout_root()
+    if root is not None:  # the checkout's moe_ar_tools and dispatch, as this generator is the checkout's
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    code = subprocess.run([sys.executable, "-m", "moe_ar_tools.tune", *args], env=env).returncode
+    sys.exit(code)
+
 
 if __name__ == "__main__":
     main()

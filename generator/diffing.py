@@ -21,6 +21,8 @@ from .code_hash import code_sha256
 
 # Manifests of format 1 called the first two profiles by their numeric codes.
 _FORMAT1_PROFILES = {"110": spec.PLAIN, "111": "nvfp4"}
+# Manifests before format 4 had one selection table, in tokens: the one that became this set.
+_SINGLE_TABLE_SET = "h200_nvlink"
 
 
 def _git_files(rev: str, root, paths: list[str]) -> dict[str, bytes]:
@@ -101,8 +103,9 @@ def _with_profile_names(manifest: dict) -> dict:
     """A format-1 manifest with its profiles called by name, as today's are."""
     if manifest.get("format", 1) >= 2:
         return manifest
-    for entry in [*manifest.get("programs", []), *manifest.get("holes", []),
-                  *manifest.get("selection", {}).get("boundaries", [])]:
+    selection = manifest.get("selection", {})
+    for entry in [*manifest.get("programs", []), *manifest.get("holes", []), *selection.get("boundaries", []),
+                  *(row for table_set in selection.get("sets", []) for row in table_set["boundaries"])]:
         entry["profile"] = _FORMAT1_PROFILES.get(entry["profile"], entry["profile"])
     return manifest
 
@@ -135,9 +138,24 @@ def _code_hash(entry: dict) -> str:
     return entry["code_sha256"] if "code_sha256" in entry else entry["sha256"]
 
 
-def _shown_bound(value) -> str:
+def _shown_bound(value, key: str) -> str:
     """A boundary as `tables` prints it; a manifest from before a field existed has none."""
-    return "absent" if value is None else "all" if value == tuning.ALL_TOKENS else str(value)
+    return "absent" if value is None else tuning.shown_limit(value, key)
+
+
+def selection_sets(manifest: dict) -> dict:
+    """{set name: {(dtype, world size, profile): row}} of a manifest's selection, rows as format 4
+    writes them (key, limits, measured); a manifest with one table gives it as _SINGLE_TABLE_SET."""
+    selection = manifest.get("selection", {})
+    if "sets" in selection:
+        return {s["name"]: {(b["dtype"], b["world_size"], b["profile"]): b for b in s["boundaries"]}
+                for s in selection["sets"]}
+    rows = {}
+    for b in selection.get("boundaries", []):
+        rows[(b["dtype"], b["world_size"], b["profile"])] = {
+            "key": "tokens", "measured": None, "source": b.get("source"),
+            "limits": {field: b[field] for field in spec.BOUNDARY_FIELDS if field in b}}
+    return {_SINGLE_TABLE_SET: rows} if rows else {}
 
 
 def diff_manifests(old: dict | None, new: dict) -> list[str]:
@@ -180,23 +198,31 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             lines.append(f"~ {_label(key)}: hole now falls back to {after['fallback_family']} ({after['reason']}), "
                          f"was {before['fallback_family']} ({before['reason']})")
 
-    def boundaries(manifest):
-        return {(b["dtype"], b["world_size"], b["profile"]): b for b in manifest["selection"]["boundaries"]}
-
-    old_bounds, new_bounds = boundaries(old), boundaries(new)
-    for key in sorted(set(old_bounds) | set(new_bounds)):
-        dtype, world_size, profile = key
-        label = f"selection {dtype} ws{world_size} {profile}"
-        before, after = old_bounds.get(key), new_bounds.get(key)
-        if before is None or after is None:
-            lines.append(f"{'+' if before is None else '-'} {label}: {'added' if before is None else 'removed'}")
-            continue
-        for field in spec.BOUNDARY_FIELDS:
-            if before.get(field) != after.get(field):
-                lines.append(f"~ {label}: {field} {_shown_bound(before.get(field))} -> "
-                             f"{_shown_bound(after.get(field))}")
-    if old.get("selection", {}).get("source") not in (None, new["selection"]["source"]):
-        lines.append(f"~ selection source: {old['selection']['source']} -> {new['selection']['source']}")
+    old_sets, new_sets = selection_sets(old), selection_sets(new)
+    for name in sorted(set(old_sets) - set(new_sets)):
+        lines.append(f"- selection set {name}: removed ({len(old_sets[name])} cells)")
+    for name in sorted(set(new_sets) - set(old_sets)):
+        lines.append(f"+ selection set {name}: added ({len(new_sets[name])} cells)")
+    for name in sorted(set(old_sets) & set(new_sets)):
+        old_bounds, new_bounds = old_sets[name], new_sets[name]
+        for key in sorted(set(old_bounds) | set(new_bounds)):
+            dtype, world_size, profile = key
+            label = f"selection {name} {dtype} ws{world_size} {profile}"
+            before, after = old_bounds.get(key), new_bounds.get(key)
+            if before is None or after is None:
+                lines.append(f"{'+' if before is None else '-'} {label}: {'added' if before is None else 'removed'}")
+                continue
+            for field in spec.BOUNDARY_FIELDS:
+                was, now = before["limits"].get(field), after["limits"].get(field)
+                if (was, before["key"]) != (now, after["key"]):
+                    lines.append(f"~ {label}: {field} {_shown_bound(was, before['key'])} -> "
+                                 f"{_shown_bound(now, after['key'])}")
+            if before["measured"] != after["measured"]:
+                shown = [("not measured" if m is None else " to ".join(tuning.shown_limit(v, row["key"]) for v in m))
+                         for m, row in ((before["measured"], before), (after["measured"], after))]
+                lines.append(f"~ {label}: measured range {shown[0]} -> {shown[1]}")
+            if before.get("source") != after.get("source"):
+                lines.append(f"~ {label}: source {before.get('source')!r} -> {after.get('source')!r}")
     if old.get("selection", {}).get("ladder") not in (None, new["selection"]["ladder"]):
         lines.append(f"~ regime ladder: {json.dumps(old['selection']['ladder'])} -> "
                      f"{json.dumps(new['selection']['ladder'])}")

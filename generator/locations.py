@@ -1,7 +1,7 @@
 """Where gen-programs reads its inputs and the generated tree.
 
 Two layouts hold the same files under one root folder: templates/, kernels/, generated/ and
-bench_results/<tuning.BENCH_FILE>.
+the measurement files of the committed table sets in bench_results/ (table_sets.COMMITTED_SETS).
 
 - A source checkout (or an editable install of one): the folder above this package. `gen-programs`
   regenerates its generated/.

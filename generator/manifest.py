@@ -12,7 +12,8 @@ from moe_ar_common.manifest_reader import FORMAT, sha256_bytes
 
 from . import abi, spec
 from .enumeration import Enumeration
-from .tuning import ALL_TOKENS, Selection
+from .table_sets import TableSet
+from .tuning import ALL_TOKENS
 
 # How a program is launched; the runtime computes the numbers from H, T and the
 # device. One text per field, the same for every program today.
@@ -43,8 +44,29 @@ def _file_entry(rel: str, data: bytes) -> dict:
     return {"file": rel, "sha256": sha256_bytes(data), "bytes": len(data)}
 
 
-def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha256: dict,
-          generated_info: dict, body: dict, table_files: dict, selection_file: str) -> dict:
+# What a cell's `key` counts, for each of generator/fit.py KEYS.
+KEY_MEANINGS = {"tokens": "T, the call's token count",
+                "bytes_per_rank": "T x hidden x element bytes: one rank's rows of the call"}
+
+
+def selection_set(table_set: TableSet) -> dict:
+    """One table set as the manifest lists it: its key (match; null for the written model), the
+    stamps of its measurement files, and every cell with its key, limits, measured range and source."""
+    return {
+        "name": table_set.name,
+        "title": table_set.title,
+        "match": table_set.match,
+        "table": table_set.table,
+        "sources": list(table_set.sources),
+        "boundaries": [{"dtype": dtype, "world_size": world_size, "profile": profile, "key": cell.key,
+                        "limits": cell.by_field(), "measured": None if cell.measured is None else list(cell.measured),
+                        "source": cell.source}
+                       for (dtype, world_size, profile), cell in table_set.boundaries.items()],
+    }
+
+
+def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, code_sha256: dict,
+          generated_info: dict, body: dict, table_files: dict) -> dict:
     """files: relative path -> bytes of every other generated file.
     body: entry (the header a program includes), include_dir, headers (every body header, in the
     order a program inlines them), sources (header -> the file it comes from).
@@ -80,9 +102,6 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
         "family": h.spec.family, "dtype": h.spec.dtype, "world_size": h.spec.world_size,
         "profile": h.spec.profile, "reason": h.reason, "fallback_family": h.fallback_family,
     } for h in enumeration.holes]
-    boundaries = [{"dtype": dtype, "world_size": world_size, "profile": profile, **cell.by_field(),
-                   "source": cell.source}
-                  for (dtype, world_size, profile), cell in selection.boundaries.items()]
     return {
         "_generated": generated_info,
         "format": FORMAT,
@@ -118,14 +137,15 @@ def build(enumeration: Enumeration, selection: Selection, files: dict, code_sha2
         "targets": list(spec.ARCH_TARGETS),
         "compile_options": list(spec.COMPILE_OPTIONS),
         "selection": {
-            "source": selection.source,
             "rule": selection_rule(),
             # The regime ladder: a call runs the first regime whose boundary field's value T does
             # not exceed (null: the last rung, every larger T).
             "ladder": [[regime.name, regime.max_tokens_field] for regime in spec.LADDER],
             "all_tokens": ALL_TOKENS,
-            "table": selection_file,
-            "boundaries": boundaries,
+            "keys": KEY_MEANINGS,
+            # The committed sets, then the written model (match null): the runtime takes the set for
+            # its device (dispatch/table_sets.py), and the model where none matches.
+            "sets": [selection_set(table_set) for table_set in sets],
         },
         "programs": programs,
         "holes": holes,

@@ -26,7 +26,7 @@ import jinja2
 
 from moe_ar_common.manifest_reader import MANIFEST_NAME, REGENERATE, ManifestError, inline_includes
 
-from . import abi, manifest, selection_map, spec, tuning
+from . import abi, manifest, selection_map, spec, table_sets, tuning
 from .code_hash import code_sha256
 from .enumeration import Enumeration, enumerate_programs
 
@@ -45,7 +45,6 @@ KERNEL_DIR = "kernels"
 BODY_DIR = "kernels"
 BODY_ENTRY = f"{BODY_DIR}/moe_finalize_allreduce.cuh"
 PARAMS_FILE = f"{BODY_DIR}/params.cuh"
-SELECTION_FILE = "tables/selection.h"
 SELECTION_MAP_FILE = "selection_map.svg"
 
 
@@ -72,8 +71,8 @@ def _inputs(root: pathlib.Path) -> dict[str, pathlib.Path]:
                  for p in (root / folder).rglob("*")
                  if p.is_file() and not any(part.startswith(".") or part == "__pycache__"
                                             for part in p.relative_to(root).parts))
-    # the measurements the selection boundaries come from
-    found.update((p.relative_to(root).as_posix(), p) for p in tuning.bench_files(root))
+    # the measurements the table sets are fitted to
+    found.update((p.relative_to(root).as_posix(), p) for p in table_sets.input_files(root))
     return found
 
 
@@ -203,22 +202,43 @@ def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict
     }
 
 
-def _selection_context(selection: tuning.Selection) -> dict:
+def _stamp_line(source: dict) -> str:
+    """One measurement file and what its stamp says of the machine, in a line."""
+    stamp = source["stamp"]
+    gpu, link = stamp.get("gpu") or {}, stamp.get("interconnect") or {}
+    parts = [f"{gpu.get('product')} x{gpu.get('count')}"]
+    if gpu.get("capability"):
+        parts.append(f"sm {gpu['capability']}")
+    if link.get("kind"):
+        parts.append(str(link["kind"]))
+    if link.get("peer_bandwidth_GBps"):
+        parts.append(f"peer {link['peer_bandwidth_GBps']:.0f} GB/s")
+    parts += [f"{name} {stamp[name]}" for name in ("driver", "cuda", "torch", "nvrtc", "commit") if stamp.get(name)]
+    return f"{source['file']}: {', '.join(parts)}"
+
+
+def _selection_context(table_set: table_sets.TableSet) -> dict:
     rows = []
     for dtype in spec.DTYPES:
         worlds = []
         for world_size in spec.WORLD_SIZES:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
-                cell = selection.boundaries[(dtype, world_size, profile)]
-                shown = ", ".join("kAllTokens" if bound == tuning.ALL_TOKENS else str(bound)
-                                  for bound in cell.max_tokens)
-                entries.append({"value": f"{{{shown}}}",
+                cell = table_set.boundaries[(dtype, world_size, profile)]
+                shown = ", ".join("kAllTokens" if bound == tuning.ALL_TOKENS else str(bound) for bound in cell.limits)
+                measured = cell.measured or (0, 0)
+                key = {"tokens": "kTokens", "bytes_per_rank": "kBytesPerRank"}[cell.key]
+                entries.append({"value": f"{{{key}, {measured[0]}, {measured[1]}, {{{shown}}}}}",
                                 "comment": f"{_cell_label(dtype, world_size, profile)}: {cell.source}"})
             worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
+    match = table_set.match
     return {
-        "source": selection.source,
+        "name": table_set.name,
+        "title": table_set.title,
+        "match": (f"product {match['product']!r}, compute capability {match['capability']}, interconnect "
+                  f"{match['interconnect']}" if match else "any device (the last fallback)"),
+        "sources": [_stamp_line(source) for source in table_set.sources],
         "rule": manifest.selection_rule(),
         "fields": spec.BOUNDARY_FIELDS,
         "all_tokens": tuning.ALL_TOKENS,
@@ -246,7 +266,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
     inputs = inputs_sha256(root)
     env = make_environment(root)
     enumeration = enumerate_programs()
-    selection = tuning.selection(root)
+    sets = table_sets.table_sets(root)
     out = Outputs()
 
     def render(template: str, **context) -> str:
@@ -318,13 +338,14 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
         table_files[family.name] = table_file(family.name)
         out.add(table_file(family.name), cpp_header(FAMILY_TABLE_TEMPLATE)
                 + render(FAMILY_TABLE_TEMPLATE, **_family_table_context(family, enumeration)))
-    out.add(SELECTION_FILE, cpp_header(SELECTION_TEMPLATE)
-            + render(SELECTION_TEMPLATE, **_selection_context(selection)))
+    for table_set in sets:
+        out.add(table_set.table, cpp_header(SELECTION_TEMPLATE)
+                + render(SELECTION_TEMPLATE, **_selection_context(table_set)))
     out.add(SELECTION_MAP_FILE, svg_header(SELECTION_MAP_TEMPLATE)
-            + render(SELECTION_MAP_TEMPLATE, **selection_map.context(selection, enumeration)))
+            + render(SELECTION_MAP_TEMPLATE, **selection_map.context(sets, enumeration)))
 
-    doc = manifest.build(enumeration, selection, out.as_dict(), code_hashes, json_header(inputs),
-                         body, table_files, SELECTION_FILE)
+    doc = manifest.build(enumeration, sets, out.as_dict(), code_hashes, json_header(inputs),
+                         body, table_files)
     out.add(MANIFEST_NAME, manifest.dumps(doc))
     return Result(out, enumeration, inputs)
 

@@ -26,6 +26,8 @@ def _by_name(*records) -> dict:
 # Input dtype -> its C++ type in the kernel body.
 DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 DTYPES = tuple(DTYPE_CPP)
+# Bytes of one element of each dtype (a fitted boundary counts bytes per rank: T x hidden x these).
+DTYPE_BYTES = {"fp16": 2, "bf16": 2}
 WORLD_SIZES = (2, 4, 8, 16)
 
 

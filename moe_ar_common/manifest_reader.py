@@ -24,7 +24,9 @@ MANIFEST_NAME = "manifest.json"
 # 2: records of families and output profiles (profiles named by their quant= value), the regime
 # ladder in `selection`, code_sha256 blind to comments.
 # 3: the body is a set of headers (`body`: entry, include_dir, headers), inlined recursively.
-FORMAT = 3
+# 4: the selection boundaries come in table sets (`selection.sets`, the written model last), each
+# cell counted in its own key (tokens or bytes per rank) with its measured range.
+FORMAT = 4
 REGENERATE = "run `gen-programs` to regenerate"
 
 

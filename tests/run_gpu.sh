@@ -5,7 +5,7 @@
 #             processes, faults, reliability, FP8 consumer, the torch custom op), one JSON line per
 #             test in $OUT/gpu-tests.jsonl, the log in $OUT/gpu-tests.log
 #   bench     the benchmark against NCCL and torch symmetric memory (2 GPUs), every output profile:
-#             JSON + PNG + summary; the tables are fitted to the one generator/tuning.py BENCH_FILE names
+#             JSON + PNG + summary; the table sets are fitted to the files generator/table_sets.py COMMITTED_SETS names
 #   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
 #   autobench the automatic choice under the committed tables against every forced program
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
@@ -71,7 +71,7 @@ if step fp8bench && [ "$GPUS" -ge 2 ]; then
 fi
 if step autobench && [ "$GPUS" -ge 2 ]; then
     # the automatic choice under the committed tables against every forced program, target shape
-    # (not a tuning input: only generator/tuning.py BENCH_FILE is; this goes to bench_results/auto/)
+    # (not a tuning input: only the files of generator/table_sets.py COMMITTED_SETS are; this goes to bench_results/auto/)
     $BENCH --shapes 7168:8:shared --profiles plain,nvfp4 --systems auto,programs --bw-gib 1 \
         --out "$OUT/bench-auto.json" 2>&1 | grep -v "it/s]" | tail -35 || status=1
 fi

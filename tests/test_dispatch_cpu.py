@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dispatch import registry
+from dispatch import registry, table_sets
 
 
 def test_the_ladder_and_all_tokens_are_the_generators():
@@ -15,16 +15,26 @@ def test_the_ladder_and_all_tokens_are_the_generators():
     assert not hasattr(registry, "ALL_TOKENS")
 
 
-def _bounds(dtype, ws, profile):
-    return registry.program_set().selection[(dtype, ws, profile)]
+H200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+
+
+def _bounds(dtype, ws, profile, hidden=7168):
+    """{field: tokens} of a cell as a workspace of `hidden` on an H200 with NVLink selects it."""
+    selection = table_sets.resolve(dtype=dtype, world_size=ws, hidden=hidden, elem_bytes=2, device=H200, user=None,
+                                   program_set_sha256="")
+    return selection.limits(profile)
+
+
+def _cells():
+    _, model = table_sets.committed_sets()
+    return sorted(model.cells)
 
 
 BIG = 10 ** 6  # a one-shot buffer larger than any boundary
 
 
-def _old_select_family(dtype, ws, profile, tokens, has_shared, oneshot_capacity):
+def _old_select_family(bounds, dtype, ws, profile, tokens, has_shared, oneshot_capacity):
     """The selection rule as the runtime wrote it out before the manifest carried the ladder."""
-    bounds = _bounds(dtype, ws, profile)
     if tokens <= min(bounds["oneshot_max_tokens"], oneshot_capacity):
         regime = "oneshot"
     elif tokens <= bounds["early_max_tokens"]:
@@ -59,18 +69,19 @@ def _capacities(bounds):
 
 def test_select_family_is_the_old_rule_for_every_cell():
     """The ladder loop chooses what the old written-out rule chose: every cell of the committed
-    table, a dense set of T, with and without a shared operand, one-shot buffers smaller, equal and
-    larger than the one-shot boundary."""
+    table (as an H200 workspace of hidden 7168 selects it), a dense set of T, with and without a
+    shared operand, one-shot buffers smaller, equal and larger than the one-shot boundary."""
     generated = registry.program_set()
     fields = [field for _regime, field in generated.ladder if field is not None]
     checked = 0
-    for (dtype, ws, profile), row in generated.selection.items():
+    for (dtype, ws, profile) in _cells():
+        row = _bounds(dtype, ws, profile)
         bounds = [row[field] for field in fields]
         for capacity in _capacities(bounds):
             for tokens in _dense_tokens(bounds):
                 for has_shared in (False, True):
-                    got = registry.select_family(dtype, ws, profile, tokens, has_shared, capacity)
-                    assert got == _old_select_family(dtype, ws, profile, tokens, has_shared, capacity), (
+                    got = registry.select_family(dtype, ws, profile, tokens, has_shared, capacity, bounds=row)
+                    assert got == _old_select_family(row, dtype, ws, profile, tokens, has_shared, capacity), (
                         dtype, ws, profile, tokens, has_shared, capacity)
                     checked += 1
     assert checked > 400_000
@@ -81,19 +92,18 @@ NO_BOUND = 2 ** 31 - 1
 
 @pytest.mark.parametrize("bounds", [(0, 0, 0, 0), (1, 2, 3, 4), (64, 512, 2048, 8192), (16, 16, NO_BOUND, NO_BOUND),
                                     (100, 200, 200, NO_BOUND), (0, 300, 300, 300), (7, 7, 7, 900)])
-def test_select_family_is_the_old_rule_for_other_boundaries(bounds, monkeypatch):
+def test_select_family_is_the_old_rule_for_other_boundaries(bounds):
     """The same with boundaries that give every regime a range somewhere (the committed table
     leaves some empty)."""
     generated = registry.program_set()
     fields = [field for _regime, field in generated.ladder if field is not None]
-    for key, row in list(generated.selection.items()):
-        monkeypatch.setitem(generated.selection, key, {**row, **dict(zip(fields, bounds))})
-    for (dtype, ws, profile) in generated.selection:
+    row = dict(zip(fields, bounds))
+    for (dtype, ws, profile) in _cells():
         for capacity in _capacities(bounds):
             for tokens in _dense_tokens(bounds, every_up_to=600):
                 for has_shared in (False, True):
-                    assert registry.select_family(dtype, ws, profile, tokens, has_shared, capacity) == \
-                        _old_select_family(dtype, ws, profile, tokens, has_shared, capacity), (
+                    assert registry.select_family(dtype, ws, profile, tokens, has_shared, capacity, bounds=row) == \
+                        _old_select_family(row, dtype, ws, profile, tokens, has_shared, capacity), (
                             dtype, ws, profile, tokens, has_shared, capacity, bounds)
 
 
@@ -109,11 +119,11 @@ def test_select_family_follows_the_committed_boundaries(ws, profile):
         return next((r for r, upper in zip(regimes, bounds) if T <= upper), regimes[-1])
 
     oneshot = bounds[0]
-    assert registry.select_family("bf16", ws, profile, oneshot, False, BIG) == "oneshot"
+    assert registry.select_family("bf16", ws, profile, oneshot, False, BIG, bounds=b) == "oneshot"
     for edge in bounds:
         for T in (edge, edge + 1):
             if 1 <= T < registry.program_set().all_tokens:
-                assert registry.select_family("bf16", ws, profile, T, False, BIG) == expected(T), (T, bounds)
+                assert registry.select_family("bf16", ws, profile, T, False, BIG, bounds=b) == expected(T), (T, bounds)
     # the register-load pipelined program, where a hole, falls back to the ring one, then the two-shot
     assert registry.program_for("twoshot_pipelined_loads", "bf16", 2, "plain") == "moe_ar_tsp_bf16_ws2_plain"
     assert registry.program_for("twoshot_pipelined_loads", "bf16", 4, "nvfp4") == "moe_ar_ts_bf16_ws4_nvfp4"
@@ -121,17 +131,18 @@ def test_select_family_follows_the_committed_boundaries(ws, profile):
     assert registry.program_for("twoshot_pipelined", "bf16", 4, profile) == f"moe_ar_ts_bf16_ws4_{profile}"
     # a workspace whose one-shot buffer is smaller than the boundary caps the one-shot range
     if oneshot > 1:
-        assert registry.select_family("bf16", ws, profile, oneshot, False, oneshot - 1) != "oneshot"
+        assert registry.select_family("bf16", ws, profile, oneshot, False, oneshot - 1, bounds=b) != "oneshot"
 
 
 def test_shared_variant_only_where_generated_and_holes_fall_back():
     # world size 2 has no shared variants (holes): the base family runs, named explicitly.
     b2 = _bounds("bf16", 2, "plain")
     e2 = b2["early_max_tokens"]
-    assert registry.select_family("bf16", 2, "plain", e2 + 1, True, BIG) == (
+    assert registry.select_family("bf16", 2, "plain", e2 + 1, True, BIG, bounds=b2) == (
         "twoshot" if b2["twoshot_max_tokens"] > e2 else "twoshot_pipelined")
-    e4 = _bounds("bf16", 4, "plain")["early_max_tokens"]
-    assert registry.select_family("bf16", 4, "plain", e4 + 1, True, BIG) == "twoshot_shared"
+    b4 = _bounds("bf16", 4, "plain")
+    e4 = b4["early_max_tokens"]
+    assert registry.select_family("bf16", 4, "plain", e4 + 1, True, BIG, bounds=b4) == "twoshot_shared"
     assert registry.program_for("twoshot_shared", "bf16", 2, "plain") == "moe_ar_ts_bf16_ws2_plain"
     assert registry.program_for("twoshot_early_shared", "fp16", 8, "nvfp4") == "moe_ar_tse_fp16_ws8_nvfp4"
     with pytest.raises(ValueError, match="^program: no program for bf16 world size 2 output profile o110"):

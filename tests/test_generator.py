@@ -16,7 +16,7 @@ import time
 import pytest
 
 from generator import manifest as manifest_mod
-from generator import code_hash, policy, render, spec, tuning
+from generator import code_hash, policy, render, spec, table_sets, tuning
 from generator.diffing import diff_manifests, manifest_at
 from generator.enumeration import enumerate_programs
 from moe_ar_common import manifest_reader
@@ -129,17 +129,26 @@ def test_profile_records_are_consistent():
         spec.ProgramSpec("twoshot", "bf16", 2, "110")
 
 
-def test_selection_covers_every_cell():
-    selection = tuning.selection()
-    assert set(selection.boundaries) == set(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
+def test_every_set_covers_every_cell():
+    sets = table_sets.table_sets()
+    assert [s.name for s in sets] == [d.name for d in table_sets.COMMITTED_SETS] + [table_sets.MODEL_NAME]
+    cells = set(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
+    for table_set in sets:
+        assert set(table_set.boundaries) == cells, table_set.name
+    h200, model = sets[0], sets[-1]
+    assert h200.name == "h200_nvlink" and h200.match == {"product": "NVIDIA H200", "capability": "9.0",
+                                                        "interconnect": "nvlink"}
+    assert model.match is None and all(b == tuning.model(w) for (_, w, _), b in model.boundaries.items())
     # World size 8 has no machine here: the written model, and the table says so.
-    assert selection.boundaries[("bf16", 8, "nvfp4")] == tuning.Boundaries(
+    assert h200.boundaries[("bf16", 8, "nvfp4")] == tuning.Boundaries(
         (tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS, tuning.ALL_TOKENS),
         tuning.MODEL_SOURCE)
-    # World size 2 was measured (bench_results/), and fp16 borrows the bf16 measurement.
-    assert selection.boundaries[("bf16", 2, "plain")].source.startswith("measured")
-    assert selection.boundaries[("fp16", 2, "plain")].source.startswith("measured (bf16 data")
-    assert selection.boundaries[("bf16", 8, "nvfp4")].by_field() == {
+    # World size 2 was measured (bench_results/), in bytes per rank, and fp16 borrows the bf16 measurement.
+    measured = h200.boundaries[("bf16", 2, "plain")]
+    assert measured.source.startswith(f"measured in {table_sets.COMMITTED_SETS[0].files[0]}: ")
+    assert measured.key == "bytes_per_rank" and measured.measured == (1 * 4096 * 2, 16384 * 7168 * 2)
+    assert h200.boundaries[("fp16", 2, "plain")].source.startswith("measured (bf16 data) in ")
+    assert h200.boundaries[("bf16", 8, "nvfp4")].by_field() == {
         "oneshot_max_tokens": 16, "early_max_tokens": 2048, "twoshot_max_tokens": tuning.ALL_TOKENS,
         "loads_max_tokens": tuning.ALL_TOKENS}
 
@@ -149,79 +158,10 @@ def test_boundaries_follow_the_ladder():
     expected = {1: "oneshot", 4: "oneshot", 5: "twoshot_early", 8: "twoshot_early", 9: "twoshot", 16: "twoshot",
                 17: "twoshot_pipelined_loads", 32: "twoshot_pipelined_loads", 33: "twoshot_pipelined"}
     assert {tokens: cell.family(tokens) for tokens in expected} == expected
-    with pytest.raises(ValueError, match="max_tokens"):
+    with pytest.raises(ValueError, match="limits"):
         tuning.Boundaries((4, 8, 16), "test")
-
-
-def _times(**families):
-    """Synthetic measurements: one shape, family -> {T: us}."""
-    points = {}
-    for family, by_t in families.items():
-        for T, us in by_t.items():
-            points.setdefault((7168, 8, True, T), {})[family] = us
-    return points
-
-
-def test_fit_boundaries_follows_the_measurements():
-    # one-shot fastest to 64, early fastest at 128..256, two-shot from 512
-    points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
-                    twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200},
-                    twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150})
-    *bounds, worst, ratio, over, over_at_target = tuning.fit_boundaries(points)
-    # the pipelined two-shots were not measured: never chosen, not even above the measured range
-    assert bounds == [64, 256, tuning.ALL_TOKENS, tuning.ALL_TOKENS] and ratio == pytest.approx(1.0)
-    assert worst == 1.0
-    assert over == over_at_target == 0
-    # never picks one-shot where one-shot was not measured (a workspace cap)
-    points = _times(oneshot={1: 1}, twoshot_early={1: 9, 2: 9}, twoshot={1: 12, 2: 12})
-    assert tuning.fit_boundaries(points)[:4] == (1, 2, tuning.ALL_TOKENS, tuning.ALL_TOKENS)
-    # pipelined fastest from 1024: it takes over there; the two-shot keeps 512
-    points = _times(oneshot={1: 5, 64: 10, 128: 30, 256: 60},
-                    twoshot_early={1: 9, 64: 12, 128: 20, 256: 40, 512: 90, 1024: 200, 2048: 400},
-                    twoshot={1: 12, 64: 15, 128: 25, 256: 45, 512: 80, 1024: 150, 2048: 300},
-                    twoshot_pipelined={1: 30, 64: 30, 128: 40, 256: 60, 512: 85, 1024: 140, 2048: 270})
-    assert tuning.fit_boundaries(points)[:4] == (64, 256, 512, 512)
-    # the pipelined two-shot with register loads fastest at 1024 only: it takes that range, the
-    # ring the rest; a tie with the ring leaves it out (loads_max_tokens == twoshot_max_tokens)
-    for T, us in {256: 70, 512: 86, 1024: 130, 2048: 280}.items():
-        points[(7168, 8, True, T)]["twoshot_pipelined_loads"] = us
-    assert tuning.fit_boundaries(points)[:4] == (64, 256, 512, 1024)
-    points[(7168, 8, True, 1024)]["twoshot_pipelined_loads"] = 140
-    assert tuning.fit_boundaries(points)[:4] == (64, 256, 512, 512)
-    for times in points.values():
-        times.pop("twoshot_pipelined_loads", None)
-    # without the two-shot measured, the pipelined one follows the early one directly
-    # (twoshot_max_tokens == early_max_tokens: no T runs the two-shot)
-    for times in points.values():
-        del times["twoshot"]
-    assert tuning.fit_boundaries(points)[:4] == (64, 256, 256, 256)
-
-
-def test_fit_boundaries_counts_points_over_the_target_first():
-    """The target is per point (within 5% of the best program): a rule with fewer points over it
-    wins even where its mean slowdown is larger."""
-    points = {(4096, 8, False, 1): {"oneshot": 100, "twoshot_early": 115},
-              (7168, 8, True, 1): {"oneshot": 106, "twoshot_early": 100},
-              (7168, 4, True, 1): {"oneshot": 106, "twoshot_early": 100}}
-    *bounds, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
-    assert bounds == [0, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS]  # the early two-shot: one point over, not two
-    assert over == 1 and over_at_target == 0 and worst == pytest.approx(1.15)
-    assert mean == pytest.approx(1.15 ** (1 / 3))
-
-
-def test_fit_boundaries_counts_the_target_shape_before_the_others():
-    """A point over the target at the issue's shape (TARGET_SHAPE) outweighs any number elsewhere."""
-    assert tuning.TARGET_SHAPE == (7168, 8, True)
-    points = {(7168, 8, True, 1): {"oneshot": 100, "twoshot_early": 106},
-              (7168, 8, False, 1): {"oneshot": 110, "twoshot_early": 100},
-              (4096, 8, False, 1): {"oneshot": 110, "twoshot_early": 100}}
-    *bounds, worst, mean, over, over_at_target = tuning.fit_boundaries(points)
-    assert bounds == [1, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS]  # the one-shot: two over, none at the target shape
-    assert over == 2 and over_at_target == 0 and worst == pytest.approx(1.1)
-    # the same points with the shapes swapped: the early two-shot, one point over, at another shape
-    points = {(4096, 8, False, 1): points[(7168, 8, True, 1)], (7168, 8, True, 1): points[(7168, 8, False, 1)],
-              (7168, 4, True, 1): points[(4096, 8, False, 1)]}
-    assert tuning.fit_boundaries(points)[:4] == (0, 1, tuning.ALL_TOKENS, tuning.ALL_TOKENS)
+    with pytest.raises(ValueError, match="limits"):
+        tuning.Boundaries((4, 8, 6, 32), "test")
 
 
 # ---- rendering ----------------------------------------------------------------------
@@ -292,8 +232,16 @@ def test_manifest_contents(rendered, manifest):
         data = rendered.outputs[p["file"]]
         assert p["bytes"] == len(data) and p["sha256"] == manifest_reader.sha256_bytes(data)
     assert set(manifest["files"]) == {rel for rel, _ in rendered.outputs.items()} - {"manifest.json"}
-    assert len(manifest["selection"]["boundaries"]) == len(spec.DTYPES) * len(spec.WORLD_SIZES) * len(
-        spec.OUTPUT_PROFILES)
+    sets = manifest["selection"]["sets"]
+    assert [s["name"] for s in sets] == [d.name for d in table_sets.COMMITTED_SETS] + [table_sets.MODEL_NAME]
+    assert [s["match"] is None for s in sets] == [False] * len(table_sets.COMMITTED_SETS) + [True]
+    for s in sets:
+        assert len(s["boundaries"]) == len(spec.DTYPES) * len(spec.WORLD_SIZES) * len(spec.OUTPUT_PROFILES)
+        assert s["table"] == f"tables/selection_{s['name']}.h" and s["table"] in manifest["files"]
+        assert all(set(b["limits"]) == set(spec.BOUNDARY_FIELDS) and b["key"] in manifest["selection"]["keys"]
+                   for b in s["boundaries"])
+    assert [source["file"] for source in sets[0]["sources"]] == list(table_sets.COMMITTED_SETS[0].files)
+    assert sets[0]["sources"][0]["stamp"]["gpu"]["product"] == "NVIDIA H200"
     # the records and the ladder, as the runtime reads them
     assert [f["name"] for f in manifest["axes"]["families"]] == list(spec.FAMILIES)
     assert [p["name"] for p in manifest["axes"]["output_profiles"]] == list(spec.OUTPUT_PROFILES)
@@ -509,7 +457,7 @@ def test_diff_recomputes_the_revisions_code_hashes_and_profile_names(tmp_path):
     for entry in [*old["programs"], old["body"]]:
         entry["code_sha256"] = "0" * 64  # another definition
     codes = {"plain": "110", "nvfp4": "111"}
-    for entry in [*old["programs"], *old["holes"], *old["selection"]["boundaries"]]:
+    for entry in [*old["programs"], *old["holes"], *(b for s in old["selection"]["sets"] for b in s["boundaries"])]:
         entry["profile"] = codes.get(entry["profile"], entry["profile"])
     (repo / "generated" / "manifest.json").write_text(json.dumps(old))
     _git(repo, "init", "-q")
@@ -596,7 +544,8 @@ def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
 
 _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
                        r'(?P<profile>\w+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
-_BOUNDS_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+|kAllTokens), (\d+|kAllTokens)\},\s*// (\w+) ws(\d+) (\w+): \S.*$")
+_BOUNDS_RE = re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{(\d+|kAllTokens), (\d+|kAllTokens), "
+                        r"(\d+|kAllTokens), (\d+|kAllTokens)\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
 
 
 def _cells():
@@ -625,19 +574,28 @@ def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
     assert len(programs) + len(holes) == len(spec.FAMILIES) * len(_cells())
 
 
-def test_selection_table_parses_back_to_the_manifest(rendered, manifest):
-    text = rendered.outputs[manifest["selection"]["table"]].decode()
-    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}][4]"
-    assert f"static const int kRegimeBoundaries{dims} = {{" in text
-    assert f"constexpr int kAllTokens = {tuning.ALL_TOKENS};" in text
-    rows = [(bounds, dtype, ws, profile) for *bounds, dtype, ws, profile in
-            (m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m)]
-    assert [(dtype, int(ws), p) for _, dtype, ws, p in rows] == _cells()
-    expected = {(b["dtype"], b["world_size"], b["profile"]): tuple(b[f] for f in spec.BOUNDARY_FIELDS)
-                for b in manifest["selection"]["boundaries"]}
-    parsed = {(dtype, int(ws), p): tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds)
-              for bounds, dtype, ws, p in rows}
-    assert parsed == expected
+def test_selection_tables_parse_back_to_the_manifest(rendered, manifest):
+    """Every set's header holds each cell's key, measured range, boundaries and source, as the manifest does."""
+    keys = {"kTokens": "tokens", "kBytesPerRank": "bytes_per_rank"}
+    for table_set in manifest["selection"]["sets"]:
+        text = rendered.outputs[table_set["table"]].decode()
+        dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}]"
+        assert f"static const CellBoundaries kRegimeBoundaries{dims} = {{" in text
+        assert f"constexpr int kAllTokens = {tuning.ALL_TOKENS};" in text
+        assert f"long long max[{len(spec.BOUNDARY_FIELDS)}]; }};" in text
+        for source in table_set["sources"]:
+            assert f"// Measured in {source['file']}: " in text
+        rows = [m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m]
+        assert [(dtype, int(ws), p) for *_, dtype, ws, p, _source in rows] == _cells()
+        expected = {(b["dtype"], b["world_size"], b["profile"]):
+                    (b["key"], tuple(b["measured"] or (0, 0)), tuple(b["limits"][f] for f in spec.BOUNDARY_FIELDS),
+                     b["source"])
+                    for b in table_set["boundaries"]}
+        parsed = {(dtype, int(ws), p): (keys[key], (int(low), int(high)),
+                                        tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds),
+                                        source)
+                  for key, low, high, *bounds, dtype, ws, p, source in rows}
+        assert parsed == expected, table_set["name"]
 
 
 # ---- the manifest verifier ----------------------------------------------------------
@@ -814,7 +772,8 @@ def test_diff_reports_changed_cells(tmp_path):
     assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_tses_fp16_ws8_plain (was a hole: " \
            "no early shared variant from world size 8 (the early range is short there))" in lines
     assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == len(spec.OUTPUT_PROFILES)
-    assert "~ selection bf16 ws4 nvfp4: oneshot_max_tokens 64 -> 128" in lines
+    assert "~ selection model bf16 ws4 nvfp4: oneshot_max_tokens 64 -> 128" in lines
+    assert "~ selection h200_nvlink bf16 ws4 nvfp4: oneshot_max_tokens 64 -> 128" in lines  # a model cell of the set
     assert not any("program changed" in line or "vanished" in line for line in lines), lines
 
     policy_py.write_text(policy_py.read_text().replace('lambda s: s.world_size == 2),', 'lambda s: s.world_size <= 4),', 1))
@@ -866,35 +825,41 @@ def test_tables_marks_holes_and_fallbacks():
         assert f"{family}  (tables/{family}.h" in r.stdout
     assert "-- hole[1] -> twoshot_early" in r.stdout
     assert "no shared-expert prefetch at world size 2" in r.stdout
-    assert "selection (tables/selection.h, source: cells measured in bench_results/" in r.stdout
+    assert "set h200_nvlink (tables/selection_h200_nvlink.h): " in r.stdout
+    assert "  for product 'NVIDIA H200', compute capability 9.0, interconnect nvlink" in r.stdout
+    assert f"  measured in {table_sets.COMMITTED_SETS[0].files[0]}" in r.stdout
+    assert "set model (tables/selection_model.h): the written model" in r.stdout
     assert re.search(r"bf16 ws8 +16 / 2048 / all / all \(model\)", r.stdout), r.stdout
     assert "hole[1]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
-    assert re.search(r"bf16 ws2 +\d+ / \d+ / (\d+|all) / (\d+|all) +\d", r.stdout), r.stdout  # measured: no model mark
+    # measured, in bytes per rank: no model mark
+    assert re.search(r"bf16 ws2 +\d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
 
 
 def test_selection_map_draws_the_tables():
     """generated/selection_map.svg: at every token count the bar of each cell names the family the
-    tables select there (holes fall back to their base), for every world size and profile."""
+    tables select there (holes fall back to their base), for every set, world size and profile."""
     from generator import selection_map
-    sel = tuning.selection(ROOT)
     enumeration = enumerate_programs()
     programs = {(p.family, p.dtype, p.world_size, p.profile) for p in enumeration.programs}
     checked = 0
-    for (dtype, world_size, profile), bounds in sel.boundaries.items():
-        cell = (dtype, world_size, profile)
-        segs = selection_map.segments(bounds, cell, programs)
-        assert segs[0][0] == 1 and segs[-1][1] == 2 * selection_map.MAX_TOKENS_SHOWN - 1, segs
-        assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in zip(segs, segs[1:])), segs
-        edges = {1, 2 * selection_map.MAX_TOKENS_SHOWN - 1} | {b + d for b in bounds.max_tokens for d in (0, 1)
-                                                                if b < selection_map.MAX_TOKENS_SHOWN}
-        for T in sorted(edges | {2 ** i for i in range(15)}):
-            family = bounds.family(T)
-            while (family, *cell) not in programs:
-                family = spec.FAMILY_BY_NAME[family].base
-            drawn = next(f for first, last, f in segs if first <= T <= last)
-            assert drawn == family, (cell, T, segs)
-            checked += 1
-    assert checked > 500
+    for table_set in table_sets.table_sets(ROOT):
+        for (dtype, world_size, profile), bounds in table_set.boundaries.items():
+            cell = (dtype, world_size, profile)
+            tokens = selection_map.drawn_tokens(bounds)
+            row = 1 if bounds.key == "tokens" else selection_map.DRAWN_HIDDEN * spec.DTYPE_BYTES[selection_map.DRAWN_DTYPE]
+            segs = selection_map.segments(tokens, cell, programs)
+            assert segs[0][0] == 1 and segs[-1][1] == 2 * selection_map.MAX_TOKENS_SHOWN - 1, segs
+            assert all(a[1] + 1 == b[0] and a[2] != b[2] for a, b in zip(segs, segs[1:])), segs
+            edges = {1, 2 * selection_map.MAX_TOKENS_SHOWN - 1} | {b + d for b in tokens for d in (0, 1)
+                                                                    if b < selection_map.MAX_TOKENS_SHOWN}
+            for T in sorted(edges | {2 ** i for i in range(15)}):
+                family = bounds.family(T * row)
+                while (family, *cell) not in programs:
+                    family = spec.FAMILY_BY_NAME[family].base
+                drawn = next(f for first, last, f in segs if first <= T <= last)
+                assert drawn == family, (table_set.name, cell, T, segs)
+                checked += 1
+    assert checked > 1000
     svg = (ROOT / "generated" / "selection_map.svg").read_text()
     assert svg.startswith("<!-- GENERATED FILE, DO NOT EDIT") and svg.rstrip().endswith("</svg>")
     for world_size in spec.WORLD_SIZES:

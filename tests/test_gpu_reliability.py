@@ -63,9 +63,13 @@ FAULT_ONESHOT_CAP = 64  # T = 8 runs one-shot, T = 300 a two-shot (the early one
 
 
 def _pipelined_tokens():
-    """The smallest T the committed tables give the pipelined two-shot (world size 2, bf16, plain);
-    None where they never do."""
-    last = dispatch.registry.program_set().selection[("bf16", 2, "plain")]["twoshot_max_tokens"]
+    """The smallest T this machine's tables give the pipelined two-shot, the ladder's last rung (world
+    size 2, bf16, plain, hidden H, GPU 0); None where they never do (or there is no GPU)."""
+    if not torch.cuda.is_available():
+        return None
+    from dispatch import table_sets
+    selection = table_sets.for_workspace("bf16", 2, H, D.itemsize, 0)
+    last = selection.limits("plain")[selection.fields[-1]]
     return None if last >= dispatch.registry.program_set().all_tokens else last + 1
 
 

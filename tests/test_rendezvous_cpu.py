@@ -182,6 +182,8 @@ WS_DISAGREE = {  # field: (every other rank's arguments, rank 1's), as tests/tes
     "oneshot_max_tokens": (dict(oneshot_max_tokens=32), dict(oneshot_max_tokens=16)),
     "vec_per_thread": (dict(vec_per_thread=None), dict(vec_per_thread=2)),
     "timeout_s": (dict(timeout_s=10.0), dict(timeout_s=0.0)),
+    # the selection boundaries (here pinned on one rank only): ranks must run the same regime for every T
+    "tables": (dict(), dict(boundaries={"oneshot_max_tokens": 8})),
 }
 
 ARG_CASES = {  # case: (argument, value, "rank1" or "all")
@@ -201,6 +203,9 @@ ARG_CASES = {  # case: (argument, value, "rank1" or "all")
     "timeout_past_a_day": ("timeout_s", 86400.5, "rank1"),
     "oneshot_zero": ("oneshot_max_tokens", 0, "rank1"),
     "oneshot_past_max_tokens": ("oneshot_max_tokens", 65, "all"),
+    "boundaries_unknown_field": ("boundaries", {"twoshot_max_bytes": 8}, "rank1"),
+    "boundaries_decreasing": ("boundaries", {"oneshot_max_tokens": 64, "early_max_tokens": 8}, "all"),
+    "tables_no_file": ("tables", "/nonexistent/moe_ar_tables.json", "rank1"),
     "oneshot_bool": ("oneshot_max_tokens", True, "rank1"),
     "oneshot_float": ("oneshot_max_tokens", 32.0, "rank1"),
     "vec_per_thread_bool": ("vec_per_thread", True, "rank1"),

@@ -7,7 +7,7 @@ naming the argument."""
 import pytest
 import torch
 
-from dispatch import workspace
+from dispatch import table_sets, workspace
 from dispatch.workspace_sizes import MAX_BUFFER_VECTORS, MAX_HIDDEN, MAX_TOKENS, buffer_elems_for, check_sizes
 
 INT32_MAX = 2 ** 31 - 1
@@ -70,44 +70,64 @@ def test_a_workspace_of_unsafe_sizes_is_refused_before_it_allocates():
 
 # ---- the default one-shot capacity: the tables' one-shot boundary -------------------------------
 
+H200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+
+
+def _selection(W, hidden=7168, device=H200, dtype="bf16"):
+    return table_sets.resolve(dtype=dtype, world_size=W, hidden=hidden, elem_bytes=2, device=device, user=None,
+                              program_set_sha256="")
+
+
 def test_default_oneshot_capacity_is_the_largest_table_boundary():
     from dispatch import registry
-    generated = registry.program_set()
-    field = dict(generated.ladder)[registry.ONESHOT_REGIME]
-    for W in (2, 4, 8, 16):
-        bounds = [b[field] for (_, w, _), b in generated.selection.items() if w == W]
-        assert bounds and registry.oneshot_boundary(W) == max(bounds)
-    assert registry.oneshot_boundary(3) == 1  # no tables: the smallest capacity
+    field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
+    for device in (H200, table_sets.UNKNOWN_DEVICE):
+        for W in (2, 4, 8, 16):
+            for hidden in (2048, 7168):
+                selection = _selection(W, hidden, device)
+                bounds = [selection.limits(p)[field] for p in selection.cells]
+                assert bounds and selection.oneshot_capacity(field) == max(bounds)
+    # the H200 set's one-shot at world size 2 is measured in bytes per rank: more tokens of a smaller row
+    assert _selection(2, 2048).oneshot_capacity(field) > _selection(2, 7168).oneshot_capacity(field)
+    # elsewhere the written model, in tokens
+    assert _selection(8, 2048).oneshot_capacity(field) == _selection(8, 7168).oneshot_capacity(field) == 16
 
 
 def test_default_oneshot_capacity_changes_no_automatic_selection():
     """Every cell of every table selects the same family at every T with the default capacity as
     with the capacity of 1,024 tokens the workspace had before (and as with an unbounded one)."""
     from dispatch import registry
-    generated = registry.program_set()
+    field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
     checked = 0
-    for (dtype, W, profile) in generated.selection:
-        for max_tokens in (1, 7, 64, 512, 1536):
-            default = min(max_tokens, registry.oneshot_boundary(W))
-            for T in range(1, max_tokens + 1, 1 if max_tokens <= 64 else 5):
-                for shared in (False, True):
-                    got = registry.select_family(dtype, W, profile, T, shared, default)
-                    assert got == registry.select_family(dtype, W, profile, T, shared, min(max_tokens, 1024))
-                    assert got == registry.select_family(dtype, W, profile, T, shared, 1 << 30)
-                    checked += 1
+    for W in (2, 4, 8, 16):
+        selection = _selection(W)
+        for dtype in ("bf16",):
+            for profile in selection.cells:
+                bounds = selection.limits(profile)
+                for max_tokens in (1, 7, 64, 512, 1536):
+                    default = min(max_tokens, selection.oneshot_capacity(field))
+                    for T in range(1, max_tokens + 1, 1 if max_tokens <= 64 else 5):
+                        for shared in (False, True):
+                            got = registry.select_family(dtype, W, profile, T, shared, default, bounds=bounds)
+                            assert got == registry.select_family(dtype, W, profile, T, shared, min(max_tokens, 1024),
+                                                                 bounds=bounds)
+                            assert got == registry.select_family(dtype, W, profile, T, shared, 1 << 30, bounds=bounds)
+                            checked += 1
     assert checked > 10000
 
 
 def test_workspace_default_capacity_uses_the_boundary(monkeypatch):
     """_init_common (every Workspace and EmulatedWorld rank) takes min(max_tokens, boundary) unless given."""
     from dispatch import registry
+    monkeypatch.setattr(table_sets, "describe_device", lambda index: H200)
+    field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
     seen = {}
 
     class Probe(workspace._WorkspaceBase):
         pass
 
     for W, max_tokens, given, want in ((8, 1024, None, 16), (8, 10, None, 10), (4, 1024, 1024, 1024),
-                                       (16, 4096, None, 8), (2, 1024, None, 512)):
+                                       (16, 4096, None, 8), (2, 1024, None, 292)):
         ws = Probe.__new__(Probe)
         try:
             ws._init_common(W, 0, max_tokens, 7168, torch.bfloat16, 0, 10.0, given, 1)
@@ -115,5 +135,5 @@ def test_workspace_default_capacity_uses_the_boundary(monkeypatch):
             pass
         assert ws.oneshot_max_tokens == want, (W, max_tokens, given)
         assert ws.buffer_elems == buffer_elems_for(W, max_tokens, 7168, want)
-        seen[W] = registry.oneshot_boundary(W)
-    assert seen == {8: 16, 4: 64, 16: 8, 2: 512}
+        seen[W] = ws.selection.oneshot_capacity(field)
+    assert seen == {8: 16, 4: 64, 16: 8, 2: 4 * 2**20 // (7168 * 2)}  # world size 2: 4 MiB a rank

@@ -48,16 +48,20 @@ def test_parse_args_rejects(argv):
 
 
 def test_default_max_tokens_reaches_every_regime_of_the_selection_table():
-    from dispatch import registry
-    rows = registry.program_set().manifest["selection"]["boundaries"]
-    for dname in ("bf16", "fp16"):
-        for W in (2, 4, 8):
-            m = sampling.default_max_tokens(rows, dname, W)
-            assert m >= 2048 and m % 128 == 0
-            for s in rows:
-                if s["dtype"] == dname and s["world_size"] == W:
-                    assert m > s["early_max_tokens"] and m > s["oneshot_max_tokens"], (dname, W, s)
-                    assert m > s["twoshot_max_tokens"] or s["twoshot_max_tokens"] == registry.program_set().all_tokens, (dname, W, s)
+    from dispatch import registry, table_sets
+    h200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+    for device in (h200, table_sets.UNKNOWN_DEVICE):
+        for dname in ("bf16", "fp16"):
+            for W in (2, 4, 8):
+                for hidden in (2048, 7168):
+                    selection = table_sets.resolve(dtype=dname, world_size=W, hidden=hidden, elem_bytes=2,
+                                                   device=device, user=None, program_set_sha256="")
+                    rows = [selection.limits(p) for p in selection.cells]
+                    m = sampling.default_max_tokens(rows)
+                    assert m >= 2048 and m % 128 == 0
+                    for s in rows:
+                        for value in s.values():
+                            assert m > value or value == registry.program_set().all_tokens, (dname, W, s)
 
 
 # ---- token counts and regimes -----------------------------------------------------------------------
@@ -263,9 +267,13 @@ class FakeWorld:
     corrupt: {call number: fn(per_rank_kwargs)} damages outputs after a call."""
 
     def __init__(self, W, max_tokens, hidden, dtype, oneshot_max_tokens=16, corrupt=None):
+        from dispatch import table_sets
+        selection = table_sets.resolve(dtype=ref.dtype_name(dtype), world_size=W, hidden=hidden, elem_bytes=2,
+                                       device=table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink"), user=None,
+                                       program_set_sha256="")
         self.workspaces = [types.SimpleNamespace(
             rank=r, world_size=W, max_tokens=max_tokens, hidden=hidden, dtype=dtype, dtype_name=ref.dtype_name(dtype),
-            device=torch.device("cpu"), oneshot_max_tokens=oneshot_max_tokens) for r in range(W)]
+            device=torch.device("cpu"), oneshot_max_tokens=oneshot_max_tokens, selection=selection) for r in range(W)]
         self.devices = ["cpu"] * W
         self.dtype = dtype
         self.calls = 0

@@ -30,7 +30,7 @@ from dispatch import op as dop
 from dispatch.call_arguments import _DEFAULTS
 from dispatch.call_plan import _Plan
 from dispatch.outputs import allocate_outputs
-from dispatch import torch_op
+from dispatch import table_sets, torch_op
 from dispatch.flashinfer_compat import trtllm_moe_finalize_allreduce_fusion
 
 OP = torch.ops.moe_ar.moe_finalize_allreduce
@@ -45,6 +45,9 @@ class StubWorkspace:
         self.hidden, self.dtype, self.dtype_name = hidden, dtype, DTYPE_NAMES[dtype]
         self.world_size, self.rank, self.max_tokens = world_size, rank, max_tokens
         self.oneshot_max_tokens = min(max_tokens, 1024)
+        self.selection = table_sets.resolve(dtype=self.dtype_name, world_size=world_size, hidden=hidden,
+                                            elem_bytes=dtype.itemsize, device=table_sets.UNKNOWN_DEVICE, user=None,
+                                            program_set_sha256="")
         self._launchers, self._plans, self._fault_stop_after_units = {}, {}, 0
         self._recent_plans = []
         self.closed = False

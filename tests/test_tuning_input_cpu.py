@@ -1,4 +1,5 @@
-"""The selection tables read one named benchmark file (tuning.BENCH_FILE), nothing else in bench_results/."""
+"""The table sets read the measurement files their declarations name (generator/table_sets.py
+COMMITTED_SETS), nothing else in bench_results/, and check each file's stamp against its set."""
 from __future__ import annotations
 
 import json
@@ -7,25 +8,32 @@ import shutil
 
 import pytest
 
-from generator import render, tuning
+from generator import fit, render, table_sets
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+H200_FILE = table_sets.COMMITTED_SETS[0].files[0]
 
 
-def test_the_named_benchmark_is_committed_and_the_only_bench_input():
-    path = ROOT / tuning.BENCH_FILE
-    assert path.is_file(), tuning.BENCH_FILE
-    assert tuning.bench_files(ROOT) == [path]
+def test_the_named_files_are_committed_and_the_only_bench_inputs():
+    named = [rel for declared in table_sets.COMMITTED_SETS for rel in declared.files]
+    for rel in named:
+        assert (ROOT / rel).is_file(), rel
+    assert table_sets.input_files(ROOT) == [ROOT / rel for rel in named]
     bench_inputs = [p for p in render.input_files(ROOT) if p.startswith("bench_results/")]
-    assert bench_inputs == [tuning.BENCH_FILE]
-    doc = json.loads(path.read_text())
-    assert doc["complete"] and not doc["emulated"] and doc["world_size"] == 2
+    assert bench_inputs == sorted(named)
+    doc = json.loads((ROOT / H200_FILE).read_text())
+    assert doc["complete"] and not doc["emulated"] and doc["world_size"] == 2 and doc["gpu"] == "NVIDIA H200"
+
+
+def _copy(tmp_path) -> pathlib.Path:
+    dest = tmp_path / H200_FILE
+    dest.parent.mkdir(parents=True)
+    shutil.copyfile(ROOT / H200_FILE, dest)
+    return dest
 
 
 def test_another_json_beside_it_changes_nothing(tmp_path):
-    dest = tmp_path / tuning.BENCH_FILE
-    dest.parent.mkdir(parents=True)
-    shutil.copyfile(ROOT / tuning.BENCH_FILE, dest)
+    dest = _copy(tmp_path)
     # A stray result (a new run not yet named, or an experiment) with every point made 10x slower
     # for the one-shot: it would move the boundaries if it were read.
     doc = json.loads(dest.read_text())
@@ -33,11 +41,44 @@ def test_another_json_beside_it_changes_nothing(tmp_path):
         if r["system"].startswith("moe_ar_os_"):
             r["median_us"] *= 10
     (dest.parent / "h200x2-new-run-bf16.json").write_text(json.dumps(doc))
-    selection = tuning.selection(tmp_path)
-    assert selection == tuning.selection(ROOT)
-    assert selection.source.startswith(f"cells measured in {tuning.BENCH_FILE}, ")
+    assert table_sets.table_sets(tmp_path) == table_sets.table_sets(ROOT)
 
 
-def test_a_missing_benchmark_is_named(tmp_path):
-    with pytest.raises(ValueError, match=r"^tuning: the benchmark the tables are fitted to, bench_results/"):
-        tuning.selection(tmp_path)
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match=r"^table_sets: bench_results/\S+, a file a committed set is fitted to, is "
+                                         r"missing"):
+        table_sets.table_sets(tmp_path)
+
+
+def test_a_file_whose_stamp_is_not_its_sets_is_refused(tmp_path):
+    dest = _copy(tmp_path)
+    doc = json.loads(dest.read_text())
+    doc["gpu"] = "NVIDIA H100 80GB HBM3"
+    dest.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"^table_sets: \S+: product 'NVIDIA H100 80GB HBM3', but the set "
+                                         r"h200_nvlink is for 'NVIDIA H200'"):
+        table_sets.table_sets(tmp_path)
+
+
+def test_only_forced_valid_programs_are_read(tmp_path):
+    """auto's records name the program it chose in `program`: they are not that program's times."""
+    measurements = table_sets.read_measurements(ROOT, H200_FILE)
+    doc = json.loads((ROOT / H200_FILE).read_text())
+    forced = {(r["system"], r["hidden"], r["top_k"], r["shared"], r["tokens"]): r["median_us"]
+              for r in doc["records"] if r["system"].startswith("moe_ar_") and r["valid"]}
+    read = 0
+    for (dtype, world_size, profile), points in measurements.cells.items():
+        for (hidden, top_k, shared, tokens), times in points.items():
+            for family, time in times.items():
+                name = f"moe_ar_{table_sets.spec.FAMILY_BY_NAME[family].code}_{dtype}_ws{world_size}_{profile}"
+                assert time.median_us == forced[(name, hidden, top_k, shared, tokens)]
+                read += 1
+    assert read == len(forced)
+
+
+def test_the_key_comparison_in_the_readme_is_current():
+    """bench_results/tuning/README.md holds key_comparison's output verbatim (rerun
+    `python -m generator.table_sets` and paste it when the fit or the benchmark changes)."""
+    text = (ROOT / "bench_results" / "tuning" / "README.md").read_text()
+    assert table_sets.key_comparison(ROOT, H200_FILE).strip() in text
+    assert "## The choice: bytes per rank" in text and fit.FIT_KEY == "bytes_per_rank"

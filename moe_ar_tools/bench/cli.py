@@ -12,8 +12,8 @@ import time
 import click
 
 from moe_ar_tools.bench.cold_start import measure_cold_start
-from moe_ar_tools.bench.config import (DEFAULT_SHAPES, DEFAULT_SYSTEMS, DEFAULT_TOKENS, PROFILES, REQUIRED_ENV,
-                                       SYSTEM_CHOICES, Config, parse_list, parse_shapes, parse_tokens)
+from moe_ar_tools.bench.config import (DEFAULT_SHAPES, DEFAULT_SYSTEMS, DEFAULT_TOKENS, DTYPE_BYTES, PROFILES,
+                                       REQUIRED_ENV, SYSTEM_CHOICES, Config, parse_list, parse_shapes, parse_tokens)
 from moe_ar_tools.bench.records import _versions, default_out_path
 from moe_ar_tools.bench.sweep import Bench
 from moe_ar_tools.provenance import git_commit
@@ -97,9 +97,11 @@ def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, o
         if s not in SYSTEM_CHOICES and s not in dispatch.programs():
             raise click.BadParameter(f"system {s!r}: not one of {', '.join(SYSTEM_CHOICES)} nor a program name")
     if cold_start:
-        from dispatch import registry
+        from dispatch import registry, table_sets
+        selection = table_sets.for_workspace(dtype, world, cfg.shapes[0].hidden, DTYPE_BYTES[dtype], 0)
         name = cold_start_program or registry.program_for(
-            registry.select_family(dtype, world, "plain", 1, False, 1024), dtype, world, "plain")
+            registry.select_family(dtype, world, "plain", 1, False, 1024, bounds=selection.limits("plain")), dtype,
+            world, "plain")
         click.echo(f"cold start: {name} ...")
         cfg.cold_start = measure_cold_start(name)
         click.echo(json.dumps(cfg.cold_start, indent=1))

@@ -118,15 +118,12 @@ def draw_config(rnd: random.Random, quant, tokens: int, max_rows: int) -> CallCo
         gs_range=rnd.choice(("typical",) * 6 + ("small", "large")))
 
 
-def default_max_tokens(selection_rows, dtype_name: str, world_size: int) -> int:
+def default_max_tokens(bounds: list) -> int:
     """max(2048, last boundary + 255) rounded up to a multiple of 128, so that every regime of every
-    profile of (dtype, world size) in the selection table is reachable."""
+    profile of the workspace's selection (`bounds`: {ladder field: tokens} per profile,
+    dispatch.table_sets.Selection.limits) is reachable."""
     from dispatch import registry
-    last = 1
-    for row in selection_rows:
-        if row.get("dtype") == dtype_name and int(row.get("world_size", -1)) == world_size:
-            last = max(last, *(int(row[key]) + 1 for key in ("oneshot_max_tokens", "early_max_tokens",
-                                                            "twoshot_max_tokens", "loads_max_tokens")
-                               if int(row[key]) < registry.program_set().all_tokens))
+    last = max([1] + [int(value) + 1 for row in bounds for value in row.values()
+                      if int(value) < registry.program_set().all_tokens])
     need = last + 255
     return max(2048, -(-need // 128) * 128)

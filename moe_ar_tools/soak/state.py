@@ -20,7 +20,6 @@ class SoakState:
 
     def __init__(self, args, world=None, log=print):
         import dispatch
-        from dispatch import registry
         self.args = args
         self.log = log
         self.dispatch = dispatch
@@ -29,8 +28,16 @@ class SoakState:
         self.dtype = ref.NAME_TO_DTYPE[args.dtype]
         self.W, self.H = args.world_size, args.hidden
         self.quants = list(args.quant_list)
-        selection_rows = registry.program_set().manifest["selection"]["boundaries"]
-        self.max_tokens = args.max_tokens or default_max_tokens(selection_rows, args.dtype, self.W)
+        if args.max_tokens:
+            self.max_tokens = args.max_tokens
+        else:  # the selection the world will have (rank 0's GPU, or the one a given world is on)
+            from dispatch import table_sets
+            device = (world.workspaces[0].device.index if world is not None else
+                      (args.device_list or [None])[0])
+            if device is None:
+                device = torch.cuda.current_device() if torch.cuda.is_available() else 0
+            selection = table_sets.for_workspace(args.dtype, self.W, self.H, self.dtype.itemsize, device)
+            self.max_tokens = default_max_tokens([selection.limits(profile) for profile in selection.cells])
         self.max_rows = self.max_tokens * 8 + 16
         self.own_world = world is None
         if world is None:

@@ -1,0 +1,164 @@
+"""The fit: from measured times to one cell's selection boundaries.
+
+Input, per cell (dtype, world size, output profile): points {(hidden, top_k, shared, T): {family:
+Time(median_us, noise_us)}}, every base program of the ladder that ran there. Output: the boundary
+of each rung of the ladder (spec.BOUNDARY_FIELDS) in the units of a key (KEYS: tokens T, or bytes
+per rank T x hidden x element bytes), the measured range of that key, and the error of the fit.
+
+The rule, over the measured points sorted by the key (one dynamic program over the points, so the
+rungs follow the ladder by construction: one crossover per rung, however the argmin flickers):
+
+1. fewest points clearly over TARGET_SLOWDOWN x the best program (beyond both programs' noise),
+   those at TARGET_SHAPE first;
+2. then the smallest sum of log slowdowns, where serving a point with another family than the
+   prior's (the written model) costs both programs' relative noise plus MIN_WIN more: a boundary
+   moves off the prior only where the win beats the measured noise by that margin.
+
+A family may serve a key value only where it was measured at every point there (the one-shot above
+the benchmark's workspace capacity, a hole). Beyond the measured range the fit says nothing: the
+runtime serves a token count outside it from the next set in its chain (dispatch/table_sets.py), so
+a partial table is never stretched past what it measured.
+
+Pure Python: no GPU, no runtime.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import spec
+from .tuning import ALL_TOKENS, LADDER_FAMILIES
+
+# What a boundary is counted in. tokens: the call's T; bytes_per_rank: T x hidden x element bytes,
+# one rank's rows (what the exchange moves and the kernels read).
+KEYS = ("tokens", "bytes_per_rank")
+# The key of fitted boundaries: the crossovers measured at hidden 4096 and 7168 lie at the same
+# bytes per rank, not at the same T (bench_results/tuning/README.md).
+FIT_KEY = "bytes_per_rank"
+# The issue's target for the automatic choice: within 5% of the best program at every measured point.
+TARGET_SLOWDOWN = 1.05
+# (hidden, top_k, shared expert) of the issue's target shape (#4: H 7168, top_k 8 with the shared
+# expert): a point over the target there weighs more than any number of points over it elsewhere.
+TARGET_SHAPE = (7168, 8, True)
+# The least relative win, beyond both programs' noise, that moves a boundary off the prior.
+MIN_WIN = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class Time:
+    """One program at one point: the median time and its noise (the same unit)."""
+    median_us: float
+    noise_us: float
+
+    def __post_init__(self):
+        if not (self.median_us > 0 and math.isfinite(self.median_us)):
+            raise ValueError(f"median_us: {self.median_us!r}, need a positive time")
+        if not (self.noise_us >= 0 and math.isfinite(self.noise_us)):
+            raise ValueError(f"noise_us: {self.noise_us!r}, need a non-negative noise")
+
+    @property
+    def relative_noise(self) -> float:
+        return self.noise_us / self.median_us
+
+
+def key_value(key: str, tokens: int, hidden: int, elem_bytes: int) -> int:
+    """The value of `key` for a call of `tokens` tokens of `hidden` elements of `elem_bytes` bytes."""
+    if key == "tokens":
+        return tokens
+    if key == "bytes_per_rank":
+        return tokens * hidden * elem_bytes
+    raise ValueError(f"key: {key!r}, one of {', '.join(KEYS)}")
+
+
+def rung_of(limits, value: int) -> int:
+    """The ladder index of the rung that serves `value`: the first whose limit it does not exceed."""
+    return next((i for i, limit in enumerate(limits) if value <= limit), len(limits))
+
+
+@dataclasses.dataclass(frozen=True)
+class CellFit:
+    key: str
+    limits: tuple[int, ...]     # per spec.BOUNDARY_FIELDS, in `key` units; ALL_TOKENS: no bound
+    measured: tuple[int, int]   # the smallest and largest key value measured
+    points: int
+    over: int                   # points over TARGET_SLOWDOWN x the best program
+    over_at_target: int         # of them, at TARGET_SHAPE
+    worst: float                # the largest slowdown against the best program
+    mean: float                 # the geometric mean slowdown
+
+    def describe(self) -> str:
+        return (f"{self.over} of {self.points} points over {TARGET_SLOWDOWN}x the best program "
+                f"({self.over_at_target} at the target shape), at most {self.worst:.3f}x, mean {self.mean:.3f}x")
+
+
+def fit_cell(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_bytes: int = 2,
+             margin: float = MIN_WIN) -> CellFit:
+    """The boundaries of one cell from its points (see the module doc); `prior` holds the written
+    model's boundaries of the cell in tokens."""
+    if not points:
+        raise ValueError("points: nothing measured")
+    if len(prior) != len(spec.BOUNDARY_FIELDS):
+        raise ValueError(f"prior: {prior}, need one per field of {spec.BOUNDARY_FIELDS}")
+    by_value: dict[int, list] = {}
+    for (hidden, top_k, shared, tokens), times in points.items():
+        by_value.setdefault(key_value(key, tokens, hidden, elem_bytes), []).append(
+            ((hidden, top_k, shared) == TARGET_SHAPE, LADDER_FAMILIES[rung_of(prior, tokens)], times))
+    values = sorted(by_value)
+    rungs = range(len(LADDER_FAMILIES))
+    # cost[k][r]: (points clearly over the target at the target shape, clearly over anywhere, log cost)
+    # of rung r serving every point at values[k]; None where its family was not measured at all of them.
+    cost = [[_cost(by_value[value], LADDER_FAMILIES[r], margin) for r in rungs] for value in values]
+    # best[k][r]: the cheapest ladder over values[:k+1] ending on rung r, and the rung before it. The
+    # cost ends with the number of rung changes: at equal times the fewer regimes win.
+    best = [[(None if cost[0][r] is None else (*cost[0][r], 0), None) for r in rungs]]
+    for k in range(1, len(values)):
+        row = []
+        for r in rungs:
+            here = cost[k][r]
+            options = [(_add(before, here, q != r), q) for q, (before, _) in enumerate(best[-1][:r + 1])
+                       if before is not None and here is not None]
+            row.append(min(options, key=lambda option: option[0]) if options else (None, None))
+        best.append(row)
+    ends = [r for r in rungs if best[-1][r][0] is not None]
+    if not ends:
+        raise ValueError("points: no family of the ladder was measured at every shape of some token count")
+    chosen = [min(ends, key=lambda r: best[-1][r][0])]
+    for k in range(len(values) - 1, 0, -1):
+        chosen.append(best[k][chosen[-1]][1])
+    chosen.reverse()
+    limits = []
+    for i in range(len(spec.BOUNDARY_FIELDS)):
+        served = [value for value, r in zip(values, chosen) if r <= i]
+        limits.append(ALL_TOKENS if chosen[-1] <= i else max(served, default=0))
+    slowdowns = [(at_target, times[LADDER_FAMILIES[r]].median_us / min(t.median_us for t in times.values()))
+                 for value, r in zip(values, chosen) for at_target, _prior, times in by_value[value]]
+    over = [at_target for at_target, slowdown in slowdowns if slowdown > TARGET_SLOWDOWN]
+    return CellFit(key=key, limits=tuple(limits), measured=(values[0], values[-1]), points=len(slowdowns),
+                   over=len(over), over_at_target=sum(over), worst=max(s for _, s in slowdowns),
+                   mean=math.exp(sum(math.log(s) for _, s in slowdowns) / len(slowdowns)))
+
+
+def _add(before: tuple, here: tuple, change: bool) -> tuple:
+    """A ladder's cost (over at target, over, log cost, rung changes) with one more key value."""
+    return (before[0] + here[0], before[1] + here[1], before[2] + here[2], before[3] + change)
+
+
+def _cost(points: list, family: str, margin: float):
+    """(clearly over the target at the target shape, clearly over, log cost) of `family` serving
+    `points` [(at the target shape, the prior's family, {family: Time})]; None where it was not
+    measured at one of them."""
+    over_at_target = over = 0
+    log_cost = 0.0
+    for at_target, prior_family, times in points:
+        mine = times.get(family)
+        if mine is None:
+            return None
+        fastest = min(times.values(), key=lambda t: t.median_us)
+        clearly_over = mine.median_us - mine.noise_us > TARGET_SLOWDOWN * (fastest.median_us + fastest.noise_us)
+        over += clearly_over
+        over_at_target += clearly_over and at_target
+        log_cost += math.log(mine.median_us / fastest.median_us)
+        kept = times.get(prior_family)
+        if kept is not None and family != prior_family:
+            log_cost += mine.relative_noise + kept.relative_noise + margin
+    return (over_at_target, over, log_cost)

@@ -1,0 +1,389 @@
+"""The runtime's choice of selection boundaries (dispatch/table_sets.py), without a GPU: the set for
+the device and every fallback, a user's own set and its refusal, the override, the query, and that
+the choice is made when the workspace is built, never per call."""
+from __future__ import annotations
+
+import json
+import logging
+import types
+import warnings
+
+import pytest
+import torch
+
+import dispatch
+from dispatch import registry, table_sets, workspace
+from dispatch.workspace import program_set_sha256
+
+ALL = registry.program_set().all_tokens
+FIELDS = table_sets.ladder_fields()
+H200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+H100_SXM = table_sets.DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, "nvlink")
+H100_PCIE = table_sets.DeviceKey("NVIDIA H100 PCIe", "9.0", 114, "none")
+B200 = table_sets.DeviceKey("NVIDIA B200", "10.0", 148, "nvlink")
+ROW = 7168 * 2  # bytes of one bf16 row of hidden 7168
+ONESHOT = FIELDS.index("oneshot_max_tokens")
+
+
+def from_oneshot(value) -> tuple:
+    """Every boundary from the one-shot's on at `value`; a rung before it ends at 0."""
+    return (0,) * ONESHOT + (value,) * (len(FIELDS) - ONESHOT)
+
+
+def _resolve(device=H200, world_size=2, hidden=7168, user=None, boundaries=None, sha=None, dtype="bf16"):
+    return table_sets.resolve(dtype=dtype, world_size=world_size, hidden=hidden, elem_bytes=2, device=device,
+                              user=user, program_set_sha256=sha or program_set_sha256(), boundaries=boundaries)
+
+
+def _committed_cell(profile="plain", world_size=2):
+    sets, _ = table_sets.committed_sets()
+    return sets[0].cells[("bf16", world_size, profile)]
+
+
+# ---- the committed sets and the chain -----------------------------------------------------------
+
+def test_the_manifest_lists_the_committed_sets_then_the_model():
+    sets, model = table_sets.committed_sets()
+    assert [s.name for s in sets] == ["h200_nvlink"] and model.name == "model" and model.match is None
+    assert sets[0].match == {"product": "NVIDIA H200", "capability": "9.0", "interconnect": "nvlink"}
+    assert set(sets[0].cells) == set(model.cells)
+    assert all(cell.key == "tokens" and cell.measured is None for cell in model.cells.values())
+    cell = _committed_cell()
+    assert cell.key == "bytes_per_rank" and cell.measured == (4096 * 2, 16384 * ROW)
+
+
+@pytest.mark.parametrize("device,name,why", [
+    (H200, "h200_nvlink", "exact product"),
+    (H200.__class__(H200.product, "9.0", 132, "unknown"), "h200_nvlink", "exact product"),  # no NVML: not held against it
+    (H100_SXM, "h200_nvlink", "same compute capability and interconnect"),
+    (H100_PCIE, "model", "no committed set matches"),
+    (B200, "model", "no committed set matches"),
+    (table_sets.UNKNOWN_DEVICE, "model", "no committed set matches"),
+])
+def test_the_set_for_a_device_exact_product_then_capability_and_interconnect_then_the_model(device, name, why):
+    table_set, reason = table_sets.committed_for(device)
+    assert (table_set.name, reason) == (name, why)
+    selection = _resolve(device)
+    assert (selection.set, selection.why) == (name, why)
+    assert {cell.set for cell in selection.cells.values()} == {name}
+
+
+def test_a_bytes_per_rank_cell_is_served_in_tokens_of_the_workspaces_row():
+    cell = _committed_cell()
+    plain = _resolve().limits("plain")
+    assert plain["oneshot_max_tokens"] == cell.limits[0] // ROW == 292
+    # a row half as long: twice the tokens (4 MiB a rank either way)
+    assert _resolve(hidden=3584).limits("plain")["oneshot_max_tokens"] == cell.limits[0] // (3584 * 2) == 585
+    # the written model is in tokens, whatever the row
+    assert _resolve(world_size=4).limits("plain") == _resolve(world_size=4, hidden=1024).limits("plain") == \
+        dict(zip(FIELDS, table_sets.committed_sets()[1].cells[("bf16", 4, "plain")].limits))
+    source = _resolve().cells["plain"].source
+    assert source.startswith("measured in bench_results/") and source.endswith("; T outside 1..16384 from model")
+
+
+def test_outside_its_measured_range_a_cell_runs_what_the_next_set_runs():
+    """compose(): inside the range the cell's own rungs; above it never a rung earlier than at its end
+    and otherwise the fallback's; below it never a later rung than at its start."""
+    fallback = (64, 512, ALL, ALL)
+    # measured 100..1000 tokens: one-shot to 200, then the pipelined two-shot (the last rung)
+    assert table_sets.compose((200, 200, 200, 200), (100, 1000), fallback, ALL) == (200, 200, 200, 200)
+    # the one-shot to the end of the range: above it the fallback's rung (the two-shot), not the one-shot
+    assert table_sets.compose((ALL, ALL, ALL, ALL), (1, 512), fallback, ALL) == (512, 512, ALL, ALL)
+    # measured from 256 to 4096, the early two-shot there: below it no later rung than that (the
+    # fallback's one-shot to 64), above it no earlier (the fallback's two-shot)
+    assert table_sets.compose((0, ALL, ALL, ALL), (256, 4096), fallback, ALL) == (64, 4096, ALL, ALL)
+    # a range with no token count of this row: the fallback throughout
+    assert table_sets.compose((0, 0, 0, 0), (5, 4), fallback, ALL) == fallback
+    # every T agrees with the rule, point by point
+    limits, measured = (16, 300, 300, 700), (8, 1000)
+    composed = table_sets.compose(limits, measured, fallback, ALL)
+    for T in range(1, 3000):
+        if T < measured[0]:
+            want = min(table_sets.rung_of(limits, measured[0]), table_sets.rung_of(fallback, T))
+        elif T > measured[1]:
+            want = max(table_sets.rung_of(limits, measured[1]), table_sets.rung_of(fallback, T))
+        else:
+            want = table_sets.rung_of(limits, T)
+        assert table_sets.rung_of(composed, T) == want, T
+
+
+def test_a_bytes_range_holding_no_token_count_leaves_the_cell_to_the_fallback():
+    cell = table_sets.Cell("bytes_per_rank", (ALL,) * len(FIELDS), (1000, 2000), "measured")
+    limits, measured = table_sets.token_cell(cell, 7168, 2, ALL)
+    assert measured == (1, 0)  # no T of a 14336-byte row lies in 1000..2000 bytes
+    assert table_sets.compose(limits, measured, (64, 512, ALL, ALL), ALL) == (64, 512, ALL, ALL)
+
+
+# ---- a user's own set -----------------------------------------------------------------------------
+
+def _user_doc(match=None, sha=None, cells=None, name="tuned here"):
+    match = match or {"product": "NVIDIA H200", "capability": "9.0", "sm_count": 132, "interconnect": "nvlink"}
+    cells = cells if cells is not None else {("bf16", 2, "plain"): (from_oneshot(1024 * ROW), (ROW, 2048 * ROW))}
+    rows = [{"dtype": d, "world_size": w, "profile": p, "key": "bytes_per_rank",
+             "limits": dict(zip(FIELDS, limits)), "measured": list(measured), "source": "measured here"}
+            for (d, w, p), (limits, measured) in cells.items()]
+    return {"format": table_sets.TUNE_FORMAT, "version": table_sets.TUNE_VERSION, "stamp": {},
+            "set": {"name": name, "match": match, "program_set_sha256": sha or program_set_sha256(),
+                    "boundaries": rows}}
+
+
+def _user_file(tmp_path, **kw):
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps(_user_doc(**kw)))
+    return path
+
+
+def test_a_users_set_serves_the_cells_it_measured_and_the_chain_the_rest(tmp_path):
+    user = table_sets.read_user_set(_user_file(tmp_path), "tables")
+    selection = _resolve(user=user)
+    assert selection.set == "tuned here" and selection.user_set == str(tmp_path / "tables.json")
+    assert selection.cells["plain"].set == "tuned here"
+    assert selection.limits("plain") == dict(zip(FIELDS, from_oneshot(1024)))  # its one-shot to 1024, then the pipelined
+    assert selection.cells["nvfp4"].set == "h200_nvlink"  # a cell it lacks: the committed set
+    assert selection.limits("nvfp4") == _resolve().limits("nvfp4")
+    assert _resolve(user=user, world_size=4).cells["plain"].set == "h200_nvlink"
+
+
+@pytest.mark.parametrize("change,names", [
+    (dict(match={"product": "NVIDIA H100 80GB HBM3", "capability": "9.0", "sm_count": 132, "interconnect": "nvlink"}),
+     "product 'NVIDIA H100 80GB HBM3', this device has 'NVIDIA H200'"),
+    (dict(match={"product": "NVIDIA H200", "capability": "9.0", "sm_count": 66, "interconnect": "nvlink"}),
+     "sm_count 66, this device has 132"),
+    (dict(match={"product": "NVIDIA H200", "capability": "9.0", "sm_count": 132, "interconnect": "none"}),
+     "interconnect 'none', this device has 'nvlink'"),
+    (dict(sha="f" * 64), "measured with other programs (manifest sha256 ffffffffffffffff..."),
+])
+def test_a_users_set_that_does_not_match_is_refused_with_one_warning_and_not_used(tmp_path, change, names):
+    user = table_sets.read_user_set(_user_file(tmp_path, **change), "tables")
+    table_sets._said.clear()
+    with pytest.warns(RuntimeWarning) as caught:
+        first = _resolve(user=user)
+        second = _resolve(user=user)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert message.startswith("tables: the table set 'tuned here' from ") and names in message, message
+    for selection in (first, second):  # never half-used: every cell from the device's committed set
+        assert selection.set == "h200_nvlink" and selection.user_set is None
+        assert {cell.set for cell in selection.cells.values()} == {"h200_nvlink"}
+
+
+def test_an_unknown_interconnect_is_not_a_mismatch(tmp_path):
+    user = table_sets.read_user_set(_user_file(tmp_path), "tables")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        selection = _resolve(device=table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "unknown"), user=user)
+    assert selection.set == "tuned here"
+
+
+@pytest.mark.parametrize("text,says", [
+    (None, "cannot read a table set"),
+    ("not json", "cannot read a table set"),
+    (json.dumps({"format": "something else"}), "is not a table set of format"),
+    (json.dumps({**_user_doc(), "version": 99}), "is not a table set of format"),
+    (json.dumps({**_user_doc(), "set": {"name": "x"}}), "has no complete `set`"),
+    (json.dumps(_user_doc(cells={("bf16", 2, "plain"): ((9, 3, 3, 3), (1, 2))})), "not a table set's boundaries"),
+])
+def test_an_unreadable_users_set_is_a_value_error_naming_the_argument(tmp_path, monkeypatch, text, says):
+    path = tmp_path / "tables.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(ValueError, match=f"^tables: .*{says}"):
+        table_sets.check_arguments(path, None)
+    monkeypatch.setenv(table_sets.ENV_VAR, str(path))
+    with pytest.raises(ValueError, match=f"^{table_sets.ENV_VAR}: .*{says}"):
+        table_sets.check_arguments(None, None)
+    with pytest.raises(ValueError, match="^tables: expected a path"):
+        table_sets.check_arguments(3, None)
+
+
+# ---- the override -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("boundaries,says", [
+    ([("oneshot_max_tokens", 8)], "expected a dict"),
+    ({"oneshot_max_bytes": 8}, "unknown field 'oneshot_max_bytes'"),
+    ({"oneshot_max_tokens": 8.0}, "oneshot_max_tokens = 8.0, expected an int"),
+    ({"oneshot_max_tokens": True}, "oneshot_max_tokens = True, expected an int"),
+    ({"oneshot_max_tokens": -1}, "oneshot_max_tokens = -1, expected an int"),
+    ({"oneshot_max_tokens": ALL + 1}, "expected an int token count in 0.."),
+    ({"oneshot_max_tokens": 64, "early_max_tokens": 8}, "oneshot_max_tokens = 64 > early_max_tokens = 8"),
+])
+def test_a_bad_override_is_a_value_error_naming_boundaries(boundaries, says):
+    with pytest.raises(ValueError, match=f"^boundaries: .*{says}"):
+        table_sets.check_arguments(None, boundaries)
+
+
+def test_the_override_pins_its_fields_and_clamps_the_others():
+    selection = _resolve(boundaries={"oneshot_max_tokens": 128})
+    for profile, cell in selection.cells.items():
+        limits = selection.limits(profile)
+        assert limits["oneshot_max_tokens"] == 128 and list(limits.values()) == sorted(limits.values())
+        assert "pinned by boundaries= (oneshot_max_tokens 128)" in cell.source
+    # below the set's one-shot boundary (292 tokens): the later rungs keep theirs
+    assert selection.limits("plain") == dict(zip(FIELDS, (0,) * ONESHOT + (128,) + (292,) * (len(FIELDS) - ONESHOT - 1)))
+    # above the set's other boundaries: they move up with it
+    assert _resolve(boundaries={"oneshot_max_tokens": 4096}).limits("plain") == dict(zip(FIELDS, from_oneshot(4096)))
+    # every field pinned: exactly the override, whatever the device
+    pinned = dict(zip(FIELDS, range(8, 8 * (len(FIELDS) + 1), 8)))
+    for device in (H200, B200):
+        assert _resolve(device, boundaries=pinned).limits("nvfp4") == pinned
+    limits = tuple(10 * (i + 1) for i in range(len(FIELDS)))  # 10, 20, 30, ...
+    early = FIELDS.index("early_max_tokens")
+    assert table_sets.pin(limits, {"early_max_tokens": 5}, FIELDS) == (
+        tuple(min(v, 5) for v in limits[:early]) + (5,) + limits[early + 1:])
+    assert table_sets.pin(limits, {"early_max_tokens": 10 * len(FIELDS) + 5}, FIELDS) == (
+        limits[:early] + (10 * len(FIELDS) + 5,) * (len(FIELDS) - early))
+
+
+# ---- the workspace: chosen once, when it is built ---------------------------------------------------------
+
+class Probe(workspace._WorkspaceBase):
+    pass
+
+
+def _probe(monkeypatch, device=H200, world_size=2, **kw):
+    monkeypatch.setattr(table_sets, "describe_device", lambda index: device)
+    ws = Probe.__new__(Probe)
+    try:
+        ws._init_common(world_size, 0, 4096, 7168, torch.bfloat16, 0, 10.0, None, 1, **kw)
+    except Exception:  # noqa: BLE001 - past the selection, the geometry may need a GPU's limits
+        pass
+    return ws
+
+
+def test_a_workspace_selects_when_it_is_built_and_never_per_call(monkeypatch, tmp_path):
+    ws = _probe(monkeypatch)
+    assert ws.selection.set == "h200_nvlink" and ws.oneshot_max_tokens == 292
+    assert dispatch.select_program(ws, 292, None) == "moe_ar_os_bf16_ws2_plain"
+    assert dispatch.select_program(ws, 293, None) == "moe_ar_tsp_bf16_ws2_plain"
+
+    def no_choice_per_call(*a, **k):
+        raise AssertionError("a call chose a table set")
+    for name in ("for_workspace", "resolve", "describe_device", "committed_for", "read_user_set"):
+        monkeypatch.setattr(table_sets, name, no_choice_per_call)
+    for T in (1, 100, 292, 293, 4096):
+        dispatch.select_program(ws, T, "nvfp4", True)
+    # on another device the same arguments select with its tables: the model at world size 2
+    monkeypatch.undo()
+    other = _probe(monkeypatch, B200)
+    assert other.selection.set == "model" and other.oneshot_max_tokens == 64
+    assert dispatch.select_program(other, 65, None) == "moe_ar_tse_bf16_ws2_plain"
+
+
+def test_a_workspace_takes_tables_and_boundaries_and_the_environment(monkeypatch, tmp_path):
+    path = _user_file(tmp_path)
+    ws = _probe(monkeypatch, tables=path)
+    assert ws.selection.set == "tuned here" and ws.oneshot_max_tokens == 1024
+    assert dispatch.select_program(ws, 1024, None) == "moe_ar_os_bf16_ws2_plain"
+    assert dispatch.select_program(ws, 1025, None) == "moe_ar_tsp_bf16_ws2_plain"
+    monkeypatch.setenv(table_sets.ENV_VAR, str(path))
+    assert _probe(monkeypatch).selection.set == "tuned here"
+    pinned = _probe(monkeypatch, boundaries={"oneshot_max_tokens": 16})
+    assert pinned.selection.pinned == {"oneshot_max_tokens": 16} and pinned.oneshot_max_tokens == 16
+    assert dispatch.select_program(pinned, 17, None) != "moe_ar_os_bf16_ws2_plain"
+    # the argument comes before the environment
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(_user_doc(name="the argument's")))
+    assert _probe(monkeypatch, tables=other).selection.set == "the argument's"
+
+
+def test_the_choice_is_logged_once(monkeypatch, caplog):
+    table_sets._said.clear()
+    with caplog.at_level(logging.INFO, logger="moe_ar.tables"):
+        _probe(monkeypatch)
+        _probe(monkeypatch)
+        _probe(monkeypatch, B200)
+    lines = [r.getMessage() for r in caplog.records if r.name == "moe_ar.tables"]
+    assert len(lines) == 2, lines
+    assert lines[0] == ("moe_ar tables: NVIDIA H200 (compute capability 9.0, 132 SMs, interconnect nvlink): set "
+                        "h200_nvlink (exact product) for bf16 world size 2")
+    assert lines[1].startswith("moe_ar tables: NVIDIA B200 ") and "set model (no committed set matches)" in lines[1]
+
+
+def test_selection_info_says_the_set_and_each_cells_source(monkeypatch, tmp_path):
+    ws = _probe(monkeypatch, tables=_user_file(tmp_path))
+    info = dispatch.selection_info(ws)
+    assert info["set"] == "tuned here" and info["user_set"] == str(tmp_path / "tables.json")
+    assert info["device"] == {"product": "NVIDIA H200", "capability": "9.0", "sm_count": 132, "interconnect": "nvlink"}
+    assert info["cells"]["plain"] == {"boundaries": dict(zip(FIELDS, from_oneshot(1024))), "set": "tuned here",
+                                      "source": "measured here; T outside 1..2048 from h200_nvlink"}
+    assert info["cells"]["nvfp4"]["set"] == "h200_nvlink" and info["cells"]["nvfp4"]["source"].startswith("measured in ")
+    assert dispatch.selection_info(types.SimpleNamespace(workspaces=[ws])) == info  # an EmulatedWorld: rank 0's
+    with pytest.raises(ValueError, match="^workspace: expected a Workspace"):
+        dispatch.selection_info(object())
+
+
+def test_ranks_that_select_differently_are_refused_naming_tables():
+    descriptors = [workspace.RankDescriptor(
+        world_size=2, program_set="a" * 64, dtype="torch.bfloat16", hidden=7168, max_tokens=512,
+        oneshot_max_tokens=256, vec_per_thread=None, timeout_ns=10, buffer_bytes=1, host="h", gpu=f"GPU-{r}",
+        selection=label) for r, label in enumerate(("h200_nvlink 0123456789ab", "model ba9876543210"))]
+    with pytest.raises(ValueError, match=r"^tables: rank 1 has selection tables model ba9876543210 .*rank 0 has "
+                                         r"selection tables h200_nvlink 0123456789ab"):
+        workspace.compare_descriptors(descriptors)
+
+
+# ---- the device's key -------------------------------------------------------------------------------
+
+class FakeNvml:
+    NVML_NVLINK_MAX_LINKS = 18
+    NVML_FEATURE_ENABLED = 1
+
+    def __init__(self, active=(), fail=None):
+        self.active, self.fail, self.calls = set(active), fail, []
+
+    def nvmlInit(self):
+        if self.fail == "init":
+            raise RuntimeError("nvmlInit_v2 returned 9")
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if self.fail == "handle":
+            raise RuntimeError("not found")
+        self.calls.append(uuid)
+        return "handle"
+
+    def nvmlDeviceGetNvLinkState(self, handle, link):
+        if link >= 18 or self.fail == "links":
+            raise RuntimeError("not supported")
+        return int(link in self.active)
+
+    def nvmlDeviceGetNvLinkVersion(self, handle, link):
+        return 4
+
+
+class FakeCuda:
+    def __init__(self, available=True):
+        self.available = available
+
+    def is_available(self):
+        return self.available
+
+    def get_device_properties(self, index):
+        return types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
+                                     uuid="0a1b2c3d-0000-0000-0000-000000000000")
+
+
+@pytest.mark.parametrize("nvml,interconnect", [(FakeNvml(active=range(18)), "nvlink"), (FakeNvml(), "none"),
+                                               (FakeNvml(fail="init"), "unknown"),
+                                               (FakeNvml(fail="handle"), "unknown"),
+                                               (FakeNvml(fail="links"), "none")])
+def test_the_device_key_from_torch_and_nvml(nvml, interconnect):
+    key = table_sets.describe_device(0, cuda=FakeCuda(), nvml=nvml)
+    assert key == table_sets.DeviceKey("NVIDIA H200", "9.0", 132, interconnect)
+    if nvml.fail not in ("init", "handle"):
+        assert "GPU-0a1b2c3d-0000-0000-0000-000000000000" in nvml.calls and nvml.calls[-1] == "shutdown"
+    assert table_sets.describe_device(0, cuda=FakeCuda(available=False), nvml=nvml) == table_sets.UNKNOWN_DEVICE
+    state = table_sets.nvlink_state("GPU-x", FakeNvml(active={0, 1, 2}))
+    assert state == {"kind": "nvlink", "links": 3, "generation": 4}
+
+
+def test_the_runtime_reads_what_the_generator_writes():
+    """The runtime keeps its own copy of the table-set file's name and version and of the keys (it
+    never imports the generator): they must not drift apart."""
+    from generator import fit
+    from generator import table_sets as generator_sets
+    assert (table_sets.TUNE_FORMAT, table_sets.TUNE_VERSION) == (generator_sets.TUNE_FORMAT,
+                                                                 generator_sets.TUNE_VERSION)
+    assert table_sets.KEYS == fit.KEYS
