@@ -16,7 +16,7 @@ from dispatch import table_sets as runtime_sets
 from dispatch.workspace import program_set_sha256
 from generator import spec
 from generator import table_sets as generator_sets
-from moe_ar_tools.bench import Shape
+from moe_ar_tools.bench.config import Shape
 from moe_ar_tools.tune import cli, loop, units
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -253,6 +253,6 @@ def test_a_rank_checks_every_output_against_the_float64_reference():
     outs[2]["norm_out"][5, 17] += 4.0
     reasons = m._check(outs, None)
     assert len(reasons) == 1 and reasons[0].startswith("norm_out rel err "), reasons
-    from moe_ar_tools import bench
+    from moe_ar_tools.bench import systems as bench
     bench._poison(outs)
     assert [r.split(" rel err")[0] for r in m._check(outs, None)] == ["residual_out", "norm_out"]
