@@ -538,7 +538,10 @@ def check_sizes(world_size: int, max_tokens: int, hidden: int, oneshot_max_token
 
 
 def buffer_elems_for(world_size: int, max_tokens: int, hidden: int, oneshot_max_tokens: int) -> int:
-    """Elements of one rotating buffer: the larger of the one-shot and two-shot layouts."""
+    """Elements of one rotating buffer: the larger of the one-shot and two-shot layouts (none at world
+    size 1, which exchanges nothing)."""
+    if world_size == 1:
+        return 0
     oneshot = world_size * oneshot_max_tokens * hidden
     per_owner = -(-max_tokens // world_size)
     twoshot = world_size * per_owner * hidden + max_tokens * hidden
@@ -717,9 +720,12 @@ class _WorkspaceBase:
         self.device_index = device_index
         self.timeout_ns = _timeout_ns(timeout_s)
         # default: the largest one-shot boundary of the tables, so no automatic call loses its one-shot
-        # and no memory is held for one-shot calls only a forced program= would make
-        self.oneshot_max_tokens = (min(max_tokens, registry.oneshot_boundary(world_size)) if oneshot_max_tokens is None
-                                   else int(oneshot_max_tokens))
+        # and no memory is held for one-shot calls only a forced program= would make; none at world
+        # size 1 (nothing is exchanged)
+        if oneshot_max_tokens is not None:
+            self.oneshot_max_tokens = int(oneshot_max_tokens)
+        else:
+            self.oneshot_max_tokens = 0 if world_size == 1 else min(max_tokens, registry.oneshot_boundary(world_size))
         self.vec_per_thread = vec_per_thread
         check_sizes(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.buffer_elems = buffer_elems_for(world_size, max_tokens, hidden, self.oneshot_max_tokens)
@@ -817,6 +823,15 @@ class Workspace(_WorkspaceBase):
         self._opened = []
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.backend = self.backend_reason = None
+        if world_size == 1:  # nothing to exchange: LocalWorkspace's memory, no buffers, no rendezvous
+            from .local import LocalMemory
+            _check_backend(backend)
+            self._init_common(1, 0, max_tokens, hidden, dtype, torch.cuda.current_device(), timeout_s,
+                              oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread)
+            self.backend, self.backend_reason = "local", "world size 1: nothing is exchanged (dispatch/local.py)"
+            self._memory = LocalMemory(self.device_index)
+            _register(self)
+            return
         # 1. Local checks (no allocation), then the descriptors: a bad argument or a disagreement on
         #    any rank is the same error on every rank, before anything is allocated.
         descriptor, error, asked = None, None, None
@@ -1038,6 +1053,9 @@ class EmulatedWorld:
         import cupy
         from cupy.cuda import runtime
         _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+        if world_size == 1:
+            raise ValueError("world_size: 1 has no peers to emulate; use dispatch.LocalWorkspace(max_tokens, hidden, "
+                             "dtype)")
         if backend is not None and (not isinstance(backend, str) or backend != "ipc"):
             raise ValueError(f"backend: {backend!r}; EmulatedWorld keeps every rank in this process and reaches the "
                              f"peers' buffers directly (no CUDA IPC, no symmetric memory): pass None or 'ipc'")

@@ -151,7 +151,7 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             lines.append(f"+ {_label(key)}: appeared, {after['name']}{why}")
         elif after is None:
             hole = new_holes.get(key)
-            why = f" (now a hole -> {hole['fallback_family']}: {hole['reason']})" if hole else ""
+            why = f" (now a hole -> {hole['fallback_family'] or 'none'}: {hole['reason']})" if hole else ""
             lines.append(f"- {_label(key)}: vanished, {before['name']}{why}")
         elif before["name"] != after["name"] or (same_layout and _code_hash(before) != _code_hash(after)):
             lines.append(f"~ {_label(key)}: program changed, {after['name']} "

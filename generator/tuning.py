@@ -3,9 +3,9 @@
 A call with T tokens in cell (dtype, world size, profile) runs the first regime of the ladder
 (spec.LADDER) whose boundary T does not exceed:
 
-    T <= oneshot_max_tokens -> oneshot, else T <= early_max_tokens -> twoshot_early, else
-    T <= twoshot_max_tokens -> twoshot, else T <= loads_max_tokens -> twoshot_pipelined_loads,
-    else twoshot_pipelined
+    T <= local_max_tokens -> local, else T <= oneshot_max_tokens -> oneshot, else
+    T <= early_max_tokens -> twoshot_early, else T <= twoshot_max_tokens -> twoshot, else
+    T <= loads_max_tokens -> twoshot_pipelined_loads, else twoshot_pipelined
 
 (each then swapped for its shared-expert variant where the rank has a shared
 operand and the variant's cell is not a hole).
@@ -15,7 +15,9 @@ measured every base program of a cell on real GPUs, the boundaries are the ones
 that best fit those measurements; every cell says where its numbers came from.
 Cells with no measurement (world sizes 4 and 8: no such machine here) take the
 written model below. Pointing BENCH_FILE at a new benchmark is therefore a
-visible table diff.
+visible table diff. World size 1 exchanges nothing: its one regime, local, takes
+every T (local_max_tokens = ALL_TOKENS), and at the other world sizes it takes
+none (0); the exchanges' boundaries are fitted or modelled as before.
 """
 from __future__ import annotations
 
@@ -46,6 +48,11 @@ MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64, 8: 16, 16: 8}
 MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048, 16: 4096}
 ALL_TOKENS = 2**31 - 1  # "no upper bound": the last regime a cell runs takes every larger T
 MODEL_SOURCE = "written model"
+# World size 1: one layout, the local one, for every T (a second one, for very few tokens, would take
+# the T below a boundary of its own; a benchmark at world size 1 decides that).
+MODEL_WORLD_ONE = (ALL_TOKENS,) * len(spec.BOUNDARY_FIELDS)
+# The local rungs' boundaries at the other world sizes: no T.
+NO_LOCAL_TOKENS = (0,) * spec.LOCAL_RUNGS
 
 # The family that runs each rung of the ladder where the rank has no shared operand: the programs
 # whose measurements decide the boundaries.
@@ -128,10 +135,11 @@ TARGET_SHAPE = (7168, 8, True)
 
 
 def fit_boundaries(points: dict) -> tuple[int, int, int, int, float, float, int, int]:
-    """The boundaries (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens, loads_max_tokens) on the
-    measured token grid (the last two may also be ALL_TOKENS) with the fewest measured points
-    slower than AUTO_TARGET_SLOWDOWN x the best base program there, counting those at TARGET_SHAPE
-    first, the mean log slowdown breaking ties; also the worst and the mean slowdown, as ratios, and
+    """The exchanges' boundaries (oneshot_max_tokens, early_max_tokens, twoshot_max_tokens,
+    loads_max_tokens; the local rung takes no T where there is an exchange) on the measured token
+    grid (the last two may also be ALL_TOKENS) with the fewest measured points slower than
+    AUTO_TARGET_SLOWDOWN x the best base program there, counting those at TARGET_SHAPE first, the
+    mean log slowdown breaking ties; also the worst and the mean slowdown, as ratios, and
     the number of points over the target, everywhere and at TARGET_SHAPE. A rule may pick a family
     only where that family was measured at every shape it serves."""
     # Per point: (T, at the target shape, {family: slowdown against the best program there}).
@@ -158,7 +166,7 @@ def fit_boundaries(points: dict) -> tuple[int, int, int, int, float, float, int,
     if best is None:
         raise ValueError("tuning: no set of boundaries is feasible for the measured points")
     rule, (over_at_target, over, mean_log), worst = best
-    return (*rule.max_tokens, worst, math.exp(mean_log), over, over_at_target)
+    return (*rule.max_tokens[spec.LOCAL_RUNGS:], worst, math.exp(mean_log), over, over_at_target)
 
 
 def _candidate_rules(points: dict):
@@ -174,13 +182,14 @@ def _candidate_rules(points: dict):
                 loads = ([x for x in candidates if x > twoshot] + [ALL_TOKENS]
                          if with_loads and twoshot < ALL_TOKENS else [])
                 for loads_max in [twoshot] + loads:
-                    yield Boundaries((oneshot, early, twoshot, loads_max), "")
+                    yield Boundaries((*NO_LOCAL_TOKENS, oneshot, early, twoshot, loads_max), "")
 
 
 def selection(root: pathlib.Path | None = None) -> Selection:
     """Boundaries for every (dtype, world size, profile): measured where a benchmark covers the
     cell (a dtype with no measurement of its own borrows the other dtype's: same bytes per element,
-    same kernel; a profile with none borrows the plain profile's), the written model elsewhere."""
+    same kernel; a profile with none borrows the plain profile's), the written model elsewhere and
+    at world size 1 (no benchmark of it is fitted yet)."""
     root = pathlib.Path(root) if root is not None else pathlib.Path(__file__).resolve().parent.parent
     paths = bench_files(root)
     measured = measured_times(paths)
@@ -193,17 +202,21 @@ def selection(root: pathlib.Path | None = None) -> Selection:
                 donors = [(donor_dtype, world_size, donor_profile) for donor_profile in (profile, BORROW_PROFILE)
                           for donor_dtype in (dtype, *spec.DTYPES)]
                 donor = next((cell for cell in donors if cell in measured), None)
-                if donor is not None:
+                if world_size == spec.LOCAL_WORLD_SIZE:
+                    cell_boundaries = Boundaries(MODEL_WORLD_ONE, f"{MODEL_SOURCE} (nothing to exchange: local "
+                                                                  f"runs every T)")
+                elif donor is not None:
                     *fitted, worst, mean, over, over_at_target = fit_boundaries(measured[donor])
                     borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
                     borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
                     borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
                     cell_boundaries = Boundaries(
-                        tuple(fitted), f"measured{borrowed}: {over} of {len(measured[donor])} points over "
-                                       f"{AUTO_TARGET_SLOWDOWN}x the best program ({over_at_target} at the "
-                                       f"target shape), at most {worst:.3f}x, mean {mean:.3f}x")
+                        (*NO_LOCAL_TOKENS, *fitted),
+                        f"measured{borrowed}: {over} of {len(measured[donor])} points over {AUTO_TARGET_SLOWDOWN}x "
+                        f"the best program ({over_at_target} at the target shape), at most {worst:.3f}x, "
+                        f"mean {mean:.3f}x")
                 else:
-                    cell_boundaries = Boundaries((MODEL_ONESHOT_MAX_TOKENS[world_size],
+                    cell_boundaries = Boundaries((*NO_LOCAL_TOKENS, MODEL_ONESHOT_MAX_TOKENS[world_size],
                                                   MODEL_EARLY_MAX_TOKENS[world_size], ALL_TOKENS, ALL_TOKENS),
                                                  MODEL_SOURCE)
                 bounds = cell_boundaries.max_tokens
