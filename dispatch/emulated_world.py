@@ -58,6 +58,9 @@ class EmulatedWorld:
         from cupy.cuda import runtime
         _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
         table_sets.check_arguments(tables, boundaries)
+        if world_size == 1:
+            raise ValueError("world_size: 1 has no peers to emulate; use dispatch.LocalWorkspace(max_tokens, hidden, "
+                             "dtype)")
         if backend is not None and (not isinstance(backend, str) or backend != "ipc"):
             raise ValueError(f"backend: {backend!r}; EmulatedWorld keeps every rank in this process and reaches the "
                              f"peers' buffers directly (no CUDA IPC, no symmetric memory): pass None or 'ipc'")

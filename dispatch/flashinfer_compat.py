@@ -26,8 +26,8 @@ How each argument maps to dispatch.moe_finalize_allreduce:
                                   contiguous tensor of that many bytes per row is reinterpreted as
                                   uint8); scale_out: at least scale_out_bytes(T, H) bytes, 128x4
                                   swizzled E4M3 (FlashInfer's default SWIZZLED layout)
-    workspace_ptrs                a dispatch.Workspace, one rank of an EmulatedWorld, or a
-                                  workspace_handle int (not a tensor of pointers)
+    workspace_ptrs                a dispatch.Workspace or LocalWorkspace, one rank of an
+                                  EmulatedWorld, or a workspace_handle int (not a tensor of pointers)
     launch_with_pdl               launch_with_pdl
     world_rank, world_size        must equal the workspace's rank and world size
     eps                           eps
@@ -80,8 +80,9 @@ Differences from FlashInfer (as read from its source; see dispatch/API.md):
   and an entry >= allreduce_in.shape[0] is skipped and reported by Workspace.check().
 * expert_scale_factor may be the activation dtype or float32 here, read as its own dtype
   (FlashInfer's kernel reads it as the activation dtype).
-* Shapes. World sizes 2, 4, 8; hidden a multiple of 16 up to the manifest's max_hidden; top_k
-  1..16; fp16 and bf16.
+* Shapes. World sizes 1 (a LocalWorkspace, world_rank 0, world_size 1: the partial is not rounded
+  before the residual add), 2, 4, 8 and 16; hidden a multiple of 16 up to the manifest's
+  max_hidden; top_k 1..16; fp16 and bf16.
 * Return value. FlashInfer returns None; this returns MoeFinalizeOutputs (the tensors written).
 * torch.compile. Called eagerly, this writes the given outputs in place with no copy. Under
   torch.compile it runs the moe_ar custom op (no graph break) and copies its results into the

@@ -79,7 +79,7 @@ _registry_lock = threading.Lock()
 def workspace_handle(workspace) -> int:
     """The int handle of a workspace for the custom op (assigned at the first call, then the same).
 
-    `workspace`: a dispatch.Workspace, or one rank of an EmulatedWorld (`world.workspaces[r]`).
+    `workspace`: a dispatch.Workspace or LocalWorkspace, or one rank of an EmulatedWorld (`world.workspaces[r]`).
     Raises ValueError for anything else (an EmulatedWorld itself holds one workspace per rank).
     """
     handle = getattr(workspace, _HANDLE_ATTR, None)

@@ -67,9 +67,13 @@ class _WorkspaceBase:
                                                   tables, boundaries)
         # default: the largest one-shot boundary of the tables, so no automatic call loses its one-shot
         # and no memory is held for one-shot calls only a forced program= would make
+        # none at world size 1 (nothing is exchanged)
         oneshot_field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
-        self.oneshot_max_tokens = (min(max_tokens, self.selection.oneshot_capacity(oneshot_field))
-                                   if oneshot_max_tokens is None else int(oneshot_max_tokens))
+        if oneshot_max_tokens is not None:
+            self.oneshot_max_tokens = int(oneshot_max_tokens)
+        else:
+            self.oneshot_max_tokens = 0 if world_size == 1 else min(max_tokens,
+                                                                    self.selection.oneshot_capacity(oneshot_field))
         self.vec_per_thread = vec_per_thread
         check_sizes(world_size, max_tokens, hidden, self.oneshot_max_tokens)
         self.buffer_elems = buffer_elems_for(world_size, max_tokens, hidden, self.oneshot_max_tokens)
@@ -171,6 +175,17 @@ class Workspace(_WorkspaceBase):
         self._opened = []
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.backend = self.backend_reason = None
+        if world_size == 1:  # nothing to exchange: LocalWorkspace's memory, no buffers, no rendezvous
+            from .local import LocalMemory
+            _check_backend(backend)
+            table_sets.check_arguments(tables, boundaries)
+            self._init_common(1, 0, max_tokens, hidden, dtype, torch.cuda.current_device(), timeout_s,
+                              oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread, tables=tables,
+                              boundaries=boundaries)
+            self.backend, self.backend_reason = "local", "world size 1: nothing is exchanged (dispatch/local.py)"
+            self._memory = LocalMemory(self.device_index)
+            _register(self)
+            return
         # 1. Local checks (no allocation), then the descriptors: a bad argument or a disagreement on
         #    any rank is the same error on every rank, before anything is allocated.
         descriptor, error, asked = None, None, None

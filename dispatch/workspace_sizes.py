@@ -46,7 +46,10 @@ def check_sizes(world_size: int, max_tokens: int, hidden: int, oneshot_max_token
 
 
 def buffer_elems_for(world_size: int, max_tokens: int, hidden: int, oneshot_max_tokens: int) -> int:
-    """Elements of one rotating buffer: the larger of the one-shot and two-shot layouts."""
+    """Elements of one rotating buffer: the larger of the one-shot and two-shot layouts (none at world
+    size 1, which exchanges nothing)."""
+    if world_size == 1:
+        return 0
     oneshot = world_size * oneshot_max_tokens * hidden
     per_owner = -(-max_tokens // world_size)
     twoshot = world_size * per_owner * hidden + max_tokens * hidden

@@ -107,7 +107,8 @@ def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> s
             if given or set(values) != (set(given) or set(order)):
                 where.append(f"{label}{'s' if len(values) > 1 else ''} {'/'.join(values)}")
         at = f" at {', '.join(where)}" if where else ""
-        lines.append(f"{family} has no program{at} (hole: {reason}); calls there run {fallback}")
+        instead = f"calls there run {fallback}" if fallback else "no call selects it there"
+        lines.append(f"{family} has no program{at} (hole: {reason}); {instead}")
     return "\n".join(lines)
 
 
@@ -212,7 +213,8 @@ def tables(ctx):
                     else:
                         hole = holes[key]
                         mark = reasons.setdefault(hole["reason"], f"[{len(reasons) + 1}]")
-                        row.append(f"-- hole{mark} -> {hole['fallback_family']}")
+                        fallback = hole["fallback_family"]  # None: no T selects the family there
+                        row.append(f"-- hole{mark}" + (f" -> {fallback}" if fallback else ""))
                 rows.append(row)
         _print_rows(rows, ("  ", *profile_names))
         for reason, mark in reasons.items():

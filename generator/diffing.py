@@ -182,7 +182,7 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             lines.append(f"+ {_label(key)}: appeared, {after['name']}{why}")
         elif after is None:
             hole = new_holes.get(key)
-            why = f" (now a hole -> {hole['fallback_family']}: {hole['reason']})" if hole else ""
+            why = f" (now a hole -> {hole['fallback_family'] or 'none'}: {hole['reason']})" if hole else ""
             lines.append(f"- {_label(key)}: vanished, {before['name']}{why}")
         elif before["name"] != after["name"]:
             same = same_layout and before.get("code_sha256_as_named_today") == _code_hash(after)

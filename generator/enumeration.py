@@ -3,8 +3,12 @@
 `enumerate_programs()` walks `spec.all_cells()` (itertools.product of the axis
 tuples, in table order) and keeps the cells `policy.is_supported` accepts; every
 other cell is a hole, with the reason from `policy.hole_reason` and the family
-selection falls back to. (Named `enumeration`, not `enumerate`, so that importing
-it never shadows the builtin.)
+selection falls back to: the first supported family along the chain of base
+families (same protocol class), except across the world-size-1 line, where
+there are no peers to agree on a protocol with: an exchange family's hole at
+world size 1 falls back to `local`, and a world-size-1 family's hole elsewhere
+to nothing (selection gives it no T there). (Named `enumeration`, not
+`enumerate`, so that importing it never shadows the builtin.)
 """
 from __future__ import annotations
 
@@ -20,8 +24,9 @@ class Hole:
     spec: ProgramSpec
     reason: str
     # The family whose program runs in this cell instead: the first family along the chain of
-    # base families that has this cell. Same protocol class by construction.
-    fallback_family: str
+    # base families that has this cell, same protocol class by construction; at world size 1 the
+    # local family; None for a world-size-1 family at the other world sizes, where no T selects it.
+    fallback_family: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +44,9 @@ class Enumeration:
         raise KeyError(cell)
 
 
-def _fallback(cell: ProgramSpec, is_supported: Callable[[ProgramSpec], bool]) -> str:
+def _fallback(cell: ProgramSpec, is_supported: Callable[[ProgramSpec], bool]) -> str | None:
+    if spec.exchanges(cell.family) != (cell.world_size != spec.LOCAL_WORLD_SIZE):
+        return spec.LOCAL_FAMILY if cell.world_size == spec.LOCAL_WORLD_SIZE else None
     family = cell.family
     protocol = spec.FAMILY_BY_NAME[family].protocol
     seen = [family]

@@ -2,15 +2,23 @@
 
 A cell (family, dtype, world size, profile) is generated unless a rule below
 makes it a hole. Selection falls back from a hole to the family's base family
-(its Family record's `base`).
+(its Family record's `base`); across the line between world size 1 and the
+others, see generator/enumeration.py.
 """
 from __future__ import annotations
 
-from .spec import PROFILE_BY_NAME, ProgramSpec
+from .spec import FAMILY_BY_NAME, LOCAL_WORLD_SIZE, PROFILE_BY_NAME, ProgramSpec, exchanges
+
+NOTHING_TO_EXCHANGE = "nothing to exchange: `local` runs every T"
+WORLD_ONE_ONLY = "world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)"
 
 # (family, reason it is not generated, predicate over the cell).
-# Reasons are printed by `gen-programs tables` next to each hole.
-HOLE_RULES = (
+# Reasons are printed by `gen-programs tables` next to each hole. The world-size-1 line comes first:
+# every exchange family is a hole at world size 1, every family that exchanges nothing elsewhere.
+HOLE_RULES = tuple(
+    (family, NOTHING_TO_EXCHANGE, lambda s: s.world_size == LOCAL_WORLD_SIZE) if exchanges(family)
+    else (family, WORLD_ONE_ONLY, lambda s: s.world_size != LOCAL_WORLD_SIZE)
+    for family in FAMILY_BY_NAME) + (
     ("twoshot_shared", "no shared-expert prefetch at world size 2 (one-shot covers most of its range)",
      lambda s: s.world_size == 2),
     ("twoshot_early_shared", "no shared-expert prefetch at world size 2 (one-shot covers most of its range)",

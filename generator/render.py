@@ -186,8 +186,8 @@ def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict
                 if isinstance(cell, spec.ProgramSpec):
                     entries.append({"value": f'"{cell.symbol}"', "comment": label})
                 else:
-                    entries.append({"value": "nullptr",
-                                    "comment": f"{label} hole -> {cell.fallback_family}: {cell.reason}"})
+                    instead = f"-> {cell.fallback_family}" if cell.fallback_family else "(never selected)"
+                    entries.append({"value": "nullptr", "comment": f"{label} hole {instead}: {cell.reason}"})
             worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
     return {

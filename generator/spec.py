@@ -28,7 +28,10 @@ DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 DTYPES = tuple(DTYPE_CPP)
 # Bytes of one element of each dtype (a fitted boundary counts bytes per rank: T x hidden x these).
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
-WORLD_SIZES = (2, 4, 8, 16)
+# World size 1 exchanges nothing: there the `local` family runs every T and no exchange family has a
+# program (generator/policy.py); from 2 on the exchange families share T and `local` has none.
+WORLD_SIZES = (1, 2, 4, 8, 16)
+LOCAL_WORLD_SIZE = 1
 
 
 # ---- output profiles ----------------------------------------------------------------
@@ -88,13 +91,22 @@ class Regime:
     # A work unit of the exchange: "row" (a token row), "slice" (a blockDim-wide slice of a row)
     # or "column" (token j of each rank).
     work_unit: str
+    # False: the regime of world size 1, which exchanges nothing; it serves every T there and none
+    # elsewhere. Such rungs come first on the ladder.
+    exchange: bool = True
 
 
-# In the order the regimes take over as T grows. Of the two pipelined two-shots (one kernel
-# regime; they differ in how the partials' rows arrive), the one with register loads comes first:
-# more blocks a multiprocessor, for the profiles whose norm step is heavy while each block has
-# few columns; where it is a hole or slower, loads_max_tokens == twoshot_max_tokens.
+# In the order the regimes take over as T grows. First the two regimes of world size 1 (the latency
+# layout up to local_max_tokens, the streaming layout above; both 0 elsewhere, so they never run with
+# peers; bench_results/world_size_1/). Of the two pipelined two-shots (one kernel regime; they differ
+# in how the partials' rows arrive), the one with register loads comes first: more blocks a
+# multiprocessor, for the profiles whose norm step is heavy while each block has few columns; where
+# it is a hole or slower, loads_max_tokens == twoshot_max_tokens.
 LADDER = (
+    Regime("local", max_tokens_field="local_max_tokens", cpp="moe_ar::Regime::kLocal", work_unit="row",
+           exchange=False),
+    Regime("local_streaming", max_tokens_field="streaming_max_tokens", cpp="moe_ar::Regime::kLocalStreaming",
+           work_unit="row", exchange=False),
     Regime("oneshot", max_tokens_field="oneshot_max_tokens", cpp="moe_ar::Regime::kOneShot", work_unit="slice"),
     Regime("twoshot_early", max_tokens_field="early_max_tokens", cpp="moe_ar::Regime::kTwoShotEarly",
            work_unit="slice"),
@@ -106,6 +118,10 @@ LADDER = (
 REGIME_BY_NAME = {r.name: r for r in LADDER}
 # The selection boundaries of a cell, in ladder order (one per rung but the last).
 BOUNDARY_FIELDS = tuple(r.max_tokens_field for r in LADDER[:-1])
+# The rungs that exchange nothing: they come first (their boundaries are all of T at world size 1, 0 elsewhere).
+LOCAL_RUNGS = sum(not r.exchange for r in LADDER)
+if any(not r.exchange for r in LADDER[LOCAL_RUNGS:]) or not 0 < LOCAL_RUNGS < len(LADDER):
+    raise ValueError("spec: the ladder starts with the regimes that exchange nothing, then the exchanges")
 
 
 # ---- families -----------------------------------------------------------------------
@@ -128,6 +144,15 @@ class Family:
 
 _SHARED_MEANING = "+ shared-expert row prefetched into L2 before the exchange and loaded read-only"
 FAMILY_BY_NAME = _by_name(
+    Family("local", code="lc", title="local, world size 1",
+           meaning="world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the "
+                   "residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)",
+           base="local", protocol="local", regime="local", shared_prefetch=False, cpp_name="Local"),
+    Family("local_streaming", code="lcs", title="local, world size 1, streaming",
+           meaning="the local program for many tokens: more blocks a multiprocessor under a register cap, "
+                   "eight routes in flight, evict-first loads (large T)",
+           base="local", protocol="local", regime="local_streaming", shared_prefetch=False,
+           cpp_name="LocalStreaming"),
     Family("oneshot", code="os", title="one-shot",
            meaning="Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself "
                    "(small T)",
@@ -162,8 +187,15 @@ FAMILY_BY_NAME = _by_name(
            cpp_name="TwoShotPipelinedLoads"),
 )
 FAMILIES = tuple(FAMILY_BY_NAME)
+# The root family of world size 1: there it runs in place of every exchange family.
+LOCAL_FAMILY = "local"
 # Family name -> protocol (a view of the records, for the tests that mix programs of one class).
 PROTOCOL = types.MappingProxyType({f.name: f.protocol for f in FAMILY_BY_NAME.values()})
+
+
+def exchanges(family: str) -> bool:
+    """Whether a family's programs exchange anything: all but those of world size 1."""
+    return REGIME_BY_NAME[FAMILY_BY_NAME[family].regime].exchange
 
 
 def family_for(regime: str, shared_prefetch: bool) -> str | None:
@@ -185,8 +217,11 @@ COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=tru
 # ptxas chooses. A cap compiles with __maxnreg__(cap); 72 keeps four 224-thread blocks (H 7168) on
 # a multiprocessor. The world-size-2 two-shots measured faster capped, spills included; the
 # one-shots (the latency range) slower, and world sizes 4 and 8 have no hardware here to measure
-# on (bench_results/registers/, bench_results/pipelined/).
-REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72}
+# on (bench_results/registers/, bench_results/pipelined/). World size 1: the latency layout (local)
+# is uncapped (a row's loads all in registers); the streaming one is capped at 72 (four 224-thread
+# blocks a multiprocessor), which measured a third faster at many tokens (bench_results/world_size_1/).
+REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72,
+                ("local_streaming", 1): 72}
 
 # The pipelined two-shot with the row ring reads its partials' rows through a ring of this many
 # rows in shared memory, filled by bulk copies (dynamic shared memory: stages x H x the dtype's
@@ -197,8 +232,11 @@ PIPELINED_ROW_STAGES = 3
 PIPELINED_RING_CAP = 128
 
 # The one-shot, every profile: four routes at a time, the shared row first
-# (bench_results/oneshot/, "Loads in flight").
+# (bench_results/oneshot/, "Loads in flight"). World size 1: the latency layout loads alike where its
+# all-loads path does not apply (local.cuh); the streaming one keeps eight routes in flight.
 ONESHOT_LOADS = (4, True)
+LOCAL_LOADS = ONESHOT_LOADS
+LOCAL_STREAMING_LOADS = (8, True)
 
 
 def row_stages(family: str) -> int:
@@ -207,12 +245,16 @@ def row_stages(family: str) -> int:
 
 
 def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
-    """(routes at a time, shared row first) of partial_vector, for a one-shot program or a pipelined
-    two-shot with register loads; None for the others, which load four routes at a time, the shared
-    row last (also the pipelined two-shots' fault-injection path, the two-shot's)."""
+    """(routes at a time, shared row first) of partial_vector, for a one-shot or local program or a
+    pipelined two-shot with register loads; None for the others, which load four routes at a time,
+    the shared row last (also the pipelined two-shots' fault-injection path, the two-shot's)."""
     regime = FAMILY_BY_NAME[family].regime
     if regime == "oneshot":
         return ONESHOT_LOADS
+    if regime == "local":
+        return LOCAL_LOADS
+    if regime == "local_streaming":
+        return LOCAL_STREAMING_LOADS
     if regime == "twoshot_pipelined_loads":
         return PROFILE_BY_NAME[profile].pipelined_loads
     return None

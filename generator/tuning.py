@@ -3,9 +3,9 @@
 A call with T tokens in cell (dtype, world size, profile) runs the first regime of the ladder
 (spec.LADDER) whose boundary its key value does not exceed:
 
-    T <= oneshot_max_tokens -> oneshot, else T <= early_max_tokens -> twoshot_early, else
-    T <= twoshot_max_tokens -> twoshot, else T <= loads_max_tokens -> twoshot_pipelined_loads,
-    else twoshot_pipelined
+    T <= local_max_tokens -> local, else T <= oneshot_max_tokens -> oneshot, else
+    T <= early_max_tokens -> twoshot_early, else T <= twoshot_max_tokens -> twoshot, else
+    T <= loads_max_tokens -> twoshot_pipelined_loads, else twoshot_pipelined
 
 (each then swapped for its shared-expert variant where the rank has a shared operand and the
 variant's cell is not a hole). A cell's boundaries are counted in tokens (the written model below)
@@ -14,6 +14,8 @@ workspace's hidden size and dtype.
 
 Measured boundaries come in table sets, one per kind of machine (generator/table_sets.py); the
 written model below serves every cell no set measured, and every device no set matches.
+World size 1 exchanges nothing: its local rungs take every T there and none (0) at the
+other world sizes, where the exchanges' boundaries are fitted or modelled.
 """
 from __future__ import annotations
 
@@ -36,6 +38,12 @@ MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 64, 8: 16, 16: 8}
 MODEL_EARLY_MAX_TOKENS = {2: 512, 4: 1024, 8: 2048, 16: 4096}
 ALL_TOKENS = 2**31 - 1  # "no upper bound": the last regime a cell runs takes every larger T (or byte count)
 MODEL_SOURCE = "written model"
+# World size 1: the latency layout up to 256 tokens (the exchanges' few-token row split), the
+# streaming layout above (bench_results/world_size_1/: on one H200 they cross between 256 and 1,024).
+MODEL_LOCAL_MAX_TOKENS = 256
+MODEL_WORLD_ONE = (MODEL_LOCAL_MAX_TOKENS,) + (ALL_TOKENS,) * (len(spec.BOUNDARY_FIELDS) - 1)
+# The local rungs' boundaries at the other world sizes: no T.
+NO_LOCAL_TOKENS = (0,) * spec.LOCAL_RUNGS
 
 # The family that runs each rung of the ladder where the rank has no shared operand: the programs
 # whose measurements decide the boundaries.
@@ -74,8 +82,10 @@ class Boundaries:
 
 def model(world_size: int) -> Boundaries:
     """The written model's boundaries (tokens) for every cell of a world size."""
-    return Boundaries((MODEL_ONESHOT_MAX_TOKENS[world_size], MODEL_EARLY_MAX_TOKENS[world_size], ALL_TOKENS,
-                       ALL_TOKENS), MODEL_SOURCE)
+    if world_size == spec.LOCAL_WORLD_SIZE:
+        return Boundaries(MODEL_WORLD_ONE, MODEL_SOURCE)
+    return Boundaries((*NO_LOCAL_TOKENS, MODEL_ONESHOT_MAX_TOKENS[world_size], MODEL_EARLY_MAX_TOKENS[world_size],
+                       ALL_TOKENS, ALL_TOKENS), MODEL_SOURCE)
 
 
 def shown_limit(value: int, key: str) -> str:

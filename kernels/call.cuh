@@ -9,7 +9,8 @@ namespace moe_ar {
 
 // The output profile and the regime a program is instantiated for (generator/spec.py spells them).
 enum class Profile { kPlain, kNvfp4, kFp8Group128, kFp8Tensor };
-enum class Regime { kOneShot, kTwoShot, kTwoShotEarly, kTwoShotPipelined };
+// kLocal, kLocalStreaming: world size 1 (local.cuh)
+enum class Regime { kOneShot, kTwoShot, kTwoShotEarly, kTwoShotPipelined, kLocal, kLocalStreaming };
 
 // Device state words of one rank (Params.state).
 // kExtent0 + b: the extent the last call wrote into buffer b, in 16-byte vectors (H % 16 == 0 makes

@@ -1,5 +1,6 @@
 // The kernel body, run<...>(p), which every program instantiates: one call of the one-shot, the
-// two-shot or the early two-shot (the pipelined two-shot, pipelined.cuh, is entered from here).
+// two-shot or the early two-shot (the pipelined two-shot, pipelined.cuh, and world size 1's local
+// regime, local.cuh, are entered from here).
 //   one-shot:   partial -> every peer's slot[rank][t]      | poll W slots, sum in rank order,
 //                                                          | + residual, norm, quant (all tokens)
 //   two-shot:   partial -> owner(t)'s slot[rank][t]        | owner: poll W slots, sum, + residual,
@@ -10,6 +11,7 @@
 #include "finalize.cuh"
 #include "fp8.cuh"
 #include "lamport.cuh"
+#include "local.cuh"
 #include "norm.cuh"
 #include "nvfp4.cuh"
 #include "params.cuh"
@@ -187,9 +189,16 @@ __device__ __forceinline__ bool run_call(const Params& p) {
 template <typename D, int W, Profile P, Regime R, bool kSharedPrefetch, int kRoutes = 4, bool kSharedFirst = false,
           int kRowStages = 0>
 __device__ __forceinline__ void run(const Params& p) {
-  // After the call's state changes: nothing stays live across the out-of-line poison_block_rows.
-  if (__builtin_expect(run_call<D, W, P, R, kSharedPrefetch, kRoutes, kSharedFirst, kRowStages>(p), 0))
-    poison_block_rows<P, R>(p);
+  constexpr bool kLocalRegime = R == Regime::kLocal || R == Regime::kLocalStreaming;
+  static_assert(kLocalRegime ? W == 1 : W >= 2 && W <= kMaxWorldSize,
+                "world size: 1 runs the local regimes and only they, 2..kMaxWorldSize the exchanges");
+  if constexpr (kLocalRegime) {
+    run_local<D, P, R, kRoutes, kSharedFirst>(p);
+  } else {
+    // After the call's state changes: nothing stays live across the out-of-line poison_block_rows.
+    if (__builtin_expect(run_call<D, W, P, R, kSharedPrefetch, kRoutes, kSharedFirst, kRowStages>(p), 0))
+      poison_block_rows<P, R>(p);
+  }
 }
 
 }  // namespace moe_ar

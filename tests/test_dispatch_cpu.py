@@ -51,6 +51,13 @@ def _old_select_family(bounds, dtype, ws, profile, tokens, has_shared, oneshot_c
     return regime
 
 
+def _exchange_fields():
+    """The boundary fields of the exchange rungs: the ladder less world size 1's local rung, whose
+    boundary is 0 at every other world size (it serves no T there)."""
+    return [field for regime, field in registry.program_set().ladder if field is not None
+            and not regime.startswith("local")]
+
+
 def _dense_tokens(bounds, every_up_to=2100):
     """Every T up to every_up_to (by default past every measured boundary), both sides of every
     boundary, powers of two (and three times them) up to the largest T a boundary can take."""
@@ -69,14 +76,24 @@ def _capacities(bounds):
 
 def test_select_family_is_the_old_rule_for_every_cell():
     """The ladder loop chooses what the old written-out rule chose: every cell of the committed
-    table (as an H200 workspace of hidden 7168 selects it), a dense set of T, with and without a
-    shared operand, one-shot buffers smaller, equal and larger than the one-shot boundary."""
-    generated = registry.program_set()
-    fields = [field for _regime, field in generated.ladder if field is not None]
+    table (as an H200 workspace of hidden 7168 selects it) at world sizes 2 and up (the local rung
+    first on the ladder changes none of them), a dense set of T, with and without a shared operand,
+    one-shot buffers smaller, equal and larger than the one-shot boundary; at world size 1, local up to
+    local_max_tokens, local_streaming above."""
+    fields = _exchange_fields()
     checked = 0
     for (dtype, ws, profile) in _cells():
         row = _bounds(dtype, ws, profile)
         bounds = [row[field] for field in fields]
+        if ws == 1:
+            for capacity in _capacities(bounds):
+                for tokens in _dense_tokens(bounds):
+                    for has_shared in (False, True):
+                        want = "local" if tokens <= row["local_max_tokens"] else "local_streaming"
+                        assert registry.select_family(dtype, ws, profile, tokens, has_shared, capacity,
+                                                      bounds=row) == want
+            continue
+        assert row["local_max_tokens"] == 0, (dtype, ws, profile)
         for capacity in _capacities(bounds):
             for tokens in _dense_tokens(bounds):
                 for has_shared in (False, True):
@@ -93,18 +110,20 @@ NO_BOUND = 2 ** 31 - 1
 @pytest.mark.parametrize("bounds", [(0, 0, 0, 0), (1, 2, 3, 4), (64, 512, 2048, 8192), (16, 16, NO_BOUND, NO_BOUND),
                                     (100, 200, 200, NO_BOUND), (0, 300, 300, 300), (7, 7, 7, 900)])
 def test_select_family_is_the_old_rule_for_other_boundaries(bounds):
-    """The same with boundaries that give every regime a range somewhere (the committed table
-    leaves some empty)."""
-    generated = registry.program_set()
-    fields = [field for _regime, field in generated.ladder if field is not None]
-    row = dict(zip(fields, bounds))
+    """The same with exchange boundaries that give every regime a range somewhere (the committed
+    table leaves some empty); world size 1 still selects local every time."""
+    fields = _exchange_fields()
     for (dtype, ws, profile) in _cells():
+        local = {field: (NO_BOUND if ws == 1 else 0) for regime, field in registry.program_set().ladder
+                 if field is not None and field not in fields}  # world size 1: the latency layout for every T
+        row = {**local, **dict(zip(fields, bounds))}
         for capacity in _capacities(bounds):
             for tokens in _dense_tokens(bounds, every_up_to=600):
                 for has_shared in (False, True):
-                    assert registry.select_family(dtype, ws, profile, tokens, has_shared, capacity, bounds=row) == \
-                        _old_select_family(row, dtype, ws, profile, tokens, has_shared, capacity), (
-                            dtype, ws, profile, tokens, has_shared, capacity, bounds)
+                    got = registry.select_family(dtype, ws, profile, tokens, has_shared, capacity, bounds=row)
+                    want = "local" if ws == 1 else _old_select_family(row, dtype, ws, profile, tokens, has_shared,
+                                                                      capacity)
+                    assert got == want, (dtype, ws, profile, tokens, has_shared, capacity, bounds)
 
 
 @pytest.mark.parametrize("ws", [2, 4, 8])

@@ -66,9 +66,16 @@ def test_enumeration_is_product_minus_holes():
     assert len(enumeration.programs) + len(enumeration.holes) == len(product)
     for hole in enumeration.holes:
         assert hole.reason == policy.hole_reason(hole.spec)
+        world_one = hole.spec.world_size == spec.LOCAL_WORLD_SIZE
+        if hole.fallback_family is None:  # a world-size-1 family elsewhere: no T selects it there
+            assert not spec.exchanges(hole.spec.family) and not world_one, hole
+            continue
         fallback = spec.ProgramSpec(hole.fallback_family, hole.spec.dtype, hole.spec.world_size, hole.spec.profile)
         assert policy.is_supported(fallback)
-        assert spec.FAMILY_BY_NAME[hole.fallback_family].protocol == spec.FAMILY_BY_NAME[hole.spec.family].protocol
+        if world_one and spec.exchanges(hole.spec.family):  # no peer to agree on a protocol with
+            assert hole.fallback_family == spec.LOCAL_FAMILY, hole
+        else:
+            assert spec.FAMILY_BY_NAME[hole.fallback_family].protocol == spec.FAMILY_BY_NAME[hole.spec.family].protocol
 
 
 def test_root_family_hole_is_refused():
@@ -141,7 +148,8 @@ def test_every_set_covers_every_cell():
     assert model.match is None and all(b == tuning.model(w) for (_, w, _), b in model.boundaries.items())
     # World size 8 has no machine here: the written model, and the table says so.
     assert h200.boundaries[("bf16", 8, "nvfp4")] == tuning.Boundaries(
-        (tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS, tuning.ALL_TOKENS),
+        (0, tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS,
+         tuning.ALL_TOKENS),
         tuning.MODEL_SOURCE)
     # World size 2 was measured (bench_results/), in bytes per rank, and fp16 borrows the bf16 measurement.
     measured = h200.boundaries[("bf16", 2, "plain")]
@@ -149,12 +157,19 @@ def test_every_set_covers_every_cell():
     assert measured.key == "bytes_per_rank" and measured.measured == (1 * 4096 * 2, 16384 * 7168 * 2)
     assert h200.boundaries[("fp16", 2, "plain")].source.startswith("measured (bf16 data) in ")
     assert h200.boundaries[("bf16", 8, "nvfp4")].by_field() == {
-        "oneshot_max_tokens": 16, "early_max_tokens": 2048, "twoshot_max_tokens": tuning.ALL_TOKENS,
-        "loads_max_tokens": tuning.ALL_TOKENS}
+        "local_max_tokens": 0, "oneshot_max_tokens": 16, "early_max_tokens": 2048,
+        "twoshot_max_tokens": tuning.ALL_TOKENS, "loads_max_tokens": tuning.ALL_TOKENS}
+    # World size 1: local for every T (the written model), and no T for local anywhere else.
+    for table_set in (h200, model):
+        for (dtype, world_size, profile), cell in table_set.boundaries.items():
+            if world_size == spec.LOCAL_WORLD_SIZE:
+                assert cell.max_tokens == (tuning.ALL_TOKENS,) * len(spec.BOUNDARY_FIELDS)
+            else:
+                assert cell.by_field()["local_max_tokens"] == 0, (table_set.name, dtype, world_size, profile)
 
 
 def test_boundaries_follow_the_ladder():
-    cell = tuning.Boundaries((4, 8, 16, 32), "test")
+    cell = tuning.Boundaries((0, 4, 8, 16, 32), "test")
     expected = {1: "oneshot", 4: "oneshot", 5: "twoshot_early", 8: "twoshot_early", 9: "twoshot", 16: "twoshot",
                 17: "twoshot_pipelined_loads", 32: "twoshot_pipelined_loads", 33: "twoshot_pipelined"}
     assert {tokens: cell.family(tokens) for tokens in expected} == expected
@@ -162,6 +177,8 @@ def test_boundaries_follow_the_ladder():
         tuning.Boundaries((4, 8, 16), "test")
     with pytest.raises(ValueError, match="limits"):
         tuning.Boundaries((4, 8, 6, 32), "test")
+    world_one = tuning.Boundaries(tuning.MODEL_WORLD_ONE, "test")
+    assert {world_one.family(tokens) for tokens in (1, 2, 300, 2**20, tuning.ALL_TOKENS)} == {"local"}
 
 
 # ---- rendering ----------------------------------------------------------------------
@@ -247,11 +264,19 @@ def test_manifest_contents(rendered, manifest):
     assert [p["name"] for p in manifest["axes"]["output_profiles"]] == list(spec.OUTPUT_PROFILES)
     assert {p["name"]: p["quant"] for p in manifest["axes"]["output_profiles"]} == dict(spec.PROFILE_QUANT)
     assert manifest["selection"]["ladder"] == [
-        ["oneshot", "oneshot_max_tokens"], ["twoshot_early", "early_max_tokens"], ["twoshot", "twoshot_max_tokens"],
-        ["twoshot_pipelined_loads", "loads_max_tokens"], ["twoshot_pipelined", None]]
+        ["local", "local_max_tokens"], ["oneshot", "oneshot_max_tokens"], ["twoshot_early", "early_max_tokens"],
+        ["twoshot", "twoshot_max_tokens"], ["twoshot_pipelined_loads", "loads_max_tokens"], ["twoshot_pipelined", None]]
     assert manifest["selection"]["all_tokens"] == tuning.ALL_TOKENS
-    assert manifest["selection"]["rule"].startswith("T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: "
-                                                    "twoshot_early; T <= twoshot_max_tokens: twoshot; ")
+    assert manifest["selection"]["rule"].startswith("T <= local_max_tokens: local; T <= oneshot_max_tokens: oneshot; "
+                                                    "T <= early_max_tokens: twoshot_early; T <= twoshot_max_tokens: "
+                                                    "twoshot; ")
+    # world size 1: the local programs only, every profile and dtype, and no local program elsewhere
+    world_one = {(p["dtype"], p["profile"]) for p in manifest["programs"] if p["world_size"] == 1}
+    assert world_one == set(itertools.product(spec.DTYPES, spec.OUTPUT_PROFILES))
+    assert {p["family"] for p in manifest["programs"] if p["world_size"] == 1} == {"local"}
+    assert all(p["world_size"] == 1 for p in manifest["programs"] if p["family"] == "local")
+    assert {p["protocol_class"] for p in manifest["programs"] if p["world_size"] == 1} == {
+        f"local_{dtype}_ws1" for dtype in spec.DTYPES}
 
 
 def test_register_bound_follows_the_cap(rendered, manifest):
@@ -286,18 +311,20 @@ def test_register_bound_follows_the_cap(rendered, manifest):
             continue
         assert "row_stages" not in text
         if loads is None:
-            assert p["family"] not in ("oneshot", "twoshot_pipelined", "twoshot_pipelined_loads")
+            assert p["family"] not in ("local", "oneshot", "twoshot_pipelined", "twoshot_pipelined_loads")
             assert "routes_in_flight" not in text and "shared_row_first" not in text
             continue
         passing += 1
         if p["family"] == "twoshot_pipelined_loads":
             assert loads == spec.PROFILE_BY_NAME[p["profile"]].pipelined_loads and p["register_cap"] == 72
+        elif p["family"] == "local":
+            assert loads == spec.LOCAL_LOADS and p["register_cap"] is None and p["world_size"] == 1
         else:
             assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"
                 in text)
-    assert passing + ringed == sum(p["family"] in ("oneshot", "twoshot_pipelined", "twoshot_pipelined_loads")
-                                   for p in manifest["programs"])
+    assert passing + ringed == sum(p["family"] in ("local", "oneshot", "twoshot_pipelined",
+                                                   "twoshot_pipelined_loads") for p in manifest["programs"])
     assert passing > 0 and ringed > 0
     too_many = spec.ProgramSpec("twoshot", "bf16", 2, "plain")
     original = dict(spec.REGISTER_CAP)
@@ -543,9 +570,10 @@ def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
 # ---- the emitted C++ tables ---------------------------------------------------------
 
 _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
-                       r'(?P<profile>\w+)(?: hole -> (?P<fallback>\w+): (?P<reason>.+))?$')
-_BOUNDS_RE = re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{(\d+|kAllTokens), (\d+|kAllTokens), "
-                        r"(\d+|kAllTokens), (\d+|kAllTokens)\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
+                       r'(?P<profile>\w+)(?: hole (?:-> (?P<fallback>\w+)|\(never selected\)): (?P<reason>.+))?$')
+_BOUNDS_RE = re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{"
+                        + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
+                        + r"\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
 
 
 def _cells():
@@ -823,16 +851,24 @@ def test_tables_marks_holes_and_fallbacks():
     assert re.search(r"^ +plain +nvfp4 +fp8_group128 +fp8_tensor$", r.stdout, re.M)  # grid columns by name
     for family in spec.FAMILIES:
         assert f"{family}  (tables/{family}.h" in r.stdout
-    assert "-- hole[1] -> twoshot_early" in r.stdout
+    assert "-- hole[2] -> twoshot_early" in r.stdout
     assert "no shared-expert prefetch at world size 2" in r.stdout
     assert "set h200_nvlink (tables/selection_h200_nvlink.h): " in r.stdout
     assert "  for product 'NVIDIA H200', compute capability 9.0, interconnect nvlink" in r.stdout
     assert f"  measured in {table_sets.COMMITTED_SETS[0].files[0]}" in r.stdout
     assert "set model (tables/selection_model.h): the written model" in r.stdout
-    assert re.search(r"bf16 ws8 +16 / 2048 / all / all \(model\)", r.stdout), r.stdout
-    assert "hole[1]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
+    assert re.search(r"bf16 ws8 +0 / 16 / 2048 / all / all \(model\)", r.stdout), r.stdout
+    assert "hole[2]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
     # measured, in bytes per rank: no model mark
-    assert re.search(r"bf16 ws2 +\d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
+    assert re.search(r"bf16 ws2 +0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
+
+    # world size 1: local for every T; every other family a hole there that falls back to local, and
+    # local a hole (never selected, no arrow) elsewhere
+    assert re.search(r"bf16 ws1 +moe_ar_lc_bf16_ws1_plain +moe_ar_lc_bf16_ws1_nvfp4 ", r.stdout), r.stdout
+    assert re.search(r"bf16 ws2 +-- hole\[1\] +-- hole\[1\] ", r.stdout), r.stdout
+    assert "hole[1]: nothing to exchange: `local` runs every T" in r.stdout
+    assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout
+    assert re.search(r"bf16 ws1 +all / all / all / all / all \(model\)", r.stdout), r.stdout
 
 
 def test_selection_map_draws_the_tables():

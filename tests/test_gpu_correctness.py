@@ -35,7 +35,9 @@ pytestmark = pytest.mark.gpu
 HIDDENS = (2048, 2880, 4096, 5120, 7168, 8192)
 ODD_COLUMN_HIDDEN = 2064  # H/16 = 129 scale columns: exercises the column padding of the scale layout
 MAX_TOKENS = 512
-SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s)),
+# The world sizes with an exchange (emulated worlds); world size 1 is tests/test_gpu_world_one.py's.
+EXCHANGE_WORLD_SIZES = tuple(w for w in gspec.WORLD_SIZES if w >= 2)
+SPECS = sorted((s for s in gspec.all_cells() if policy.is_supported(s) and s.world_size >= 2),
                key=lambda s: (s.world_size, s.dtype, s.profile, s.family))
 PROFILE_QUANT = dict(gspec.PROFILE_QUANT)  # output profile -> the call's quant= argument
 QUANTS = tuple(PROFILE_QUANT.values())
@@ -439,7 +441,7 @@ def test_program_matches_reference(devices_kind, program, worlds, seed_for, base
 
 # ---- hidden sizes ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("ws", gspec.WORLD_SIZES)
+@pytest.mark.parametrize("ws", EXCHANGE_WORLD_SIZES)
 @pytest.mark.parametrize("hidden", HIDDENS + (ODD_COLUMN_HIDDEN,))
 def test_hidden_sweep_every_program(hidden, ws, seed_for, record_result):
     """Every program of one (world size, random dtype) at this H, one random case each."""
@@ -630,7 +632,7 @@ def _random_call_case(W, T, hidden, dtype, seed, rnd, device=None):
     return case
 
 
-@pytest.mark.parametrize("ws", gspec.WORLD_SIZES)
+@pytest.mark.parametrize("ws", EXCHANGE_WORLD_SIZES)
 def test_auto_selection_1000_calls_crossing_regimes(ws, seed_for, record_result):
     dispatch = _dispatch()
     rnd = random.Random(seed_for("plan"))
@@ -732,7 +734,7 @@ def _refresh(call, ws, dtype, seed, gs_factor):
     return fresh, gs_val
 
 
-@pytest.mark.parametrize("ws", gspec.WORLD_SIZES)
+@pytest.mark.parametrize("ws", EXCHANGE_WORLD_SIZES)
 def test_cuda_graph_replay_with_changing_inputs(ws, seed_for, record_result):
     """One graph per (T, PDL) with T in every regime, plus graphs of three back-to-back calls of
     different T; replays interleaved across graphs and with eager calls of other T, fresh input

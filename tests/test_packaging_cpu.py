@@ -313,12 +313,19 @@ def test_holes_of_several_reasons_each_get_a_line():
     r = invoke("list", "--family", "twoshot_pipelined_loads", "--profile", spec.PLAIN)
     assert r.exit_code == 1
     lines = r.output.splitlines()
-    assert len(lines) == 2, r.output
-    assert lines[0].startswith(f"Error: twoshot_pipelined_loads has no program at world size 2, profile {spec.PLAIN} (hole: ")
-    assert lines[0].endswith("; calls there run twoshot_pipelined")
-    others = "/".join(str(w) for w in spec.WORLD_SIZES if w != 2)
-    assert lines[1].startswith(f"twoshot_pipelined_loads has no program at world sizes {others}, profile {spec.PLAIN} (hole: ")
-    assert lines[1].endswith("; calls there run twoshot")
+    assert len(lines) == 3, r.output
+    assert lines[0] == (f"Error: twoshot_pipelined_loads has no program at world size 1, profile {spec.PLAIN} "
+                        f"(hole: nothing to exchange: `local` runs every T); calls there run local")
+    assert lines[1].startswith(f"twoshot_pipelined_loads has no program at world size 2, profile {spec.PLAIN} (hole: ")
+    assert lines[1].endswith("; calls there run twoshot_pipelined")
+    others = "/".join(str(w) for w in spec.WORLD_SIZES if w > 2)
+    assert lines[2].startswith(f"twoshot_pipelined_loads has no program at world sizes {others}, profile {spec.PLAIN} (hole: ")
+    assert lines[2].endswith("; calls there run twoshot")
+    # the local family elsewhere: no family runs in its place (no T selects it there)
+    r = invoke("list", "--family", "local", "--world-size", "4")
+    assert r.exit_code == 1 and r.output == (
+        "Error: local has no program at world size 4 (hole: world size 1 only: with peers an exchange family runs "
+        "every T (local_max_tokens is 0)); no call selects it there\n"), r.output
 
 
 def test_a_filter_with_programs_lists_them():

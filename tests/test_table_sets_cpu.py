@@ -71,9 +71,9 @@ def test_the_set_for_a_device_exact_product_then_capability_and_interconnect_the
 def test_a_bytes_per_rank_cell_is_served_in_tokens_of_the_workspaces_row():
     cell = _committed_cell()
     plain = _resolve().limits("plain")
-    assert plain["oneshot_max_tokens"] == cell.limits[0] // ROW == 292
+    assert plain["oneshot_max_tokens"] == cell.limits[spec.BOUNDARY_FIELDS.index("oneshot_max_tokens")] // ROW == 292
     # a row half as long: twice the tokens (4 MiB a rank either way)
-    assert _resolve(hidden=3584).limits("plain")["oneshot_max_tokens"] == cell.limits[0] // (3584 * 2) == 585
+    assert _resolve(hidden=3584).limits("plain")["oneshot_max_tokens"] == cell.limits[spec.BOUNDARY_FIELDS.index("oneshot_max_tokens")] // (3584 * 2) == 585
     # the written model is in tokens, whatever the row
     assert _resolve(world_size=4).limits("plain") == _resolve(world_size=4, hidden=1024).limits("plain") == \
         dict(zip(FIELDS, table_sets.committed_sets()[1].cells[("bf16", 4, "plain")].limits))

@@ -1,7 +1,8 @@
 // MoE finalize + all-reduce over NVLink + residual add + RMSNorm (+ NVFP4 or FP8), one kernel per rank.
 //
 // Every program (generated/programs/) includes this file and instantiates moe_ar::run (run.cuh) for
-// one (dtype, world size, output profile, regime, shared-expert prefetch). The loader compiles a
+// one (dtype, world size, output profile, regime, shared-expert prefetch). World size 1 exchanges
+// nothing: its one regime, local (local.cuh), uses none of the exchange below. The loader compiles a
 // program with its includes inlined, each header once, in this order (generator/verify.py).
 //
 // Exchange: Lamport (lamport.cuh). Every rank owns three rotating buffers in its own memory; peers
@@ -30,4 +31,5 @@
 #include "poison.cuh"     // the poisoned output after a timeout
 #include "row_ring.cuh"   // the pipelined two-shot's row ring in shared memory
 #include "pipelined.cuh"  // the pipelined two-shot
-#include "run.cuh"        // the kernel body: one-shot, two-shot, early two-shot
+#include "local.cuh"      // world size 1: nothing exchanged
+#include "run.cuh"        // the kernel body: one-shot, two-shot, early two-shot (and the entry of the others)

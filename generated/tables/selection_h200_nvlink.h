@@ -6,71 +6,85 @@
 // For product 'NVIDIA H200', compute capability 9.0, interconnect nvlink (dispatch/table_sets.py picks the set for a device).
 // Measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: NVIDIA H200 x2, peer 388 GB/s, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, commit 529cb84
 // Selection for a call with T tokens:
-// T <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
+// T <= local_max_tokens: local; T <= streaming_max_tokens: local_streaming; T
+// <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads;
 // else twoshot_pipelined; then the shared-expert variant where the rank has a
 // shared operand; a hole falls back to its fallback_family
-// Each cell: {key, measured from, measured to, {oneshot_max_tokens,
-// early_max_tokens, twoshot_max_tokens, loads_max_tokens}}. kTokens counts T;
-// kBytesPerRank counts T x hidden x element bytes, which the runtime turns
-// into tokens for its workspace. Outside the measured range (0, 0: not
-// measured) the runtime serves a call from the next set of its chain
-// (generator/table_sets.py, dispatch/table_sets.py).
-// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+// Each cell: {key, measured from, measured to, {local_max_tokens,
+// streaming_max_tokens, oneshot_max_tokens, early_max_tokens,
+// twoshot_max_tokens, loads_max_tokens}}. kTokens counts T; kBytesPerRank
+// counts T x hidden x element bytes, which the runtime turns into tokens for
+// its workspace. Outside the measured range (0, 0: not measured) the runtime
+// serves a call from the next set of its chain (generator/table_sets.py,
+// dispatch/table_sets.py).
+// [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
 constexpr int kAllTokens = 2147483647;  // no upper bound: the regime runs every larger T (or byte count)
 enum BoundaryKey { kTokens, kBytesPerRank };
-struct CellBoundaries { BoundaryKey key; long long measured_from, measured_to; long long max[4]; };
-static const CellBoundaries kRegimeBoundaries[2][4][4] = {
+struct CellBoundaries { BoundaryKey key; long long measured_from, measured_to; long long max[6]; };
+static const CellBoundaries kRegimeBoundaries[2][5][4] = {
     {  // fp16
+        {  // fp16 ws1
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 plain: written model
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 nvfp4: written model
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_group128: written model
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_tensor: written model
+        },
         {  // fp16 ws2
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 plain: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 14680064}},  // fp16 ws2 nvfp4: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.005x, mean 1.000x
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 fp8_group128: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.044x, mean 1.002x
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 fp8_tensor: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.036x, mean 1.001x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 plain: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 14680064}},  // fp16 ws2 nvfp4: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.005x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 fp8_group128: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.044x, mean 1.002x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 fp8_tensor: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.036x, mean 1.001x
         },
         {  // fp16 ws4
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 plain: written model
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 nvfp4: written model
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 fp8_group128: written model
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 fp8_tensor: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 plain: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 nvfp4: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 fp8_group128: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // fp16 ws4 fp8_tensor: written model
         },
         {  // fp16 ws8
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 plain: written model
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 nvfp4: written model
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 fp8_group128: written model
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 fp8_tensor: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 plain: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 nvfp4: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 fp8_group128: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // fp16 ws8 fp8_tensor: written model
         },
         {  // fp16 ws16
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 plain: written model
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 nvfp4: written model
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 fp8_group128: written model
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 fp8_tensor: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 plain: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 nvfp4: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 fp8_group128: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // fp16 ws16 fp8_tensor: written model
         },
     },
     {  // bf16
+        {  // bf16 ws1
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 plain: written model
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 nvfp4: written model
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_group128: written model
+            {kTokens, 0, 0, {256, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_tensor: written model
+        },
         {  // bf16 ws2
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 plain: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 14680064}},  // bf16 ws2 nvfp4: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.005x, mean 1.000x
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 fp8_group128: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.044x, mean 1.002x
-            {kBytesPerRank, 8192, 234881024, {4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 fp8_tensor: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.036x, mean 1.001x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 plain: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 14680064}},  // bf16 ws2 nvfp4: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.005x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 fp8_group128: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.044x, mean 1.002x
+            {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 fp8_tensor: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.036x, mean 1.001x
         },
         {  // bf16 ws4
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 plain: written model
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 nvfp4: written model
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 fp8_group128: written model
-            {kTokens, 0, 0, {64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 fp8_tensor: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 plain: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 nvfp4: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 fp8_group128: written model
+            {kTokens, 0, 0, {0, 0, 64, 1024, kAllTokens, kAllTokens}},  // bf16 ws4 fp8_tensor: written model
         },
         {  // bf16 ws8
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 plain: written model
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 nvfp4: written model
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 fp8_group128: written model
-            {kTokens, 0, 0, {16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 fp8_tensor: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 plain: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 nvfp4: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 fp8_group128: written model
+            {kTokens, 0, 0, {0, 0, 16, 2048, kAllTokens, kAllTokens}},  // bf16 ws8 fp8_tensor: written model
         },
         {  // bf16 ws16
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 plain: written model
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 nvfp4: written model
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 fp8_group128: written model
-            {kTokens, 0, 0, {8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 fp8_tensor: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 plain: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 nvfp4: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 fp8_group128: written model
+            {kTokens, 0, 0, {0, 0, 8, 4096, kAllTokens, kAllTokens}},  // bf16 ws16 fp8_tensor: written model
         },
     },
 };

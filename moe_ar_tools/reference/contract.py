@@ -61,10 +61,12 @@ def reference(per_rank, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
       residual_out, norm_out: dtype tensors (the contract'total results)
       residual_out_f64: float64 sum of the rounded partials + residual_in, before rounding
       norm_out_f64: float64 RMSNorm of residual_out, before rounding
-      partials: list of per-rank partials rounded to dtype
+      partials: list of per-rank partials rounded to dtype (world size 1: the float64 partial)
       residual_lo, residual_hi: dtype bounds of what a float32-accumulating kernel
         may legally produce for residual_out (see residual_bracket)
     """
+    if len(per_rank) == 1:
+        return _reference_world_one(per_rank[0], eps, weight_bias, routed_scaling_factor, dtype)
     dtype = as_torch_dtype(dtype)
     device = per_rank[0]["allreduce_in"].device
     W = len(per_rank)
@@ -105,6 +107,27 @@ def reference(per_rank, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
         residual_lo=round_to_dtype(total_lo - sum_err, dtype),
         residual_hi=round_to_dtype(total_hi + sum_err, dtype),
     )
+
+
+def _reference_world_one(inputs, eps, weight_bias, routed_scaling_factor, dtype) -> dict:
+    """reference() at world size 1 (docs/operation.md, "World size 1"): nothing travels, so the
+    partial is not rounded; residual_out = D(partial + residual_in), rounded once. The kernel's float32
+    partial and its residual add take at most K + 5 roundings (one spare) of values within
+    m + |residual_in| (m as in RESIDUAL_BRACKET_DOC), which bounds residual_out's bracket."""
+    dtype = as_torch_dtype(dtype)
+    device = inputs["allreduce_in"].device
+    K = inputs["expanded_idx_to_permuted_idx"].shape[1]
+    res64 = inputs["residual_in"].to(device).to(torch.float64)
+    partial, magnitude = _partial_and_magnitude(
+        inputs["allreduce_in"], inputs["expanded_idx_to_permuted_idx"], inputs.get("expert_scale_factor"),
+        routed_scaling_factor, inputs.get("shared_expert_output"))
+    total = res64 + partial
+    err = (gamma(K + 5) + 2.0 ** -50) * (magnitude + res64.abs())
+    residual_out = round_to_dtype(total, dtype)
+    norm64 = rmsnorm_f64(residual_out, inputs["norm_weight"].to(device), eps, weight_bias)
+    return dict(residual_out=residual_out, norm_out=round_to_dtype(norm64, dtype), residual_out_f64=total,
+                norm_out_f64=norm64, partials=[partial], residual_lo=round_to_dtype(total - err, dtype),
+                residual_hi=round_to_dtype(total + err, dtype))
 
 
 RESIDUAL_BRACKET_DOC = """

@@ -1,0 +1,157 @@
+"""World size 1: the workspace of a call with nothing to exchange.
+
+    ws = dispatch.LocalWorkspace(max_tokens, hidden, dtype)            # on the current device
+    out = dispatch.moe_finalize_allreduce(ws, allreduce_in=..., ...)   # the call of every world size
+
+For tensor parallelism 1, attention data parallelism with wide expert parallelism (the all-to-all
+combine has summed the routed rows already) and one-GPU MoE models: the same tail (finalize,
+residual add, RMSNorm, quantized output) in one launch, with no process group. The local programs
+(kernels/local.cuh) keep each token's partial in fp32 up to the residual add and round once
+(docs/operation.md, "World size 1").
+
+Nothing is exchanged, so there are no buffers, no peers, no deadline and no poisoned workspace: the
+memory is the 8 device state words, of which the kernel uses the count of skipped out-of-range routes
+(check() reports them). dispatch.Workspace(group) with a group of one process builds the same memory
+(LocalMemory) without a rendezvous.
+"""
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import torch
+
+from . import registry, table_sets
+from .rank_memory import ERROR_WORDS, STATE_WORDS, _RankMemory
+from .workspace import _live_workspaces, _register, _WorkspaceBase
+from .workspace_arguments import _check_arguments
+from .workspace_sizes import check_sizes
+
+
+class LocalMemory:
+    """World size 1's device memory: the state words only. No buffers and no host-mapped error words
+    (nothing can time out: error stays zero). What the launcher and check() read of a workspace's
+    memory, as workspace._RankMemory has it."""
+
+    buffers = 0         # no rotating buffers
+    buffer_bytes = 0
+    error_host = 0      # the kernel's error pointer: null (the local programs never write it)
+
+    def __init__(self, device_index: int):
+        import cupy
+        from cupy.cuda import runtime
+        self.device_index = device_index
+        self.error = np.zeros(ERROR_WORDS, np.uint32)
+        self.state = 0
+        with cupy.cuda.Device(device_index):
+            self.state = runtime.malloc(STATE_WORDS * 4)
+        try:
+            self.reset()
+        except BaseException:
+            self.free(quiet=True)
+            raise
+
+    def reset(self) -> None:
+        """Zero the state words (the skipped-route count); the device is synchronized."""
+        import cupy
+        from cupy.cuda import runtime
+        with cupy.cuda.Device(self.device_index):
+            runtime.memset(self.state, 0, STATE_WORDS * 4)
+            runtime.deviceSynchronize()
+
+    read_state = _RankMemory.read_state  # synchronize, copy the state words to the host
+
+    def free(self, quiet: bool = False) -> None:
+        """Release the state words once the device's kernels have finished; an error is raised unless `quiet`."""
+        import cupy
+        from cupy.cuda import runtime
+        ptr, self.state = self.state, 0  # never freed twice, even if this free fails
+        if not ptr:
+            return
+        try:
+            with cupy.cuda.Device(self.device_index):
+                runtime.deviceSynchronize()
+                runtime.free(ptr)
+        except Exception:
+            if not quiet:
+                raise
+
+
+def device_index_of(device) -> int:
+    """The CUDA device index of `device`: None (the current device), an int, "cuda", "cuda:i" or a
+    torch.device. ValueError naming `device` for anything else or a GPU that is not visible."""
+    if isinstance(device, (str, torch.device)):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"device: {device!r} is not a device") from None
+        if dev.type != "cuda":
+            raise ValueError(f"device: {device!r} is not a CUDA device")
+        device = dev.index
+    elif device is not None and (isinstance(device, (bool, np.bool_)) or not isinstance(device, numbers.Integral)):
+        raise ValueError(f"device: {device!r} ({type(device).__name__}) is not a GPU index, a CUDA device or None")
+    count = torch.cuda.device_count()
+    if device is None:
+        if count == 0:
+            raise ValueError("device: None (the current device), but no CUDA device is visible")
+        return torch.cuda.current_device()
+    index = int(device)
+    if not 0 <= index < count:
+        raise ValueError(f"device: GPU {index} does not exist ({count} visible)")
+    return index
+
+
+class LocalWorkspace(_WorkspaceBase):
+    """The workspace of world size 1 (rank 0 of 1), on one GPU, with no process group.
+
+    Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
+    `dtype` (torch.float16 or torch.bfloat16), `device` (None: the current device; an index, "cuda:i"
+    or a torch.device), `vec_per_thread` (16-byte vectors of a row a thread, 1..4, for every call;
+    default None: per call, as for Workspace), `tables` and `boundaries` (the selection tables, as for
+    Workspace). A bad argument is a ValueError naming it, raised before anything is allocated. Allocates the 8 device state words, nothing else.
+
+    Calls as at any world size (dispatch.moe_finalize_allreduce, the torch ops through
+    dispatch.workspace_handle, the FlashInfer-style entry with world_rank 0 and world_size 1).
+    check() raises RuntimeError if routes with an index >= allreduce_in.shape[0] were skipped;
+    reset() zeroes that count; close() (or leaving a `with` block) releases the memory, after which a
+    call raises ValueError.
+    """
+
+    def __init__(self, max_tokens: int, hidden: int, dtype: torch.dtype, *, device=None,
+                 vec_per_thread: int | None = None, tables=None, boundaries: dict | None = None):
+        self._memory = None
+        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]  # no peers: all null
+        _check_arguments(1, max_tokens, hidden, dtype, 0, None, vec_per_thread)
+        table_sets.check_arguments(tables, boundaries)
+        check_sizes(1, int(max_tokens), int(hidden), 0)
+        device_index = device_index_of(device)
+        self._init_common(1, 0, max_tokens, hidden, dtype, device_index, 0, None, ranks_on_device=1,
+                          vec_per_thread=vec_per_thread, tables=tables, boundaries=boundaries)
+        self._memory = LocalMemory(device_index)
+        _register(self)
+
+    def reset(self) -> None:
+        """Zero the count of skipped routes (synchronizes the device)."""
+        self._ensure_open()
+        self._memory.reset()
+
+    def check(self) -> None:
+        self._ensure_open()
+        super().check()
+
+    def close(self) -> None:
+        """Release the state words (after this device's kernels have finished); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._launchers.clear()
+        self._plans.clear()
+        self._recent_plans.clear()
+        _live_workspaces.discard(self)
+        self._memory.free()
+
+    def __enter__(self) -> "LocalWorkspace":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,153 @@
+// World size 1 (the local regimes): nothing is exchanged, so nothing is rounded before the residual add.
+// Each token row is finalized in fp32 (the same loads and the same order of additions as an
+// exchanging rank's partial, finalize.cuh), residual_in is added in fp32, the sum is rounded once to
+// residual_out, then the row epilogue (norm.cuh: RMSNorm, quant) runs as in the other regimes.
+// No buffers, no peers, no sentinel, no deadline, no poisoned output and no call counter: the only
+// state word used is kBadRows, the count of skipped out-of-range routes (dispatch check() reads it).
+//
+// Two layouts, one program each (generator/spec.py): kLocal for few tokens issues every load of a
+// row before using any (latency); kLocalStreaming for many tokens runs more blocks a multiprocessor
+// under a register cap, with eight routes in flight and evict-first loads (bandwidth).
+#pragma once
+#include "call.cuh"
+#include "finalize.cuh"
+#include "fp8.cuh"
+#include "lamport.cuh"
+#include "norm.cuh"
+#include "nvfp4.cuh"
+#include "params.cuh"
+#include "vector.cuh"
+
+namespace moe_ar {
+
+// s = (+0.0 + partial) + residual, the residual-add of both layouts: the sum starts from +0.0, as the
+// exchanges' does (a zero sum is +0.0). Correctly rounded adds, never contracted or folded.
+__device__ __forceinline__ void add_residual_from_zero(float (&s)[8], const float (&residual)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s[i] = __fadd_rn(__fadd_rn(s[i], 0.f), residual[i]);
+}
+
+// The latency layout's row: every load of the thread's part of row t is issued before any is used
+// (the residual and shared rows, then the routes' indices and weights, then every route's row of each
+// of its kVec vectors): one memory latency after the indices, not one per batch of routes and vector.
+// The additions are partial_f32's, in its order. For top_k <= kMaxRoutes and vec_per_thread <= kVec.
+template <typename D, int kVec, int kMaxRoutes>
+__device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsigned& bad_rows,
+                                                    uint4 (&res)[kMaxVecPerThread]) {
+  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
+  const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
+  uint4 resid[kVec], shared_row[kVec], rows[kVec][kMaxRoutes];
+#pragma unroll
+  for (int r = 0; r < kVec; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    const bool valid = r < vpt && v < nvec;
+    resid[r] = valid ? *reinterpret_cast<const uint4*>(residual + v * kElemsPerVec) : make_uint4(0, 0, 0, 0);
+    shared_row[r] = valid && p.shared_in != nullptr ? *reinterpret_cast<const uint4*>(shared + v * kElemsPerVec)
+                                                    : make_uint4(0, 0, 0, 0);
+  }
+  int row[kMaxRoutes];  // >= 0: the route's row; -1: dropped; -2: out of range (skipped and counted)
+  float scale[kMaxRoutes];
+  const int* idx = p.expanded_idx + (long long)t * K;
+#pragma unroll
+  for (int k = 0; k < kMaxRoutes; ++k) {
+    const int given = k < K ? idx[k] : -1;
+    const bool in_range = given >= 0 && given < p.rows;
+    float s = 0.f;
+    if (in_range) {
+      if (p.scale_kind == 0) s = 1.f;
+      else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+      else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
+    }
+    scale[k] = s;
+    row[k] = in_range ? given : given >= p.rows ? -2 : -1;
+  }
+#pragma unroll
+  for (int r = 0; r < kVec; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    const bool valid = r < vpt && v < nvec;
+#pragma unroll
+    for (int k = 0; k < kMaxRoutes; ++k) {
+      rows[r][k] = valid && row[k] >= 0
+                       ? *reinterpret_cast<const uint4*>(static_cast<const D*>(p.allreduce_in) +
+                                                         (long long)row[k] * H + v * kElemsPerVec)
+                       : make_uint4(0, 0, 0, 0);
+      if (valid && row[k] == -2) ++bad_rows;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kVec; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    res[r] = make_uint4(0, 0, 0, 0);
+    if (r >= vpt || v >= nvec) continue;
+    float acc[8], x[8], s[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+#pragma unroll
+    for (int k = 0; k < kMaxRoutes; ++k) {
+      Vec<D>::to_float(rows[r][k], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = fmaf(scale[k], x[i], acc[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = acc[i] * p.routed_scaling_factor;
+    if (p.shared_in != nullptr) {
+      Vec<D>::to_float(shared_row[r], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] += x[i];
+    }
+    Vec<D>::to_float(resid[r], x);
+    add_residual_from_zero(s, x);
+    res[r] = Vec<D>::from_float(s);
+    reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
+  }
+}
+
+// Any row split and top_k: the vectors one after the other, kRoutes routes of a vector at a time
+// (partial_f32); kStreaming: evict-first loads (each expert row is read once).
+template <typename D, int kRoutes, bool kSharedFirst, bool kStreaming>
+__device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsigned& bad_rows,
+                                                    uint4 (&res)[kMaxVecPerThread]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    res[r] = make_uint4(0, 0, 0, 0);
+    if (r >= vpt || v >= nvec) continue;
+    float s[8], x[8];
+    partial_f32<D, /*kSharedPrefetch=*/false, kRoutes, kSharedFirst, kStreaming>(p, t, v, bad_rows, s);
+    // residual_in[t] is read before residual_out[t] is written (in place)
+    Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
+                                                     v * kElemsPerVec), x);
+    add_residual_from_zero(s, x);
+    res[r] = Vec<D>::from_float(s);
+    reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
+  }
+}
+
+// Blocks stride over token rows (a grid of at most the co-resident blocks); a row is spread over the
+// block's threads, vec_per_thread 16-byte vectors a thread, as in the exchanges' last phase.
+template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst>
+__device__ __forceinline__ void run_local(const Params& p) {
+  wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
+  // The next kernel's griddepcontrol.wait still waits for this whole grid to finish and its writes to
+  // be visible, and this grid is all resident at once (dispatch sizes it so): letting the next kernel
+  // launch now only lets its blocks take the multiprocessors' free room early.
+  allow_next_kernel();
+  const int T = p.tokens;
+  unsigned bad_rows = 0;
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's block_sum barriers
+  if (P == Profile::kNvfp4) zero_scale_padding(p);
+  if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
+  // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8.
+  const bool all_loads = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
+  for (int t = blockIdx.x; t < T; t += gridDim.x) {
+    uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
+    if (all_loads) local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
+    else local_row_by_vector<D, kRoutes, kSharedFirst, R == Regime::kLocalStreaming>(p, t, bad_rows, res);
+    norm_row<D, P>(p, t, res);
+  }
+  if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
+}
+
+}  // namespace moe_ar

@@ -1,0 +1,75 @@
+// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/family_table.h.j2.
+// To change it, edit the template or generator/ and run `gen-programs`.
+#pragma once
+
+// Kernel table of family local_streaming (protocol local, base family local):
+//   the local program for many tokens: more blocks a multiprocessor under a register cap, eight routes in flight, evict-first loads (large T)
+// Each entry is a program's kernel symbol; nullptr is a hole, and selection
+// runs the fallback family named in the entry's comment instead.
+// [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kLocalStreamingKernels[2][5][4] = {
+    {  // fp16
+        {  // fp16 ws1
+            "moe_ar_lcs_fp16_ws1_plain",  // fp16 ws1 plain
+            "moe_ar_lcs_fp16_ws1_nvfp4",  // fp16 ws1 nvfp4
+            "moe_ar_lcs_fp16_ws1_fp8_group128",  // fp16 ws1 fp8_group128
+            "moe_ar_lcs_fp16_ws1_fp8_tensor",  // fp16 ws1 fp8_tensor
+        },
+        {  // fp16 ws2
+            nullptr,  // fp16 ws2 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws2 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+        {  // fp16 ws4
+            nullptr,  // fp16 ws4 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws4 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+        {  // fp16 ws8
+            nullptr,  // fp16 ws8 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws8 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+        {  // fp16 ws16
+            nullptr,  // fp16 ws16 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws16 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+    },
+    {  // bf16
+        {  // bf16 ws1
+            "moe_ar_lcs_bf16_ws1_plain",  // bf16 ws1 plain
+            "moe_ar_lcs_bf16_ws1_nvfp4",  // bf16 ws1 nvfp4
+            "moe_ar_lcs_bf16_ws1_fp8_group128",  // bf16 ws1 fp8_group128
+            "moe_ar_lcs_bf16_ws1_fp8_tensor",  // bf16 ws1 fp8_tensor
+        },
+        {  // bf16 ws2
+            nullptr,  // bf16 ws2 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws2 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+        {  // bf16 ws4
+            nullptr,  // bf16 ws4 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws4 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+        {  // bf16 ws8
+            nullptr,  // bf16 ws8 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws8 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+        {  // bf16 ws16
+            nullptr,  // bf16 ws16 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws16 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+        },
+    },
+};
