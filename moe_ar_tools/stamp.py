@@ -48,8 +48,8 @@ def _driver_version(nvml) -> str:
 def software() -> dict:
     """CUDA and torch of torch's build, NVRTC, the program set's sha256 and the commit."""
     import torch
-    from dispatch import cuda_env
-    from dispatch.workspace import program_set_sha256
+    from moe_ar_common import cuda_env
+    from dispatch.rendezvous import program_set_sha256
     from moe_ar_tools.provenance import git_commit
     try:
         nvrtc = ".".join(map(str, cuda_env.load_nvrtc()[1]))

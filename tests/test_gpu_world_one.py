@@ -149,7 +149,7 @@ def test_every_local_program_matches_the_reference(program, workspaces, seed_for
     quant = PROFILE_QUANT[s.profile]
     hiddens = HIDDENS + (() if quant == "fp8_group128" else (ODD_COLUMN_HIDDEN,))
     rnd = random.Random(seed_for("plan"))
-    with recording(record_result, program=program) as info:
+    with recording(record_result, cases=0, program=program) as info:
         i = 0
         for H in hiddens:
             ws = workspaces.get(MAX_TOKENS, H, dtype)
@@ -366,7 +366,7 @@ def test_cuda_graph_replays_with_new_values(pdl, workspaces, seed_for, record_re
     with torch.cuda.graph(graph):
         outs = [dispatch.moe_finalize_allreduce(ws, **call["kwargs"]) for call in slots]
     torch.cuda.synchronize()
-    with recording(record_result, program=f"local graph pdl={pdl}") as info:
+    with recording(record_result, cases=0, program=f"local graph pdl={pdl}") as info:
         for rep in range(24):
             for j, call in enumerate(slots):
                 _refresh(call["case"], seed_for(f"replay{rep}.{j}"))
@@ -475,7 +475,7 @@ def test_compiled_op_in_cuda_graph(backend, quant, workspaces, seed_for, record_
                           label=f"world size 1 {backend} {label}")
 
     with inductor_config.patch({"triton.autotune_pointwise": False}), \
-            recording(record_result, program=f"local compiled {backend} quant={quant}") as info:
+            recording(record_result, cases=0, program=f"local compiled {backend} quant={quant}") as info:
         for i, slot in enumerate(slots):
             case, gs = fresh(slot, seed_for(f"warm{i}"))
             slot.update(case=case, gs_t=torch.tensor([gs if quant else 1.0], dtype=torch.float32, device=DEVICE))
