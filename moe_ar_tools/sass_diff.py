@@ -316,7 +316,8 @@ def run_builds(builds: list[Build], tools: Tools, cache: pathlib.Path | None, to
         hit = cached(same[0], cache, toolchain)
         if hit is None:
             todo.append(same)
-        for build in same if hit is not None else ():
+            continue
+        for build in same:
             results[(build.tree, build.program, build.arch)] = dict(hit, cached=True)
     click.echo(f"sass_diff: {len(builds)} (program, arch) builds, {len(by_key)} distinct: "
                f"{len(by_key) - len(todo)} cached, {len(todo)} to compile with {jobs} jobs", err=True)
@@ -446,7 +447,6 @@ def compare_all(pairs: list[tuple[dict, dict]], archs: list[str], results: dict)
                 row["status"] = comparison.status
                 if comparison.diff:
                     row["diff"] = list(comparison.diff)
-                row["cubin_sha256"] = {"old": a["cubin_sha256"], "new": b["cubin_sha256"]}
             rows.append(row)
     return rows
 
@@ -463,10 +463,12 @@ def summary_lines(report: dict) -> list[str]:
         if row["status"] in (DIFFERENT, FAILED):
             lines += ["", f"==== {row['new']} {row['arch']}: {row['status']}", *row.get("diff", []),
                       *row.get("error", "").splitlines()]
+    lines.append("")
     for which in ("only_old", "only_new"):
         for entry in report[which]:
             lines.append(f"cell only in the {which[5:]} tree: {entry['cell']} ({entry['name']})")
-    lines.append("")
+    if not report["only_old"] and not report["only_new"]:
+        lines.append("every cell selected in one tree has a program in the other")
     for arch, by_status in report["counts"].items():
         n = sum(by_status.values())
         lines.append(f"{arch}: {n} paired programs: " + ", ".join(f"{v} {k}" for k, v in by_status.items()))

@@ -131,13 +131,13 @@ def test_rows_counts_and_verdict():
     pairs = [(_entry(OLD), _entry(NEW)), (_entry("moe_ar_os_bf16_ws2_fp8_tensor", profile="fp8_tensor"),
                                           _entry("moe_ar_os_bf16_ws2_fp8_tensor", profile="fp8_tensor"))]
     fp8 = "moe_ar_os_bf16_ws2_fp8_tensor"
-    results = {("old", OLD, "sm_90a"): {"sass": _sass(OLD), "cubin_sha256": "a"},
-               ("new", NEW, "sm_90a"): {"sass": _sass(NEW), "cubin_sha256": "b"},
-               ("old", fp8, "sm_90a"): {"sass": _sass(fp8), "cubin_sha256": "c"},
-               ("new", fp8, "sm_90a"): {"sass": _sass(fp8), "cubin_sha256": "c"},
-               ("old", OLD, "sm_100a"): {"sass": _sass(OLD), "cubin_sha256": "d"},
-               ("new", NEW, "sm_100a"): {"sass": _sass(NEW, fmad="FMUL R5, R0, R2"), "cubin_sha256": "e"},
-               ("old", fp8, "sm_100a"): {"sass": _sass(fp8), "cubin_sha256": "f"},
+    results = {("old", OLD, "sm_90a"): {"sass": _sass(OLD)},
+               ("new", NEW, "sm_90a"): {"sass": _sass(NEW)},
+               ("old", fp8, "sm_90a"): {"sass": _sass(fp8)},
+               ("new", fp8, "sm_90a"): {"sass": _sass(fp8)},
+               ("old", OLD, "sm_100a"): {"sass": _sass(OLD)},
+               ("new", NEW, "sm_100a"): {"sass": _sass(NEW, fmad="FMUL R5, R0, R2")},
+               ("old", fp8, "sm_100a"): {"sass": _sass(fp8)},
                ("new", fp8, "sm_100a"): {"error": "NVRTC error:\nboom"}}
     rows = sd.compare_all(pairs, ["sm_90a", "sm_100a"], results)
     assert [(r["new"], r["arch"], r["status"]) for r in rows] == [
@@ -153,7 +153,8 @@ def test_rows_counts_and_verdict():
     text = "\n".join(sd.summary_lines(report))
     assert f"==== {NEW} sm_100a: DIFFERENT" in text and "-/*0010*/ FFMA R5, R0, R2, R3" in text
     assert f"==== {fp8} sm_100a: FAILED" in text and "boom" in text
-    assert "cell only in the new tree: x (y)" in text
+    assert "cell only in the new tree: x (y)" in text and "every cell" not in text
+    assert "every cell selected in one tree has a program in the other" in sd.summary_lines(dict(report, only_new=[]))
     assert text.endswith("2 of 4 (program, arch) the same SASS (1 identical, 1 identical but the symbol name); "
                          "2 differ or failed; archs sm_90a, sm_100a")
 
@@ -237,7 +238,7 @@ def test_a_trees_generator_loads_under_its_own_name_and_builds_its_sources():
 @pytest.mark.compile
 def test_real_sass_of_a_renamed_program_is_identical_but_the_name(tmp_path):
     """One program for sm_90a, NVRTC as the runtime calls it: renamed -> identical but the name;
-    the same source with --fmad=false -> DIFFERENT; a second run reads everything from the cache."""
+    the same source with -ftz=true -> DIFFERENT; a second run reads everything from the cache."""
     tools = sd.find_tools()
     tree = sd.working_tree()
     sd.load_generator(tree, "_sass_diff_compile_generator")
@@ -248,14 +249,14 @@ def test_real_sass_of_a_renamed_program_is_identical_but_the_name(tmp_path):
     renamed = entry["name"] + "_renamed"
     assert build.source.count(entry["name"]) >= 1
     builds = [build, sd.Build("new", renamed, "sm_90a", build.source.replace(entry["name"], renamed), build.options),
-              sd.Build("new", "nofma", "sm_90a", build.source,
-                       tuple(o.replace("--fmad=true", "--fmad=false") for o in build.options))]
+              sd.Build("new", "ftz", "sm_90a", build.source,
+                       tuple(o.replace("-ftz=false", "-ftz=true") for o in build.options))]
     assert builds[2].options != build.options
     results = sd.run_builds(builds, tools, tmp_path, "toolchain", jobs=2)
-    old, new, nofma = (results[(b.tree, b.program, "sm_90a")] for b in builds)
-    assert "error" not in old and "error" not in new and "error" not in nofma
+    old, new, ftz = (results[(b.tree, b.program, "sm_90a")] for b in builds)
+    assert "error" not in old and "error" not in new and "error" not in ftz
     assert f"Function : {entry['symbol']}" in old["sass"] and f"Function : {renamed}" in new["sass"]
     assert sd.compare(old["sass"], entry["symbol"], new["sass"], renamed).status == sd.SAME_BUT_NAME
-    assert sd.compare(old["sass"], entry["symbol"], nofma["sass"], entry["symbol"]).status == sd.DIFFERENT
+    assert sd.compare(old["sass"], entry["symbol"], ftz["sass"], entry["symbol"]).status == sd.DIFFERENT
     again = sd.run_builds(builds, tools, tmp_path, "toolchain", jobs=2)
     assert all(r.get("cached") for r in again.values()) and again[("old", entry["name"], "sm_90a")]["sass"] == old["sass"]
