@@ -11,7 +11,8 @@ disassembles them, and the two programs of a cell (family, dtype, world size, pr
 manifests) are compared after normalization (each program's own symbol -> a placeholder, blank and
 fat-binary banner lines dropped, runs of blanks made one). Per (program, arch): identical /
 identical but the name / DIFFERENT (with the first differing lines) / FAILED, plus the cells only
-one tree has. Exit 1 when a paired program differs or fails to compile or disassemble.
+one tree has. Exit 1 when a paired program differs or fails to compile or disassemble, 2 when the
+trees cannot be compared (a missing tool, a bad revision, a stale manifest).
 
 cuobjdump and the nvdisasm it runs come with the `test` extra (nvidia-cuda-cuobjdump,
 nvidia-cuda-nvdisasm), or from a CUDA toolkit ($CUDA_HOME/bin, PATH). SASS is cached per
@@ -40,7 +41,7 @@ import time
 
 import click
 
-from generator.cli import _filters, _select
+from generator.cli import _filters, _none_selected, _select
 from generator.spec import ARCH_TARGETS
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -53,6 +54,11 @@ DIFF_LINES = 24  # differing lines shown per DIFFERENT (program, arch)
 DEFAULT_CACHE = pathlib.Path(tempfile.gettempdir()) / "moe_ar_sass_cache"
 TOOLS_HINT = ("install the test extra (pip install -e '.[test]': nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm), "
               "or put a CUDA toolkit's bin/ on PATH")
+
+
+class CannotCompare(click.ClickException):
+    """The comparison could not be made (exit 2; exit 1 means a paired program differs)."""
+    exit_code = 2
 
 
 # ---- normalization and comparison (pure; tests/test_sass_diff_cpu.py) ---------------------------
@@ -222,11 +228,11 @@ class Tools:
 
 
 def find_tools() -> Tools:
-    """cuobjdump and nvdisasm (cuobjdump -sass runs it); click.ClickException naming the extra."""
+    """cuobjdump and nvdisasm (cuobjdump -sass runs it); CannotCompare naming the extra."""
     cuobjdump, nvdisasm = find_tool("cuobjdump"), find_tool("nvdisasm")
     missing = [n for n, p in (("cuobjdump", cuobjdump), ("nvdisasm", nvdisasm)) if p is None]
     if missing:
-        raise click.ClickException(f"{' and '.join(missing)} not found; {TOOLS_HINT}")
+        raise CannotCompare(f"{' and '.join(missing)} not found; {TOOLS_HINT}")
     return Tools(str(cuobjdump), str(nvdisasm))
 
 
@@ -360,17 +366,17 @@ def git(*args: str) -> str:
 
 
 def export(rev: str, dest: pathlib.Path) -> Tree:
-    """`git archive REV | tar -x -C dest`; click.ClickException for a name that is not a revision."""
+    """`git archive REV | tar -x -C dest`; CannotCompare for a name that is not a revision."""
     try:
         commit = git("rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
     except subprocess.CalledProcessError:
-        raise click.ClickException(f"{rev!r} is not a git revision of {ROOT}") from None
+        raise CannotCompare(f"{rev!r} is not a git revision of {ROOT}") from None
     dest.mkdir(parents=True)
     archive = subprocess.Popen(["git", "archive", commit], cwd=ROOT, stdout=subprocess.PIPE)
     extract = subprocess.run(["tar", "-x", "-C", str(dest)], stdin=archive.stdout)
     archive.stdout.close()
     if archive.wait() != 0 or extract.returncode != 0:
-        raise click.ClickException(f"git archive {rev} | tar -x failed")
+        raise CannotCompare(f"git archive {rev} | tar -x failed")
     return Tree(rev, f"{rev} = {commit}", dest)
 
 
@@ -410,7 +416,7 @@ def manifest_of(tree: Tree) -> dict:
     try:
         return verify.load_verified_manifest(tree.root / "generated")
     except verify.ManifestError as e:
-        raise click.ClickException(f"{tree.label}: {e}") from None
+        raise CannotCompare(f"{tree.label}: {e}") from None
 
 
 def nvrtc_version() -> str:
@@ -419,7 +425,7 @@ def nvrtc_version() -> str:
     try:
         _nvrtc, version = cuda_env.load_nvrtc()
     except cuda_env.MissingToolchain as e:
-        raise click.ClickException(str(e)) from None
+        raise CannotCompare(str(e)) from None
     packages = []
     for name in ("nvidia-cuda-nvrtc", "nvidia-cuda-nvrtc-cu12"):
         try:
@@ -508,8 +514,10 @@ def main(old_rev, new_rev, families, dtypes, world_sizes, profiles, archs, jobs,
         manifests = {which: manifest_of(tree) for which, tree in (("old", old), ("new", new))}
         selected = {which: _select(m, families, dtypes, world_sizes, profiles) for which, m in manifests.items()}
         pairs, only_old, only_new = pair(selected["old"], selected["new"])
+        if not selected["new"]:
+            raise CannotCompare(_none_selected(manifests["new"], families, dtypes, world_sizes, profiles))
         if not pairs:
-            raise click.ClickException("no program of one tree has a cell in the other (or none matches the filters)")
+            raise CannotCompare("no program of the new tree has a cell in the old one")
         archs = list(archs) or list(manifests["new"]["targets"])
         builds = [*builds_of(old, "old", [o for o, _ in pairs], archs), *builds_of(new, "new", [n for _, n in pairs], archs)]
     toolchain = f"{nvrtc}; {tool_versions}"

@@ -260,3 +260,12 @@ def test_real_sass_of_a_renamed_program_is_identical_but_the_name(tmp_path):
     assert sd.compare(old["sass"], entry["symbol"], ftz["sass"], entry["symbol"]).status == sd.DIFFERENT
     again = sd.run_builds(builds, tools, tmp_path, "toolchain", jobs=2)
     assert all(r.get("cached") for r in again.values()) and again[("old", entry["name"], "sm_90a")]["sass"] == old["sass"]
+
+
+def test_what_cannot_be_compared_exits_2_naming_it():
+    from click.testing import CliRunner
+
+    result = CliRunner().invoke(sd.main, ["no-such-revision"])
+    assert result.exit_code == 2 and "'no-such-revision' is not a git revision" in result.output, result.output
+    result = CliRunner().invoke(sd.main, ["HEAD", "--family", "twoshot_pipelined", "--world-size", "4"])
+    assert result.exit_code == 2 and "twoshot_pipelined has no program at world size 4" in result.output, result.output
