@@ -358,7 +358,18 @@ class Tree:
     generator: object = None  # the tree's own generator package, loaded under its own name
 
     def module(self, name: str):
-        return importlib.import_module(f"{self.generator.__name__}.{name}")
+        try:
+            return importlib.import_module(f"{self.generator.__name__}.{name}")
+        except ModuleNotFoundError:
+            # a tree whose manifest reader and CUDA environment live in moe_ar_common/
+            shared = {"verify": "manifest_reader", "cuda_env": "cuda_env"}[name]
+            alias = f"{self.generator.__name__}_common_{shared}"
+            if alias not in sys.modules:
+                spec = importlib.util.spec_from_file_location(alias, self.root / "moe_ar_common" / f"{shared}.py")
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[alias] = module
+                spec.loader.exec_module(module)
+            return sys.modules[alias]
 
 
 def git(*args: str) -> str:
@@ -420,7 +431,7 @@ def manifest_of(tree: Tree) -> dict:
 
 
 def nvrtc_version() -> str:
-    from generator import cuda_env
+    from moe_ar_common import cuda_env
 
     try:
         _nvrtc, version = cuda_env.load_nvrtc()

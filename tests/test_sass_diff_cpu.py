@@ -220,17 +220,20 @@ def test_complete_cubin_refuses_what_it_cannot_repair():
 # ---- the trees -------------------------------------------------------------------------------------
 
 def test_a_trees_generator_loads_under_its_own_name_and_builds_its_sources():
-    from generator import verify
+    """A tree's generator loads under its own name; this tree's manifest reader and CUDA environment
+    live in moe_ar_common/, which the tree's module() loads from the tree, under a name of its own."""
+    from moe_ar_common import manifest_reader
 
     tree = sd.working_tree()
     sd.load_generator(tree, "_sass_diff_test_generator")
     own = tree.module("verify")
-    assert own is not verify and own.__name__ == "_sass_diff_test_generator.verify"
-    assert pathlib.Path(own.__file__).resolve() == ROOT / "generator" / "verify.py"
-    assert tree.module("nvrtc_build").verify is own  # its modules import one another within the tree
+    assert own is not manifest_reader and own.__name__ == "_sass_diff_test_generator_common_manifest_reader"
+    assert pathlib.Path(own.__file__).resolve() == ROOT / "moe_ar_common" / "manifest_reader.py"
+    assert tree.module("nvrtc_build").__name__ == "_sass_diff_test_generator.nvrtc_build"
     manifest = sd.manifest_of(tree)
     name = manifest["programs"][0]["name"]
-    assert own.source_for(manifest, ROOT / "generated", name) == verify.source_for(manifest, ROOT / "generated", name)
+    assert own.source_for(manifest, ROOT / "generated", name) == \
+        manifest_reader.source_for(manifest, ROOT / "generated", name)
 
 
 # ---- one real compile ----------------------------------------------------------------------------
