@@ -104,7 +104,7 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
 }
 
 // Any row split and top_k: the vectors one after the other, kRoutes routes of a vector at a time
-// (partial_f32); kStreaming: evict-first loads (each expert row is read once).
+// (finalize.cuh's partial_f32); kStreaming: evict-first loads (each expert row is read once).
 template <typename D, int kRoutes, bool kSharedFirst, bool kStreaming>
 __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsigned& bad_rows,
                                                     uint4 (&res)[kMaxVecPerThread]) {
@@ -115,7 +115,9 @@ __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsi
     res[r] = make_uint4(0, 0, 0, 0);
     if (r >= vpt || v >= nvec) continue;
     float s[8], x[8];
-    partial_f32<D, /*kSharedPrefetch=*/false, kRoutes, kSharedFirst, kStreaming>(p, t, v, bad_rows, s);
+    const PartialF32 part = partial_f32<D, kRoutes, kSharedFirst, kStreaming>(p, t, v, bad_rows);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = part.x[i];
     // residual_in[t] is read before residual_out[t] is written (in place)
     Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
                                                      v * kElemsPerVec), x);

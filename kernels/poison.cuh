@@ -15,7 +15,7 @@ namespace moe_ar {
 // The poisoned output of row t (after a timeout): NaN in norm_out and residual_out, 0x7F in every byte
 // of quant_out (for FP8 an E4M3 NaN) and in every NVFP4 scale byte of the row (an E4M3 NaN scale), NaN
 // FP8-group scales. Scale padding stays 0.
-inline constexpr unsigned kPoisonQuantWord = 0x7F7F7F7Fu;  // inline: unused by the local programs (no poison)
+[[maybe_unused]] constexpr unsigned kPoisonQuantWord = 0x7F7F7F7Fu;  // unused by the local programs (no poison)
 template <Profile P>
 __device__ __forceinline__ void poison_row(void* norm_out, void* residual_out, void* quant_out, void* scale_out, int t,
                                            int T, int H, int quant_flags) {

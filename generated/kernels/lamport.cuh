@@ -10,9 +10,9 @@
 
 namespace moe_ar {
 
-// inline: the local programs (world size 1) have no sentinel, and an unused constant is a warning
-inline constexpr unsigned kSentinelWord = 0x80008000u;  // two -0.0 halves
-constexpr unsigned kNanWord = 0x7fff7fffu;              // two NaN halves (fp16 and bf16 alike)
+// maybe_unused: the local programs (world size 1) have no sentinel (unused, it is a compiler warning)
+[[maybe_unused]] constexpr unsigned kSentinelWord = 0x80008000u;  // two -0.0 halves
+constexpr unsigned kNanWord = 0x7fff7fffu;                        // two NaN halves (fp16 and bf16 alike)
 
 // Whether any of the vector's 8 elements is still the sentinel (not arrived).
 __device__ __forceinline__ bool has_sentinel(uint4 v) {

@@ -2,8 +2,8 @@
 //
 // Every program (generated/programs/) includes this file and instantiates moe_ar::run (run.cuh) for
 // one (dtype, world size, output profile, regime, shared-expert prefetch). World size 1 exchanges
-// nothing: its one regime, local (local.cuh), uses none of the exchange below. The loader compiles a
-// program with its includes inlined, each header once, in this order (generator/verify.py).
+// nothing: its two regimes (local.cuh) use none of the exchange below. The loader compiles a
+// program with its includes inlined, each header once, in this order (moe_ar_common/manifest_reader.py).
 //
 // Exchange: Lamport (lamport.cuh). Every rank owns three rotating buffers in its own memory; peers
 // store their payload straight into them over NVLink and the owner polls until it has arrived.
