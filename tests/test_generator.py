@@ -163,13 +163,13 @@ def test_every_set_covers_every_cell():
     for table_set in (h200, model):
         for (dtype, world_size, profile), cell in table_set.boundaries.items():
             if world_size == spec.LOCAL_WORLD_SIZE:
-                assert cell.max_tokens == (tuning.ALL_TOKENS,) * len(spec.BOUNDARY_FIELDS)
+                assert cell.by_field()["streaming_max_tokens"] == tuning.ALL_TOKENS
             else:
                 assert cell.by_field()["local_max_tokens"] == 0, (table_set.name, dtype, world_size, profile)
 
 
 def test_boundaries_follow_the_ladder():
-    cell = tuning.Boundaries((0, 4, 8, 16, 32), "test")
+    cell = tuning.Boundaries((0, 0, 4, 8, 16, 32), "test")
     expected = {1: "oneshot", 4: "oneshot", 5: "twoshot_early", 8: "twoshot_early", 9: "twoshot", 16: "twoshot",
                 17: "twoshot_pipelined_loads", 32: "twoshot_pipelined_loads", 33: "twoshot_pipelined"}
     assert {tokens: cell.family(tokens) for tokens in expected} == expected
@@ -178,7 +178,9 @@ def test_boundaries_follow_the_ladder():
     with pytest.raises(ValueError, match="limits"):
         tuning.Boundaries((4, 8, 6, 32), "test")
     world_one = tuning.Boundaries(tuning.MODEL_WORLD_ONE, "test")
-    assert {world_one.family(tokens) for tokens in (1, 2, 300, 2**20, tuning.ALL_TOKENS)} == {"local"}
+    assert {world_one.family(tokens) for tokens in (1, 2, tuning.MODEL_LOCAL_MAX_TOKENS)} == {"local"}
+    assert {world_one.family(tokens) for tokens in (tuning.MODEL_LOCAL_MAX_TOKENS + 1, 2**20, tuning.ALL_TOKENS)} == \
+        {"local_streaming"}
 
 
 # ---- rendering ----------------------------------------------------------------------
@@ -264,17 +266,18 @@ def test_manifest_contents(rendered, manifest):
     assert [p["name"] for p in manifest["axes"]["output_profiles"]] == list(spec.OUTPUT_PROFILES)
     assert {p["name"]: p["quant"] for p in manifest["axes"]["output_profiles"]} == dict(spec.PROFILE_QUANT)
     assert manifest["selection"]["ladder"] == [
-        ["local", "local_max_tokens"], ["oneshot", "oneshot_max_tokens"], ["twoshot_early", "early_max_tokens"],
+        ["local", "local_max_tokens"], ["local_streaming", "streaming_max_tokens"], ["oneshot", "oneshot_max_tokens"], ["twoshot_early", "early_max_tokens"],
         ["twoshot", "twoshot_max_tokens"], ["twoshot_pipelined_loads", "loads_max_tokens"], ["twoshot_pipelined", None]]
     assert manifest["selection"]["all_tokens"] == tuning.ALL_TOKENS
-    assert manifest["selection"]["rule"].startswith("T <= local_max_tokens: local; T <= oneshot_max_tokens: oneshot; "
+    assert manifest["selection"]["rule"].startswith("T <= local_max_tokens: local; T <= streaming_max_tokens: "
+                                                    "local_streaming; T <= oneshot_max_tokens: oneshot; "
                                                     "T <= early_max_tokens: twoshot_early; T <= twoshot_max_tokens: "
                                                     "twoshot; ")
     # world size 1: the local programs only, every profile and dtype, and no local program elsewhere
     world_one = {(p["dtype"], p["profile"]) for p in manifest["programs"] if p["world_size"] == 1}
     assert world_one == set(itertools.product(spec.DTYPES, spec.OUTPUT_PROFILES))
-    assert {p["family"] for p in manifest["programs"] if p["world_size"] == 1} == {"local"}
-    assert all(p["world_size"] == 1 for p in manifest["programs"] if p["family"] == "local")
+    assert {p["family"] for p in manifest["programs"] if p["world_size"] == 1} == {"local", "local_streaming"}
+    assert all(p["world_size"] == 1 for p in manifest["programs"] if p["family"].startswith("local"))
     assert {p["protocol_class"] for p in manifest["programs"] if p["world_size"] == 1} == {
         f"local_{dtype}_ws1" for dtype in spec.DTYPES}
 
@@ -311,7 +314,8 @@ def test_register_bound_follows_the_cap(rendered, manifest):
             continue
         assert "row_stages" not in text
         if loads is None:
-            assert p["family"] not in ("local", "oneshot", "twoshot_pipelined", "twoshot_pipelined_loads")
+            assert p["family"] not in ("local", "local_streaming", "oneshot", "twoshot_pipelined",
+                                       "twoshot_pipelined_loads")
             assert "routes_in_flight" not in text and "shared_row_first" not in text
             continue
         passing += 1
@@ -319,11 +323,13 @@ def test_register_bound_follows_the_cap(rendered, manifest):
             assert loads == spec.PROFILE_BY_NAME[p["profile"]].pipelined_loads and p["register_cap"] == 72
         elif p["family"] == "local":
             assert loads == spec.LOCAL_LOADS and p["register_cap"] is None and p["world_size"] == 1
+        elif p["family"] == "local_streaming":
+            assert loads == spec.LOCAL_STREAMING_LOADS and p["register_cap"] == 72 and p["world_size"] == 1
         else:
             assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"
                 in text)
-    assert passing + ringed == sum(p["family"] in ("local", "oneshot", "twoshot_pipelined",
+    assert passing + ringed == sum(p["family"] in ("local", "local_streaming", "oneshot", "twoshot_pipelined",
                                                    "twoshot_pipelined_loads") for p in manifest["programs"])
     assert passing > 0 and ringed > 0
     too_many = spec.ProgramSpec("twoshot", "bf16", 2, "plain")
@@ -857,10 +863,10 @@ def test_tables_marks_holes_and_fallbacks():
     assert "  for product 'NVIDIA H200', compute capability 9.0, interconnect nvlink" in r.stdout
     assert f"  measured in {table_sets.COMMITTED_SETS[0].files[0]}" in r.stdout
     assert "set model (tables/selection_model.h): the written model" in r.stdout
-    assert re.search(r"bf16 ws8 +0 / 16 / 2048 / all / all \(model\)", r.stdout), r.stdout
+    assert re.search(r"bf16 ws8 +0 / 0 / 16 / 2048 / all / all \(model\)", r.stdout), r.stdout
     assert "hole[2]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
     # measured, in bytes per rank: no model mark
-    assert re.search(r"bf16 ws2 +0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
+    assert re.search(r"bf16 ws2 +0 / 0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
 
     # world size 1: local for every T; every other family a hole there that falls back to local, and
     # local a hole (never selected, no arrow) elsewhere
@@ -868,7 +874,7 @@ def test_tables_marks_holes_and_fallbacks():
     assert re.search(r"bf16 ws2 +-- hole\[1\] +-- hole\[1\] ", r.stdout), r.stdout
     assert "hole[1]: nothing to exchange: `local` runs every T" in r.stdout
     assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout
-    assert re.search(r"bf16 ws1 +all / all / all / all / all \(model\)", r.stdout), r.stdout
+    assert re.search(r"bf16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
 
 
 def test_selection_map_draws_the_tables():
