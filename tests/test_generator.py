@@ -148,7 +148,7 @@ def test_every_set_covers_every_cell():
     assert model.match is None and all(b == tuning.model(w) for (_, w, _), b in model.boundaries.items())
     # World size 8 has no machine here: the written model, and the table says so.
     assert h200.boundaries[("bf16", 8, "nvfp4")] == tuning.Boundaries(
-        (0, tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS,
+        (0, 0, tuning.MODEL_ONESHOT_MAX_TOKENS[8], tuning.MODEL_EARLY_MAX_TOKENS[8], tuning.ALL_TOKENS,
          tuning.ALL_TOKENS),
         tuning.MODEL_SOURCE)
     # World size 2 was measured (bench_results/), in bytes per rank, and fp16 borrows the bf16 measurement.
@@ -157,7 +157,7 @@ def test_every_set_covers_every_cell():
     assert measured.key == "bytes_per_rank" and measured.measured == (1 * 4096 * 2, 16384 * 7168 * 2)
     assert h200.boundaries[("fp16", 2, "plain")].source.startswith("measured (bf16 data) in ")
     assert h200.boundaries[("bf16", 8, "nvfp4")].by_field() == {
-        "local_max_tokens": 0, "oneshot_max_tokens": 16, "early_max_tokens": 2048,
+        "local_max_tokens": 0, "streaming_max_tokens": 0, "oneshot_max_tokens": 16, "early_max_tokens": 2048,
         "twoshot_max_tokens": tuning.ALL_TOKENS, "loads_max_tokens": tuning.ALL_TOKENS}
     # World size 1: local for every T (the written model), and no T for local anywhere else.
     for table_set in (h200, model):
