@@ -22,59 +22,10 @@ import numpy as np
 import torch
 
 from . import registry, table_sets
-from .rank_memory import ERROR_WORDS, STATE_WORDS, _RankMemory
+from .rank_memory import LocalMemory
 from .workspace import _live_workspaces, _register, _WorkspaceBase
 from .workspace_arguments import _check_arguments
 from .workspace_sizes import check_sizes
-
-
-class LocalMemory:
-    """World size 1's device memory: the state words only. No buffers and no host-mapped error words
-    (nothing can time out: error stays zero). What the launcher and check() read of a workspace's
-    memory, as workspace._RankMemory has it."""
-
-    buffers = 0         # no rotating buffers
-    buffer_bytes = 0
-    error_host = 0      # the kernel's error pointer: null (the local programs never write it)
-
-    def __init__(self, device_index: int):
-        import cupy
-        from cupy.cuda import runtime
-        self.device_index = device_index
-        self.error = np.zeros(ERROR_WORDS, np.uint32)
-        self.state = 0
-        with cupy.cuda.Device(device_index):
-            self.state = runtime.malloc(STATE_WORDS * 4)
-        try:
-            self.reset()
-        except BaseException:
-            self.free(quiet=True)
-            raise
-
-    def reset(self) -> None:
-        """Zero the state words (the skipped-route count); the device is synchronized."""
-        import cupy
-        from cupy.cuda import runtime
-        with cupy.cuda.Device(self.device_index):
-            runtime.memset(self.state, 0, STATE_WORDS * 4)
-            runtime.deviceSynchronize()
-
-    read_state = _RankMemory.read_state  # synchronize, copy the state words to the host
-
-    def free(self, quiet: bool = False) -> None:
-        """Release the state words once the device's kernels have finished; an error is raised unless `quiet`."""
-        import cupy
-        from cupy.cuda import runtime
-        ptr, self.state = self.state, 0  # never freed twice, even if this free fails
-        if not ptr:
-            return
-        try:
-            with cupy.cuda.Device(self.device_index):
-                runtime.deviceSynchronize()
-                runtime.free(ptr)
-        except Exception:
-            if not quiet:
-                raise
 
 
 def device_index_of(device) -> int:

@@ -137,6 +137,7 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
     the one-shot range.
     """
     generated = program_set()
+    tokens = max(tokens, 1)  # 0 tokens launch nothing; name what 1 token runs (no rung serves T = 0 alone)
     for regime, max_tokens_field in generated.ladder:
         if max_tokens_field is None:
             break

@@ -454,7 +454,7 @@ def resolve(*, dtype: str, world_size: int, hidden: int, elem_bytes: int, device
 
 
 def _program_set_sha256() -> str:
-    from .workspace import program_set_sha256
+    from .rendezvous import program_set_sha256
     return program_set_sha256()
 
 

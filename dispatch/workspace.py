@@ -23,7 +23,7 @@ import torch
 
 from . import registry, table_sets
 from .backend_facts import nvlink_domain, symm_mem_unavailable
-from .rank_memory import STATE_BAD_ROWS, _RankMemory, _SymmMemBuffers
+from .rank_memory import STATE_BAD_ROWS, LocalMemory, _RankMemory, _SymmMemBuffers
 from .rendezvous import (RankDescriptor, _attempt, _gather_status, _gpu_identity, _Ok, _raise_failures,
                          choose_backend, exchange_status, host_identity, program_set_sha256, rendezvous)
 from .workspace_arguments import DTYPES, _check_arguments, _check_backend, _timeout_ns
@@ -176,7 +176,6 @@ class Workspace(_WorkspaceBase):
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.backend = self.backend_reason = None
         if world_size == 1:  # nothing to exchange: LocalWorkspace's memory, no buffers, no rendezvous
-            from .local import LocalMemory
             _check_backend(backend)
             table_sets.check_arguments(tables, boundaries)
             self._init_common(1, 0, max_tokens, hidden, dtype, torch.cuda.current_device(), timeout_s,

@@ -215,7 +215,10 @@ def key_comparison(root: pathlib.Path, rel: str) -> str:
         prior = tuning.model(world_size).limits
         for key in fit.KEYS:
             result = fit.fit_cell(points, prior, key=key, elem_bytes=spec.DTYPE_BYTES[dtype])
-            shown = " / ".join(tuning.shown_limit(v, key) for v in result.limits)
+            # the rungs the cell's world size can run (world size 1: the local ones; else the exchanges)
+            rungs = result.limits[:spec.LOCAL_RUNGS] if world_size == spec.LOCAL_WORLD_SIZE \
+                else result.limits[spec.LOCAL_RUNGS:]
+            shown = " / ".join(tuning.shown_limit(v, key) for v in rungs)
             lines.append(f"| {dtype} ws{world_size} {profile} | {key} | {shown} | {result.over} "
                          f"({result.over_at_target}) | {result.worst:.3f} | {result.mean:.4f} |")
             seen = {p: t for p, t in points.items() if p[0] == fit.TARGET_SHAPE[0]}

@@ -104,6 +104,18 @@ def test_select_family_is_the_old_rule_for_every_cell():
     assert checked > 400_000
 
 
+def test_select_family_at_zero_tokens_is_the_choice_at_one():
+    """A call of 0 tokens launches nothing, but select_program still names a program: the one 1 token
+    runs (the local rungs' boundary of 0 at world sizes 2 and up must not select a hole there)."""
+    for (dtype, ws, profile) in _cells():
+        row = _bounds(dtype, ws, profile)
+        for has_shared in (False, True):
+            for capacity in (0, 1, BIG):
+                at_zero = registry.select_family(dtype, ws, profile, 0, has_shared, capacity, bounds=row)
+                assert at_zero == registry.select_family(dtype, ws, profile, 1, has_shared, capacity, bounds=row)
+                registry.program_for(at_zero, dtype, ws, profile)
+
+
 NO_BOUND = 2 ** 31 - 1
 
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import dispatch
-from dispatch import registry, table_sets, workspace
-from dispatch.workspace import program_set_sha256
+from generator import spec
+from dispatch import registry, rendezvous, table_sets, workspace
+from dispatch.rendezvous import program_set_sha256
 
 ALL = registry.program_set().all_tokens
 FIELDS = table_sets.ladder_fields()
@@ -313,13 +314,13 @@ def test_selection_info_says_the_set_and_each_cells_source(monkeypatch, tmp_path
 
 
 def test_ranks_that_select_differently_are_refused_naming_tables():
-    descriptors = [workspace.RankDescriptor(
+    descriptors = [rendezvous.RankDescriptor(
         world_size=2, program_set="a" * 64, dtype="torch.bfloat16", hidden=7168, max_tokens=512,
         oneshot_max_tokens=256, vec_per_thread=None, timeout_ns=10, buffer_bytes=1, host="h", gpu=f"GPU-{r}",
         selection=label) for r, label in enumerate(("h200_nvlink 0123456789ab", "model ba9876543210"))]
     with pytest.raises(ValueError, match=r"^tables: rank 1 has selection tables model ba9876543210 .*rank 0 has "
                                          r"selection tables h200_nvlink 0123456789ab"):
-        workspace.compare_descriptors(descriptors)
+        rendezvous.compare_descriptors(descriptors)
 
 
 # ---- the device's key -------------------------------------------------------------------------------

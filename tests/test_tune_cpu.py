@@ -137,7 +137,7 @@ def test_the_generator_takes_the_output_as_a_committed_set(tmp_path):
                                                                  "interconnect": "nvlink"}, (rel,))
     built = generator_sets.build_set(declared, [generator_sets.read_measurements(tmp_path, rel)])
     assert built.sources[0]["stamp"] == STAMP
-    assert built.boundaries[("bf16", 2, "plain")].limits[0] == 4 << 20
+    assert built.boundaries[("bf16", 2, "plain")].limits[spec.BOUNDARY_FIELDS.index("oneshot_max_tokens")] == 4 << 20
     assert built.boundaries[("bf16", 4, "plain")].source == generator_sets.tuning.MODEL_SOURCE
     # the set the tune wrote is the one the generator fits from the same measurements
     doc = json.loads(out.read_text())

@@ -26,10 +26,12 @@ def test_the_named_files_are_committed_and_the_only_bench_inputs():
 
 
 def _copy(tmp_path) -> pathlib.Path:
-    dest = tmp_path / H200_FILE
-    dest.parent.mkdir(parents=True)
-    shutil.copyfile(ROOT / H200_FILE, dest)
-    return dest
+    """Every file the committed sets name, copied under tmp_path; the path of the world-size-2 one."""
+    for declared in table_sets.COMMITTED_SETS:
+        for rel in declared.files:
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(ROOT / rel, tmp_path / rel)
+    return tmp_path / H200_FILE
 
 
 def test_another_json_beside_it_changes_nothing(tmp_path):

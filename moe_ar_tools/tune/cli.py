@@ -187,8 +187,3 @@ def _rank_main(rank: int, world_size: int, todo: list, run: dict) -> None:
     finally:
         dist.destroy_process_group()
 
-
-if __name__ == "__main__":
-    # The imported module's main, so that what the spawned ranks unpickle is moe_ar_tools.tune.cli.*.
-    from moe_ar_tools.tune.cli import main as _main
-    _main()
