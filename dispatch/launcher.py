@@ -53,14 +53,15 @@ class _Launcher:
             # the loaded program for the process (tests that also run one rank a GPU).
             prog.prefer_largest_shared_memory()
         self.dynamic_smem = registry.dynamic_smem_bytes(info, ws.hidden, ws.dtype.itemsize)
-        self.max_blocks = []  # per row split of the workspace
-        for split in ws.row_splits:
+        self.row_splits = ws.row_splits_for(self.regime)
+        self.max_blocks = []  # per row split of this program on the workspace
+        for split in self.row_splits:
             per_sm = prog.max_blocks_per_sm(split.threads, self.dynamic_smem)
             if per_sm < 1:
                 raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
             self.max_blocks.append(max(1, per_sm * sms // sharing))
         self.function_ptr = prog.function_ptr
-        self.threads = [split.threads for split in ws.row_splits]
+        self.threads = [split.threads for split in self.row_splits]
         # The fields every call of this program on this workspace shares.
         template = self.template = registry.params_struct()()
         for r, ptr in enumerate(ws.peer_buffer_ptrs):
@@ -74,6 +75,10 @@ class _Launcher:
         self.pointer_base = type(template).allreduce_in.offset
         self.device_index = ws.device_index
         _driver()  # loaded here, not on the launch path
+
+    def row_split_index(self, T: int) -> int:
+        """The index in row_splits of the split a call of T tokens uses."""
+        return next(i for i, split in enumerate(self.row_splits) if T <= split.max_tokens)
 
     def kernel_call(self, ws, T, a, order) -> "_KernelCall":
         """The launch state of a call signature: the kernel argument with this program's fields and the
@@ -91,15 +96,15 @@ class _Launcher:
         params.routed_scaling_factor = a["routed_scaling_factor"]
         params.eps = a["eps"]
         params.weight_bias = float(a["weight_bias"])
-        params.vec_per_thread = ws.row_splits[ws.row_split_index(T)].vec_per_thread
+        params.vec_per_thread = self.row_splits[self.row_split_index(T)].vec_per_thread
         return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"]))
 
     def config_for(self, ws, T, pdl):
         """The launch configuration of a call of T tokens (the stream is set at each launch)."""
-        i = ws.row_split_index(T)
+        i = self.row_split_index(T)
         config = _LaunchConfig()
         if self.sliced_units:  # a unit is one row slice
-            config.gridDimX = min(T * ws.row_splits[i].vec_per_thread, self.max_blocks[i])
+            config.gridDimX = min(T * self.row_splits[i].vec_per_thread, self.max_blocks[i])
         elif self.column_units:  # a unit is one column: a token of each rank
             config.gridDimX = balanced_grid(-(-T // ws.world_size), self.max_blocks[i])
         else:  # a unit is one row

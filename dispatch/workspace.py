@@ -33,6 +33,7 @@ PHASES = {0: "none", 1: "reduce-scatter (waiting for peers' partials)",
           2: "all-gather (waiting for the owners' residual_out rows)", 3: "one-shot (waiting for peers' partials)"}
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
 
+LOCAL_LATENCY_REGIME = "local"  # world size 1's latency layout (generator/spec.py)
 _live_workspaces = weakref.WeakSet()  # every constructed, not yet closed workspace, for dispatch.check()
 
 
@@ -102,6 +103,15 @@ class _WorkspaceBase:
         # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
         # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
         self._fault_stop_after_units = 0
+
+    def row_splits_for(self, regime: str) -> tuple:
+        """The row splits a program of `regime` runs. World size 1's latency layout (`local`) keeps the
+        few-tokens split at every T where it fits a block: its all-loads path (2 vectors a thread) is
+        faster than its by-vector path under the wide split at every T measured on an H200
+        (bench_results/world_size_1/row_split/). A split fixed by vec_per_thread is every program's."""
+        if regime == LOCAL_LATENCY_REGIME and self.vec_per_thread is None and len(self.row_splits) == 2:
+            return (self.row_splits[0]._replace(max_tokens=_ALL_TOKENS),)
+        return self.row_splits
 
     def row_split_index(self, T: int) -> int:
         """The index in row_splits of the split a call of T tokens uses."""

@@ -184,6 +184,35 @@ def test_world_size_one_keeps_no_buffers_and_splits_rows_as_the_others():
         assert [s[1:] for s in one.row_splits] == [s[1:] for s in two.row_splits], hidden  # threads, vectors a thread
 
 
+def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
+    """World size 1's `local` program runs the few-tokens row split (2 vectors a thread, its all-loads
+    path) at every T where that split fits a block; the streaming program and every exchange follow T;
+    a split fixed by vec_per_thread is every program's."""
+    from dispatch import workspace
+    from dispatch.workspace_sizes import _ALL_TOKENS
+    from dispatch import registry
+    limits = registry.program_set().limits
+    for hidden in (7168, 4096, 384, 16384):
+        ws = workspace._WorkspaceBase()
+        ws._init_common(world_size=1, rank=0, max_tokens=2 ** 20, hidden=hidden, dtype=BF16, device_index=0,
+                        timeout_s=0, oneshot_max_tokens=None, ranks_on_device=1)
+        local = ws.row_splits_for("local")
+        assert ws.row_splits_for("local_streaming") == ws.row_splits
+        if len(ws.row_splits) == 2:  # the few-tokens split fits a block
+            assert local == (ws.row_splits[0]._replace(max_tokens=_ALL_TOKENS),), hidden
+            assert local[0].vec_per_thread <= limits["few_tokens_vec_per_thread"]
+        else:
+            assert local == ws.row_splits, hidden
+        fixed = workspace._WorkspaceBase()
+        fixed._init_common(world_size=1, rank=0, max_tokens=64, hidden=hidden, dtype=BF16, device_index=0,
+                           timeout_s=0, oneshot_max_tokens=None, ranks_on_device=1, vec_per_thread=4)
+        assert fixed.row_splits_for("local") == fixed.row_splits
+    two = workspace._WorkspaceBase()
+    two._init_common(world_size=2, rank=0, max_tokens=1024, hidden=7168, dtype=BF16, device_index=0, timeout_s=0,
+                     oneshot_max_tokens=None, ranks_on_device=1)
+    assert all(two.row_splits_for(regime) == two.row_splits for regime in ("oneshot", "twoshot", "twoshot_pipelined"))
+
+
 def test_emulated_world_of_one_rank_is_refused_naming_world_size():
     import dispatch
     with pytest.raises(ValueError, match=r"^world_size: 1 has no peers to emulate; use dispatch.LocalWorkspace"):
