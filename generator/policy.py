@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from .spec import FAMILY_BY_NAME, LOCAL_WORLD_SIZE, PROFILE_BY_NAME, ProgramSpec, exchanges
 
-NOTHING_TO_EXCHANGE = "nothing to exchange: `local` runs every T"
-WORLD_ONE_ONLY = "world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)"
+NOTHING_TO_EXCHANGE = "nothing to exchange: the local programs (`local`, `local_streaming`) serve every T"
+WORLD_ONE_ONLY = "world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)"
 
 # (family, reason it is not generated, predicate over the cell).
 # Reasons are printed by `gen-programs tables` next to each hole. The world-size-1 line comes first:

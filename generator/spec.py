@@ -28,8 +28,9 @@ DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 DTYPES = tuple(DTYPE_CPP)
 # Bytes of one element of each dtype (a fitted boundary counts bytes per rank: T x hidden x these).
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
-# World size 1 exchanges nothing: there the `local` family runs every T and no exchange family has a
-# program (generator/policy.py); from 2 on the exchange families share T and `local` has none.
+# World size 1 exchanges nothing: there the local families (`local`, `local_streaming`) share T and no
+# exchange family has a program (generator/policy.py); from 2 on the exchange families share T and the
+# local families have none.
 WORLD_SIZES = (1, 2, 4, 8, 16)
 LOCAL_WORLD_SIZE = 1
 

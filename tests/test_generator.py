@@ -872,7 +872,7 @@ def test_tables_marks_holes_and_fallbacks():
     # local a hole (never selected, no arrow) elsewhere
     assert re.search(r"bf16 ws1 +moe_ar_lc_bf16_ws1_plain +moe_ar_lc_bf16_ws1_nvfp4 ", r.stdout), r.stdout
     assert re.search(r"bf16 ws2 +-- hole\[1\] +-- hole\[1\] ", r.stdout), r.stdout
-    assert "hole[1]: nothing to exchange: `local` runs every T" in r.stdout
+    assert "hole[1]: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T" in r.stdout
     assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout
     assert re.search(r"bf16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
 

@@ -315,7 +315,7 @@ def test_holes_of_several_reasons_each_get_a_line():
     lines = r.output.splitlines()
     assert len(lines) == 3, r.output
     assert lines[0] == (f"Error: twoshot_pipelined_loads has no program at world size 1, profile {spec.PLAIN} "
-                        f"(hole: nothing to exchange: `local` runs every T); calls there run local")
+                        f"(hole: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T); calls there run local")
     assert lines[1].startswith(f"twoshot_pipelined_loads has no program at world size 2, profile {spec.PLAIN} (hole: ")
     assert lines[1].endswith("; calls there run twoshot_pipelined")
     others = "/".join(str(w) for w in spec.WORLD_SIZES if w > 2)
@@ -324,8 +324,8 @@ def test_holes_of_several_reasons_each_get_a_line():
     # the local family elsewhere: no family runs in its place (no T selects it there)
     r = invoke("list", "--family", "local", "--world-size", "4")
     assert r.exit_code == 1 and r.output == (
-        "Error: local has no program at world size 4 (hole: world size 1 only: with peers an exchange family runs "
-        "every T (local_max_tokens is 0)); no call selects it there\n"), r.output
+        "Error: local has no program at world size 4 (hole: world size 1 only: with peers the exchange families "
+        "serve every T (the local boundaries are 0)); no call selects it there\n"), r.output
 
 
 def test_a_filter_with_programs_lists_them():

@@ -114,8 +114,8 @@ def test_gen_programs_list_and_tables_at_world_size_one():
                                    for d in spec.DTYPES for p in spec.OUTPUT_PROFILES)
     assert all(" local_bf16_ws1 " in row or " local_fp16_ws1 " in row for row in r.stdout.splitlines()[1:])
     r = run_cli("list", "--family", "twoshot", "--world-size", "1")
-    assert r.returncode == 1 and "twoshot has no program at world size 1 (hole: nothing to exchange: `local` runs " \
-                                  "every T); calls there run local" in r.stderr, r.stderr
+    assert r.returncode == 1 and f"twoshot has no program at world size 1 (hole: {policy.NOTHING_TO_EXCHANGE}); " \
+                                  "calls there run local" in r.stderr, r.stderr
     r = run_cli("tables")
     assert r.returncode == 0, r.stderr
     assert re.search(r"^  lc +local +local, world size 1$", r.stdout, re.M), r.stdout

@@ -16,28 +16,28 @@ static const char* const kLocalKernels[2][5][4] = {
             "moe_ar_lc_fp16_ws1_fp8_tensor",  // fp16 ws1 fp8_tensor
         },
         {  // fp16 ws2
-            nullptr,  // fp16 ws2 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws2 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws2 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws2 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
         {  // fp16 ws4
-            nullptr,  // fp16 ws4 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws4 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws4 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws4 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
         {  // fp16 ws8
-            nullptr,  // fp16 ws8 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws8 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws8 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws8 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
         {  // fp16 ws16
-            nullptr,  // fp16 ws16 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws16 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // fp16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // fp16 ws16 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws16 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // fp16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
     },
     {  // bf16
@@ -48,28 +48,28 @@ static const char* const kLocalKernels[2][5][4] = {
             "moe_ar_lc_bf16_ws1_fp8_tensor",  // bf16 ws1 fp8_tensor
         },
         {  // bf16 ws2
-            nullptr,  // bf16 ws2 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws2 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws2 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws2 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
         {  // bf16 ws4
-            nullptr,  // bf16 ws4 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws4 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws4 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws4 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
         {  // bf16 ws8
-            nullptr,  // bf16 ws8 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws8 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws8 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws8 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
         {  // bf16 ws16
-            nullptr,  // bf16 ws16 plain hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws16 nvfp4 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
-            nullptr,  // bf16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers an exchange family runs every T (local_max_tokens is 0)
+            nullptr,  // bf16 ws16 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws16 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
+            nullptr,  // bf16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
     },
 };

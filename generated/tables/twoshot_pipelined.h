@@ -10,10 +10,10 @@
 static const char* const kTwoShotPipelinedKernels[2][5][4] = {
     {  // fp16
         {  // fp16 ws1
-            nullptr,  // fp16 ws1 plain hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // fp16 ws1 nvfp4 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // fp16 ws1 fp8_group128 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: `local` runs every T
+            nullptr,  // fp16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // fp16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // fp16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // fp16 ws2
             "moe_ar_tsp_fp16_ws2_plain",  // fp16 ws2 plain
@@ -42,10 +42,10 @@ static const char* const kTwoShotPipelinedKernels[2][5][4] = {
     },
     {  // bf16
         {  // bf16 ws1
-            nullptr,  // bf16 ws1 plain hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // bf16 ws1 fp8_group128 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: `local` runs every T
+            nullptr,  // bf16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // bf16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // bf16 ws2
             "moe_ar_tsp_bf16_ws2_plain",  // bf16 ws2 plain

@@ -10,10 +10,10 @@
 static const char* const kTwoShotSharedKernels[2][5][4] = {
     {  // fp16
         {  // fp16 ws1
-            nullptr,  // fp16 ws1 plain hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // fp16 ws1 nvfp4 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // fp16 ws1 fp8_group128 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: `local` runs every T
+            nullptr,  // fp16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // fp16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // fp16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // fp16 ws2
             nullptr,  // fp16 ws2 plain hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
@@ -42,10 +42,10 @@ static const char* const kTwoShotSharedKernels[2][5][4] = {
     },
     {  // bf16
         {  // bf16 ws1
-            nullptr,  // bf16 ws1 plain hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // bf16 ws1 fp8_group128 hole -> local: nothing to exchange: `local` runs every T
-            nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: `local` runs every T
+            nullptr,  // bf16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // bf16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
+            nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // bf16 ws2
             nullptr,  // bf16 ws2 plain hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
