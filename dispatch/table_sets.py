@@ -188,6 +188,8 @@ class Cell:
     limits: tuple[int, ...]               # per ladder field, in `key` units
     measured: tuple[int, int] | None      # the key's measured range; None: the written model
     source: str
+    # hidden -> (limits, measured range) of its own, in the same key
+    by_hidden: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +200,17 @@ class TableSet:
     origin: str                           # "committed", or the file a user's set came from
 
 
+def _ladder(limits: tuple, all_tokens: int) -> bool:
+    """Boundaries of a ladder: ints, 0 <= each <= the next <= all_tokens."""
+    return (all(type(v) is int for v in limits) and 0 <= limits[0]
+            and all(a <= b <= all_tokens for a, b in zip(limits, limits[1:])))
+
+
+def _range(measured: tuple) -> bool:
+    """A measured range: two ints, 0 <= low <= high."""
+    return len(measured) == 2 and all(type(v) is int for v in measured) and 0 <= measured[0] <= measured[1]
+
+
 def _cells(rows, fields: tuple, all_tokens: int, where: str) -> dict:
     """(dtype, world_size, profile) -> Cell from a set's rows (the manifest's or a user's file);
     ValueError naming `where` for a row that is not one."""
@@ -206,14 +219,15 @@ def _cells(rows, fields: tuple, all_tokens: int, where: str) -> dict:
         for row in rows:
             limits = tuple(row["limits"][field] for field in fields)
             measured = None if row["measured"] is None else tuple(row["measured"])
-            ok = (row["key"] in KEYS and all(type(v) is int for v in limits) and 0 <= limits[0]
-                  and all(a <= b <= all_tokens for a, b in zip(limits, limits[1:]))
-                  and (measured is None or (len(measured) == 2 and all(type(v) is int for v in measured)
-                                            and 0 <= measured[0] <= measured[1])))
+            by_hidden = {int(hidden): (tuple(own["limits"][field] for field in fields), tuple(own["measured"]))
+                         for hidden, own in row.get("by_hidden", {}).items()}
+            ok = (row["key"] in KEYS and _ladder(limits, all_tokens) and (measured is None or _range(measured))
+                  and all(hidden > 0 and _ladder(own, all_tokens) and _range(own_measured)
+                          for hidden, (own, own_measured) in by_hidden.items()))
             if not ok:
                 raise ValueError(f"row {row!r}")
             cells[(row["dtype"], row["world_size"], row["profile"])] = Cell(row["key"], limits, measured,
-                                                                           str(row["source"]))
+                                                                           str(row["source"]), by_hidden)
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: not a table set's boundaries ({type(e).__name__}: {e}); "
                          f"fields {list(fields)}") from None
@@ -312,12 +326,14 @@ def rung_of(limits, tokens: int) -> int:
 
 
 def token_cell(cell: Cell, hidden: int, elem_bytes: int, all_tokens: int) -> tuple[tuple, tuple | None]:
-    """(limits, measured range) of a cell in tokens for a row of `hidden` elements of `elem_bytes`."""
+    """(limits, measured range) of a cell in tokens for a row of `hidden` elements of `elem_bytes`:
+    the hidden size's own boundaries where the cell has them, else the cell's."""
+    own, own_measured = cell.by_hidden.get(hidden, (cell.limits, cell.measured))
     if cell.key == "tokens":
-        return cell.limits, cell.measured
+        return own, own_measured
     row = hidden * elem_bytes  # bytes_per_rank = T x row
-    limits = tuple(v if v == all_tokens else v // row for v in cell.limits)
-    measured = None if cell.measured is None else (-(-cell.measured[0] // row), cell.measured[1] // row)
+    limits = tuple(v if v == all_tokens else v // row for v in own)
+    measured = None if own_measured is None else (-(-own_measured[0] // row), own_measured[1] // row)
     return limits, measured
 
 
@@ -442,7 +458,8 @@ def resolve(*, dtype: str, world_size: int, hidden: int, elem_bytes: int, device
             own, measured = token_cell(cell, hidden, elem_bytes, all_tokens)
             limits = compose(own, measured, limits, all_tokens)
             outside = "" if measured is None else f"; T outside {measured[0]}..{measured[1]} from {chosen}"
-            chosen, source = table_set.name, cell.source + outside
+            mine = f"; this hidden size's own boundaries ({hidden})" if hidden in cell.by_hidden else ""
+            chosen, source = table_set.name, cell.source + mine + outside
         if pinned:
             limits = pin(limits, pinned, fields)
             source += f"; pinned by boundaries= ({', '.join(f'{k} {v}' for k, v in pinned.items())})"

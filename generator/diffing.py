@@ -221,6 +221,16 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
                 shown = [("not measured" if m is None else " to ".join(tuning.shown_limit(v, row["key"]) for v in m))
                          for m, row in ((before["measured"], before), (after["measured"], after))]
                 lines.append(f"~ {label}: measured range {shown[0]} -> {shown[1]}")
+            was_own, now_own = before.get("by_hidden", {}), after.get("by_hidden", {})
+            for hidden in sorted(set(was_own) | set(now_own), key=int):
+                was, now = was_own.get(hidden), now_own.get(hidden)
+                if was != now:
+                    shown = [("none of its own" if row is None else
+                              " / ".join(_shown_bound(row["limits"].get(field), after["key"])
+                                         for field in spec.BOUNDARY_FIELDS)
+                              + " measured " + " to ".join(tuning.shown_limit(v, after["key"]) for v in row["measured"]))
+                             for row in (was, now)]
+                    lines.append(f"~ {label} at hidden {hidden}: {shown[0]} -> {shown[1]}")
             if before.get("source") != after.get("source"):
                 lines.append(f"~ {label}: source {before.get('source')!r} -> {after.get('source')!r}")
     if old.get("selection", {}).get("ladder") not in (None, new["selection"]["ladder"]):

@@ -85,10 +85,16 @@ class CellFit:
     over_at_target: int         # of them, at TARGET_SHAPE
     worst: float                # the largest slowdown against the best program
     mean: float                 # the geometric mean slowdown
+    # ((hidden, limits, measured), ...): the hidden sizes whose own boundaries serve them better than
+    # `limits` (fit_cell_by_hidden), with their own measured range; the counts above are then those of
+    # the choice with them.
+    by_hidden: tuple = ()
 
     def describe(self) -> str:
+        own = "" if not self.by_hidden else \
+            f"; own boundaries at hidden {', '.join(str(hidden) for hidden, *_ in self.by_hidden)}"
         return (f"{self.over} of {self.points} points over {TARGET_SLOWDOWN}x the best program "
-                f"({self.over_at_target} at the target shape), at most {self.worst:.3f}x, mean {self.mean:.3f}x")
+                f"({self.over_at_target} at the target shape), at most {self.worst:.3f}x, mean {self.mean:.3f}x{own}")
 
 
 def fit_cell(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_bytes: int = 2,
@@ -130,12 +136,54 @@ def fit_cell(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_b
     for i in range(len(spec.BOUNDARY_FIELDS)):
         served = [value for value, r in zip(values, chosen) if r <= i]
         limits.append(ALL_TOKENS if chosen[-1] <= i else max(served, default=0))
-    slowdowns = [(at_target, times[LADDER_FAMILIES[r]].median_us / min(t.median_us for t in times.values()))
-                 for value, r in zip(values, chosen) for at_target, _prior, times in by_value[value]]
-    over = [at_target for at_target, slowdown in slowdowns if slowdown > TARGET_SLOWDOWN]
-    return CellFit(key=key, limits=tuple(limits), measured=(values[0], values[-1]), points=len(slowdowns),
-                   over=len(over), over_at_target=sum(over), worst=max(s for _, s in slowdowns),
-                   mean=math.exp(sum(math.log(s) for _, s in slowdowns) / len(slowdowns)))
+    return CellFit(key, tuple(limits), (values[0], values[-1]),
+                   *_score(points, lambda hidden: limits, key, elem_bytes))
+
+
+def _slowdowns(points: dict, limits_at, key: str, elem_bytes: int) -> list[tuple[bool, int, float]]:
+    """(at the target shape, hidden, slowdown against the best program) of every point, served by the
+    boundaries limits_at(hidden)."""
+    out = []
+    for (hidden, top_k, shared, tokens), times in points.items():
+        family = LADDER_FAMILIES[rung_of(limits_at(hidden), key_value(key, tokens, hidden, elem_bytes))]
+        out.append(((hidden, top_k, shared) == TARGET_SHAPE, hidden,
+                    times[family].median_us / min(t.median_us for t in times.values())))
+    return out
+
+
+def _score(points: dict, limits_at, key: str, elem_bytes: int) -> tuple[int, int, int, float, float]:
+    """(points, over the target, of them at the target shape, worst, geometric mean) of a choice."""
+    slowdowns = _slowdowns(points, limits_at, key, elem_bytes)
+    over = [at_target for at_target, _hidden, slowdown in slowdowns if slowdown > TARGET_SLOWDOWN]
+    return (len(slowdowns), len(over), sum(over), max(s for *_, s in slowdowns),
+            math.exp(sum(math.log(s) for *_, s in slowdowns) / len(slowdowns)))
+
+
+def fit_cell_by_hidden(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_bytes: int = 2,
+                       margin: float = MIN_WIN) -> CellFit:
+    """fit_cell over every point, and, where the points hold more than one hidden size, each hidden
+    size fitted on its own points alone: its boundaries are kept (CellFit.by_hidden) where they serve
+    its points with fewer over the target, or a worst slowdown smaller by more than `margin`. A
+    crossover that one key cannot place for every row size (the regimes' occupancy differs with the
+    row's threads: bench_results/world_size_1/row_split/) is then exact where it was measured; any
+    other hidden size takes the joint boundaries."""
+    joint = fit_cell(points, prior, key=key, elem_bytes=elem_bytes, margin=margin)
+    own = []
+    for hidden in sorted({point[0] for point in points}) if len({point[0] for point in points}) > 1 else ():
+        mine = {point: times for point, times in points.items() if point[0] == hidden}
+        alone = fit_cell(mine, prior, key=key, elem_bytes=elem_bytes, margin=margin)
+        _, over_joint, _, worst_joint, _ = _score(mine, lambda h: joint.limits, key, elem_bytes)
+        _, over_alone, _, worst_alone, _ = _score(mine, lambda h: alone.limits, key, elem_bytes)
+        if alone.limits != joint.limits and (over_alone < over_joint or (
+                over_alone == over_joint and worst_alone * (1 + margin) < worst_joint)):
+            own.append((hidden, alone.limits, alone.measured))
+    if not own:
+        return joint
+    limits_of = {hidden: limits for hidden, limits, _ in own}
+    return dataclasses.replace(joint, by_hidden=tuple(own),
+                               **dict(zip(("points", "over", "over_at_target", "worst", "mean"),
+                                          _score(points, lambda hidden: limits_of.get(hidden, joint.limits),
+                                                 key, elem_bytes))))
 
 
 def _add(before: tuple, here: tuple, change: bool) -> tuple:

@@ -51,7 +51,8 @@ KEY_MEANINGS = {"tokens": "T, the call's token count",
 
 def selection_set(table_set: TableSet) -> dict:
     """One table set as the manifest lists it: its key (match; null for the written model), the
-    stamps of its measurement files, and every cell with its key, limits, measured range and source."""
+    stamps of its measurement files, and every cell with its key, limits, measured range and source
+    (and by_hidden: {hidden: {limits, measured}} where hidden sizes have boundaries of their own)."""
     return {
         "name": table_set.name,
         "title": table_set.title,
@@ -60,7 +61,11 @@ def selection_set(table_set: TableSet) -> dict:
         "sources": list(table_set.sources),
         "boundaries": [{"dtype": dtype, "world_size": world_size, "profile": profile, "key": cell.key,
                         "limits": cell.by_field(), "measured": None if cell.measured is None else list(cell.measured),
-                        "source": cell.source}
+                        "source": cell.source,
+                        # only where a hidden size has boundaries of its own (JSON keys: strings)
+                        **({"by_hidden": {str(hidden): {"limits": cell.by_field(hidden), "measured": list(measured)}
+                                          for hidden, _, measured in cell.by_hidden}}
+                           if cell.by_hidden else {})}
                        for (dtype, world_size, profile), cell in table_set.boundaries.items()],
     }
 

@@ -217,15 +217,25 @@ def _stamp_line(source: dict) -> str:
     return f"{source['file']}: {', '.join(parts)}"
 
 
+def _shown_limits(limits) -> str:
+    return ", ".join("kAllTokens" if bound == tuning.ALL_TOKENS else str(bound) for bound in limits)
+
+
 def _selection_context(table_set: table_sets.TableSet) -> dict:
     rows = []
+    own = []  # the cells' boundaries of their own per hidden size, in table order
     for dtype in spec.DTYPES:
         worlds = []
         for world_size in spec.WORLD_SIZES:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
                 cell = table_set.boundaries[(dtype, world_size, profile)]
-                shown = ", ".join("kAllTokens" if bound == tuning.ALL_TOKENS else str(bound) for bound in cell.limits)
+                shown = _shown_limits(cell.limits)
+                own += [{"value": f"{{{spec.DTYPES.index(dtype)}, {spec.WORLD_SIZES.index(world_size)}, "
+                                  f"{spec.OUTPUT_PROFILES.index(profile)}, {hidden}, {measured[0]}, {measured[1]}, "
+                                  f"{{{_shown_limits(limits)}}}}}",
+                         "comment": f"{_cell_label(dtype, world_size, profile)} at hidden {hidden}"}
+                        for hidden, limits, measured in cell.by_hidden]
                 measured = cell.measured or (0, 0)
                 key = {"tokens": "kTokens", "bytes_per_rank": "kBytesPerRank"}[cell.key]
                 entries.append({"value": f"{{{key}, {measured[0]}, {measured[1]}, {{{shown}}}}}",
@@ -243,6 +253,7 @@ def _selection_context(table_set: table_sets.TableSet) -> dict:
         "fields": spec.BOUNDARY_FIELDS,
         "all_tokens": tuning.ALL_TOKENS,
         "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
+        "own": own,
         "index_comment": _index_comment(),
         "rows": rows,
     }

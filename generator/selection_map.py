@@ -25,11 +25,12 @@ def _runs(family: str, cell: tuple, programs: set) -> str:
 
 
 def drawn_tokens(bounds: tuning.Boundaries) -> tuple[int, ...]:
-    """A cell's boundaries in tokens at DRAWN_HIDDEN and DRAWN_DTYPE."""
+    """A cell's boundaries in tokens at DRAWN_HIDDEN and DRAWN_DTYPE (that size's own where it has them)."""
+    limits = bounds.limits_at(DRAWN_HIDDEN)
     if bounds.key == "tokens":
-        return bounds.limits
+        return limits
     row = fit.key_value(bounds.key, 1, DRAWN_HIDDEN, spec.DTYPE_BYTES[DRAWN_DTYPE])
-    return tuple(limit if limit == tuning.ALL_TOKENS else limit // row for limit in bounds.limits)
+    return tuple(limit if limit == tuning.ALL_TOKENS else limit // row for limit in limits)
 
 
 def segments(limits: tuple[int, ...], cell: tuple, programs: set) -> list[tuple[int, int, str]]:

@@ -157,13 +157,14 @@ def fitted_cells(measured: dict) -> dict:
                 if donor is None:
                     continue
                 file, points = measured[donor]
-                fitted = fit.fit_cell(points, tuning.model(world_size).limits, key=fit.FIT_KEY,
-                                      elem_bytes=spec.DTYPE_BYTES[donor[0]])
+                fitted = fit.fit_cell_by_hidden(points, tuning.model(world_size).limits, key=fit.FIT_KEY,
+                                                elem_bytes=spec.DTYPE_BYTES[donor[0]])
                 borrowed = [] if donor[0] == dtype else [f"{donor[0]} data"]
                 borrowed += [] if donor[2] == profile else [f"profile {donor[2]}"]
                 borrowed = f" ({', '.join(borrowed)})" if borrowed else ""
                 boundaries[(dtype, world_size, profile)] = tuning.Boundaries(
-                    fitted.limits, f"measured{borrowed} in {file}: {fitted.describe()}", fitted.key, fitted.measured)
+                    fitted.limits, f"measured{borrowed} in {file}: {fitted.describe()}", fitted.key, fitted.measured,
+                    fitted.by_hidden)
     return boundaries
 
 

@@ -60,21 +60,37 @@ class Boundaries:
     # The smallest and largest key value measured (a fitted cell), None for the written model:
     # outside it the runtime takes the next set of its chain.
     measured: tuple[int, int] | None = None
+    # ((hidden, limits, measured), ...) in increasing hidden: sizes measured with boundaries of their
+    # own (same key; their own measured range; generator/fit.py fit_cell_by_hidden); every other size
+    # takes `limits` and `measured`.
+    by_hidden: tuple = ()
 
     def __post_init__(self):
-        if len(self.limits) != len(spec.BOUNDARY_FIELDS):
-            raise ValueError(f"limits: {self.limits}, need one per field of {spec.BOUNDARY_FIELDS}")
-        if not (0 <= self.limits[0] and all(low <= high <= ALL_TOKENS
-                                            for low, high in zip(self.limits, self.limits[1:]))):
-            raise ValueError(f"limits: {self.limits}, need 0 <= {' <= '.join(spec.BOUNDARY_FIELDS)} <= {ALL_TOKENS}")
+        for limits in (self.limits, *(limits for _, limits, _ in self.by_hidden)):
+            if len(limits) != len(spec.BOUNDARY_FIELDS):
+                raise ValueError(f"limits: {limits}, need one per field of {spec.BOUNDARY_FIELDS}")
+            if not (0 <= limits[0] and all(low <= high <= ALL_TOKENS for low, high in zip(limits, limits[1:]))):
+                raise ValueError(f"limits: {limits}, need 0 <= {' <= '.join(spec.BOUNDARY_FIELDS)} <= {ALL_TOKENS}")
+        hiddens = [hidden for hidden, *_ in self.by_hidden]
+        if hiddens != sorted(set(hiddens)) or any(type(h) is not int or h <= 0 for h in hiddens):
+            raise ValueError(f"by_hidden: hidden sizes {hiddens}, need distinct positive ints in increasing order")
 
-    def by_field(self) -> dict[str, int]:
+    def limits_at(self, hidden: int | None) -> tuple[int, ...]:
+        """The boundaries a row of `hidden` elements takes (its own where it has them)."""
+        return next((limits for own, limits, _ in self.by_hidden if own == hidden), self.limits)
+
+    def measured_at(self, hidden: int | None) -> tuple[int, int] | None:
+        """The measured range of a row of `hidden` elements (its own where it has boundaries of its own)."""
+        return next((measured for own, _, measured in self.by_hidden if own == hidden), self.measured)
+
+    def by_field(self, hidden: int | None = None) -> dict[str, int]:
         """{oneshot_max_tokens: ..., early_max_tokens: ..., ...}: the manifest's fields."""
-        return dict(zip(spec.BOUNDARY_FIELDS, self.limits))
+        return dict(zip(spec.BOUNDARY_FIELDS, self.limits_at(hidden)))
 
-    def family(self, value: int) -> str:
-        """The ladder's family for a key value (before the shared-expert variant and hole fallback)."""
-        for family, limit in zip(LADDER_FAMILIES, self.limits):
+    def family(self, value: int, hidden: int | None = None) -> str:
+        """The ladder's family for a key value at a hidden size (before the shared-expert variant and
+        hole fallback)."""
+        for family, limit in zip(LADDER_FAMILIES, self.limits_at(hidden)):
             if value <= limit:
                 return family
         return LADDER_FAMILIES[-1]

@@ -174,6 +174,69 @@ def test_the_bytes_key_follows_a_crossover_at_the_same_bytes_per_rank():
     assert by_tokens.over == 1 and by_tokens.worst == pytest.approx(20 / 15)  # one of the two shapes loses at 512
 
 
+WORLD_ONE = tuning.model(1).limits  # local to 256 tokens, then the streaming layout
+STREAMING = spec.BOUNDARY_FIELDS.index("local_max_tokens")
+
+
+def _world_one(hidden_wins):
+    """World size 1 at two hidden sizes: {hidden: T from which the streaming layout is faster} (None:
+    never); 10% either way."""
+    points = {}
+    for hidden, from_t in hidden_wins.items():
+        for T in (1, 16, 128, 256, 512, 1024, 4096):
+            streaming_wins = from_t is not None and T >= from_t
+            points[(hidden, 8, hidden == 7168, T)] = {"local": fit.Time(11.0 if streaming_wins else 10.0, 0.0),
+                                                      "local_streaming": fit.Time(10.0 if streaming_wins else 11.0, 0.0)}
+    return points
+
+
+def test_a_hidden_size_the_joint_boundary_misserves_gets_its_own():
+    """The crossover of world size 1 lies at 256 tokens at H 7168 and nowhere at H 4096 (the latency
+    layout's occupancy differs with the row's threads): no one byte boundary serves both. The joint
+    fit keeps the target shape exact; H 4096 gets boundaries of its own, and the counts are those of
+    the choice with them."""
+    points = _world_one({7168: 256, 4096: None})
+    joint = fit.fit_cell(points, WORLD_ONE, key="bytes_per_rank")
+    assert joint.over == 3 and joint.over_at_target == 0  # H 4096 at 512, 1024 and 4096 on streaming
+    result = fit.fit_cell_by_hidden(points, WORLD_ONE, key="bytes_per_rank")
+    assert result.limits == joint.limits and 128 * 7168 * 2 <= result.limits[STREAMING] < 256 * 7168 * 2
+    assert result.by_hidden == ((4096, (ALL,) * len(spec.BOUNDARY_FIELDS), (4096 * 2, 4096 * 4096 * 2)),)
+    assert (result.over, result.worst, result.points) == (0, 1.0, 14)
+    assert result.describe().endswith("; own boundaries at hidden 4096")
+    # the runtime's view: each hidden size served by its own row, every other by the joint one
+    bounds = tuning.Boundaries(result.limits, "test", result.key, result.measured, result.by_hidden)
+    assert bounds.measured_at(4096) == (4096 * 2, 4096 * 4096 * 2) and bounds.measured_at(7168) == result.measured
+    assert bounds.family(4096 * 4096 * 2, 4096) == "local"
+    assert bounds.family(4096 * 4096 * 2, 7168) == bounds.family(4096 * 4096 * 2, 5120) == "local_streaming"
+
+
+def test_hidden_sizes_the_joint_boundary_serves_get_none_of_their_own():
+    """The same crossover in bytes at both sizes (or one hidden size only): no row of its own, the fit is fit_cell's."""
+    same_bytes = _world_one({7168: 256, 4096: 512})  # 3.5 and 4 MiB: between the same measured points
+    assert fit.fit_cell_by_hidden(same_bytes, WORLD_ONE, key="bytes_per_rank") == \
+        fit.fit_cell(same_bytes, WORLD_ONE, key="bytes_per_rank")
+    one = _world_one({7168: 256})
+    assert fit.fit_cell_by_hidden(one, WORLD_ONE, key="bytes_per_rank").by_hidden == ()
+
+
+def test_a_hidden_size_keeps_the_joint_boundary_unless_its_own_wins_beyond_the_margin():
+    """H 4096 loses 0.5% on the streaming layout (less than fit.MIN_WIN): no row of its own."""
+    points = _world_one({7168: 256, 4096: 10 ** 6})
+    for point, times in points.items():
+        if point[0] == 4096:
+            times["local_streaming"] = fit.Time(times["local"].median_us * 1.005, 0.0)
+    assert fit.fit_cell_by_hidden(points, WORLD_ONE, key="bytes_per_rank").by_hidden == ()
+
+
+def test_boundaries_of_a_hidden_size_are_checked_as_the_cells():
+    with pytest.raises(ValueError, match="^limits"):
+        tuning.Boundaries(WORLD_ONE, "test", by_hidden=((4096, (5, 4) + WORLD_ONE[2:], (1, 2)),))
+    with pytest.raises(ValueError, match="^by_hidden"):
+        tuning.Boundaries(WORLD_ONE, "test", by_hidden=((7168, WORLD_ONE, (1, 2)), (4096, WORLD_ONE, (1, 2))))
+    with pytest.raises(ValueError, match="^by_hidden"):
+        tuning.Boundaries(WORLD_ONE, "test", by_hidden=((0, WORLD_ONE, (1, 2)),))
+
+
 def test_a_partial_measurement_records_its_range_and_the_runtime_never_stretches_it():
     """The one-shot fastest at every T measured (to 512): the fit's limits say "to the end", but its
     range ends at 512, and the runtime serves larger T as the next set (the written model) does,

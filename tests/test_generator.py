@@ -580,6 +580,9 @@ _ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<d
 _BOUNDS_RE = re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{"
                         + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
                         + r"\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
+_OWN_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \{"
+                     + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
+                     + r"\}\},\s*// (\w+) ws(\d+) (\w+) at hidden (\d+)$")
 
 
 def _cells():
@@ -630,6 +633,19 @@ def test_selection_tables_parse_back_to_the_manifest(rendered, manifest):
                                         source)
                   for key, low, high, *bounds, dtype, ws, p, source in rows}
         assert parsed == expected, table_set["name"]
+        # the hidden sizes' own boundaries: kHiddenBoundaries, indexes and comment agreeing with the manifest
+        own = {(b["dtype"], b["world_size"], b["profile"], int(hidden)):
+               (tuple(row["measured"]), tuple(row["limits"][f] for f in spec.BOUNDARY_FIELDS))
+               for b in table_set["boundaries"] for hidden, row in b.get("by_hidden", {}).items()}
+        parsed_own = {}
+        for d, w, p, hidden, low, high, *bounds, dtype, ws, profile, comment_hidden in (
+                m.groups() for m in map(_OWN_RE.match, text.splitlines()) if m):
+            cell = (spec.DTYPES[int(d)], spec.WORLD_SIZES[int(w)], spec.OUTPUT_PROFILES[int(p)])
+            assert cell == (dtype, int(ws), profile) and hidden == comment_hidden
+            parsed_own[(*cell, int(hidden))] = ((int(low), int(high)), tuple(
+                tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds))
+        assert parsed_own == own, table_set["name"]
+        assert ("static const HiddenBoundaries kHiddenBoundaries[] = {" in text) == bool(own)
 
 
 # ---- the manifest verifier ----------------------------------------------------------
@@ -781,6 +797,20 @@ def _git(repo, *args):
                    check=True, capture_output=True)
 
 
+def test_diff_reports_a_hidden_sizes_own_boundaries(manifest):
+    """A cell's row for one hidden size added, changed or dropped is a line of its own."""
+    import copy
+    old = copy.deepcopy(manifest)
+    cell = next(b for s in old["selection"]["sets"] for b in s["boundaries"] if b.get("by_hidden"))
+    label = f"selection h200_nvlink {cell['dtype']} ws{cell['world_size']} {cell['profile']} at hidden 4096"
+    del cell["by_hidden"]
+    lines = diff_manifests(old, manifest)
+    assert f"~ {label}: none of its own -> all / all / all / all / all / all measured 8KiB to 128MiB" in lines, lines
+    assert f"~ {label}: all / all / all / all / all / all measured 8KiB to 128MiB -> none of its own" in \
+        diff_manifests(manifest, old)
+    assert diff_manifests(manifest, manifest) == []
+
+
 def test_diff_reports_changed_cells(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     assert run_cli([], cwd=repo).returncode == 0
@@ -895,7 +925,7 @@ def test_selection_map_draws_the_tables():
             edges = {1, 2 * selection_map.MAX_TOKENS_SHOWN - 1} | {b + d for b in tokens for d in (0, 1)
                                                                     if b < selection_map.MAX_TOKENS_SHOWN}
             for T in sorted(T for T in edges | {2 ** i for i in range(15)} if T >= 1):  # a bound of 0: no T
-                family = bounds.family(T * row)
+                family = bounds.family(T * row, selection_map.DRAWN_HIDDEN)
                 while (family, *cell) not in programs:
                     base = spec.FAMILY_BY_NAME[family].base
                     assert base != family, (table_set.name, cell, T, family)  # a hole with no base: fail, never spin

@@ -117,11 +117,13 @@ def test_a_bytes_range_holding_no_token_count_leaves_the_cell_to_the_fallback():
 
 # ---- a user's own set -----------------------------------------------------------------------------
 
-def _user_doc(match=None, sha=None, cells=None, name="tuned here"):
+def _user_doc(match=None, sha=None, cells=None, name="tuned here", by_hidden=None):
     match = match or {"product": "NVIDIA H200", "capability": "9.0", "sm_count": 132, "interconnect": "nvlink"}
     cells = cells if cells is not None else {("bf16", 2, "plain"): (from_oneshot(1024 * ROW), (ROW, 2048 * ROW))}
     rows = [{"dtype": d, "world_size": w, "profile": p, "key": "bytes_per_rank",
-             "limits": dict(zip(FIELDS, limits)), "measured": list(measured), "source": "measured here"}
+             "limits": dict(zip(FIELDS, limits)), "measured": list(measured), "source": "measured here",
+             **({"by_hidden": {str(h): {"limits": dict(zip(FIELDS, own)), "measured": list(own_measured)}
+                               for h, (own, own_measured) in by_hidden.items()}} if by_hidden else {})}
             for (d, w, p), (limits, measured) in cells.items()]
     return {"format": table_sets.TUNE_FORMAT, "version": table_sets.TUNE_VERSION, "stamp": {},
             "set": {"name": name, "match": match, "program_set_sha256": sha or program_set_sha256(),
@@ -166,6 +168,41 @@ def test_a_users_set_that_does_not_match_is_refused_with_one_warning_and_not_use
     for selection in (first, second):  # never half-used: every cell from the device's committed set
         assert selection.set == "h200_nvlink" and selection.user_set is None
         assert {cell.set for cell in selection.cells.values()} == {"h200_nvlink"}
+
+
+def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
+    """A cell whose row for hidden 4096 differs: a workspace of that hidden size takes it and its
+    measured range (and says so), every other hidden size the cell's own; both in bytes per rank."""
+    own = from_oneshot(256 * 4096 * 2)
+    user = table_sets.read_user_set(_user_file(tmp_path, by_hidden={4096: (own, (4096 * 2, 512 * 4096 * 2))}),
+                                    "tables")
+    at_4096 = _resolve(user=user, hidden=4096)
+    assert at_4096.limits("plain")["oneshot_max_tokens"] == 256
+    assert "this hidden size's own boundaries (4096); T outside 1..512 from h200_nvlink" in at_4096.cells["plain"].source
+    at_7168 = _resolve(user=user)
+    assert at_7168.limits("plain") == dict(zip(FIELDS, from_oneshot(1024)))
+    assert "own boundaries" not in at_7168.cells["plain"].source
+    assert _resolve(user=user, hidden=3584).limits("plain")["oneshot_max_tokens"] == 2048  # 1024 rows of 7168 in bytes
+    assert at_4096.label != _resolve(user=user, hidden=4096 + 128).label
+
+
+def test_the_committed_world_one_cells_serve_hidden_4096_by_its_own_boundaries():
+    """The H200 set fitted world size 1 at H 7168 and 4096: the latency layout runs every T at 4096
+    (bench_results/world_size_1/row_split/), the streaming layout from 2 MiB a rank at 7168."""
+    cell = _committed_cell(world_size=1)
+    assert set(cell.by_hidden) == {4096}
+    streaming = FIELDS.index("local_max_tokens")
+    assert _resolve(world_size=1, hidden=4096).limits("plain")["local_max_tokens"] == 16384  # the measured range's end
+    assert _resolve(world_size=1).limits("plain")["local_max_tokens"] == cell.limits[streaming] // ROW == 146
+
+
+@pytest.mark.parametrize("by_hidden", [{0: (from_oneshot(5), (1, 2))}, {4096: ((9, 3, 3, 3, 3, 3), (1, 2))},
+                                       {4096: ((1, 2), (1, 2))}, {4096: (from_oneshot(5), (3, 2))},
+                                       {4096: (from_oneshot(5), (1,))}])
+def test_a_bad_row_of_a_hidden_size_is_refused(tmp_path, by_hidden):
+    path = _user_file(tmp_path, by_hidden=by_hidden)
+    with pytest.raises(ValueError, match="^tables: .*not a table set's boundaries"):
+        table_sets.check_arguments(path, None)
 
 
 def test_an_unknown_interconnect_is_not_a_mismatch(tmp_path):

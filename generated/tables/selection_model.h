@@ -87,3 +87,4 @@ static const CellBoundaries kRegimeBoundaries[2][5][4] = {
         },
     },
 };
+// No cell has boundaries of its own per hidden size.
