@@ -254,6 +254,11 @@ def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list) -
                 row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in fields) + mark)
             rows.append(row)
     _print_rows(rows, ("  ", *profile_names))
+    for (dtype, world_size, profile), cell in bounds.items():  # the hidden sizes with boundaries of their own
+        for hidden, own in cell.get("by_hidden", {}).items():
+            click.echo(f"  {dtype} ws{world_size} {profile} at hidden {hidden}: "
+                       + " / ".join(shown_limit(own["limits"][field], cell["key"]) for field in fields)
+                       + " (measured " + " to ".join(shown_limit(v, cell["key"]) for v in own["measured"]) + ")")
     if any(not cell["source"].startswith("measured") for cell in bounds.values()):
         click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
 

@@ -897,6 +897,8 @@ def test_tables_marks_holes_and_fallbacks():
     assert "hole[2]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
     # measured, in bytes per rank: no model mark
     assert re.search(r"bf16 ws2 +0 / 0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
+    # a hidden size with boundaries of its own: a line of its own under its set
+    assert "  bf16 ws1 plain at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in r.stdout
 
     # world size 1: local for every T; every other family a hole there that falls back to local, and
     # local a hole (never selected, no arrow) elsewhere
