@@ -228,7 +228,7 @@ def _cells(rows, fields: tuple, all_tokens: int, where: str) -> dict:
                 raise ValueError(f"row {row!r}")
             cells[(row["dtype"], row["world_size"], row["profile"])] = Cell(row["key"], limits, measured,
                                                                            str(row["source"]), by_hidden)
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{where}: not a table set's boundaries ({type(e).__name__}: {e}); "
                          f"fields {list(fields)}") from None
     return cells

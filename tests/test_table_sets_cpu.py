@@ -205,6 +205,16 @@ def test_a_bad_row_of_a_hidden_size_is_refused(tmp_path, by_hidden):
         table_sets.check_arguments(path, None)
 
 
+@pytest.mark.parametrize("by_hidden", [[4096], {"4096": [1, 2]}, {"abc": {}}, {"4096": {"limits": {}, "measured": [1, 2]}}])
+def test_a_by_hidden_that_is_not_rows_is_refused(tmp_path, by_hidden):
+    doc = _user_doc()
+    doc["set"]["boundaries"][0]["by_hidden"] = by_hidden
+    path = tmp_path / "tables.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="^tables: .*not a table set's boundaries"):
+        table_sets.check_arguments(path, None)
+
+
 def test_an_unknown_interconnect_is_not_a_mismatch(tmp_path):
     user = table_sets.read_user_set(_user_file(tmp_path), "tables")
     with warnings.catch_warnings():
