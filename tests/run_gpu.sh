@@ -18,6 +18,9 @@
 #             norm kernels (moe_ar_tools.bench_one), into $OUT/bench1/ directly (summary.json,
 #             records.json, table.md, latency.png) and $OUT/bench1.log; FlashInfer's kernels come from
 #             .baselines/ (moe_ar_tools/baselines/fetch_flashinfer.sh here, then carry .baselines)
+#   tune      `gen-programs tune` of this machine (world size 1, and 2 and up where as many GPUs are
+#             here: one process a GPU), into $OUT/tune.json and $OUT/tune.log; a call killed at the
+#             device's limit leaves the units done (rerun with the file to resume)
 # Usage on the device machine: bash tests/run_gpu.sh [pytest-args...]; COMMIT records the commit.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -33,7 +36,7 @@ OUT=${RES:-$(mktemp -d /tmp/moe-ar-gpu-XXXX)}; mkdir -p "$OUT"
 pack() { tar czf "$FINAL_OUT/results.tgz" -C "$OUT" . 2>/dev/null; true; }
 trap pack EXIT
 export MOE_AR_COMMIT=${COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
-STEPS=${STEPS:-tests bench fp8bench autobench latency soak hosttime backend example bench1}
+STEPS=${STEPS:-tests bench fp8bench autobench latency soak hosttime backend example bench1 tune}
 GPUS=$(nvidia-smi -L | wc -l)
 status=0
 step() { pack; [[ " $STEPS " == *" $1 "* ]]; }  # packs what the steps before wrote
@@ -132,5 +135,10 @@ if step bench1; then
         --tokens "${BENCH1_TOKENS:-1-16384}" --profiles "${BENCH1_PROFILES:-plain,nvfp4,fp8_group128_row,fp8_group128_col,fp8_tensor}" \
         --budget-s "${BENCH1_BUDGET:-470}" --out "$FINAL_OUT/bench1" 2>&1 | tee "$FINAL_OUT/bench1.log" | tail -60 || status=1
     cp -r "$FINAL_OUT/bench1" "$FINAL_OUT/bench1.log" "$OUT/" 2>/dev/null  # into results.tgz too
+fi
+if step tune; then
+    timeout "${TUNE_TIMEOUT:-550}" python3 -m moe_ar_tools.tune --out "$FINAL_OUT/tune.json" \
+        --budget-s "${TUNE_BUDGET:-480}" ${TUNE_ARGS:-} 2>&1 | tee "$FINAL_OUT/tune.log" | tail -20 || status=1
+    cp "$FINAL_OUT/tune.json" "$FINAL_OUT/tune.log" "$OUT/" 2>/dev/null  # into results.tgz too
 fi
 exit $status

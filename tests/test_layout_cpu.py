@@ -285,9 +285,10 @@ def test_every_tool_module_imports_without_a_gpu():
 
 @pytest.mark.parametrize("command, usage", [("bench", "Usage: python -m moe_ar_tools.bench "),
                                             ("bench_one", "Usage: python -m moe_ar_tools.bench_one "),
-                                            ("soak", "usage: moe-ar-soak")])
+                                            ("soak", "usage: moe-ar-soak"),
+                                            ("tune", "Usage: python -m moe_ar_tools.tune ")])
 def test_python_m_runs_each_command(command, usage):
-    """tests/run_gpu.sh runs the tools as python -m moe_ar_tools.bench / .bench_one / .soak."""
+    """tests/run_gpu.sh runs the tools as python -m moe_ar_tools.bench / .bench_one / .soak / .tune."""
     r = subprocess.run([sys.executable, "-m", f"{TOOLS}.{command}", "--help"], cwd=ROOT, capture_output=True,
                        text=True)
     assert r.returncode == 0 and r.stdout.startswith(usage), r.stdout[:500] + r.stderr[-2000:]
