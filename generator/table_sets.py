@@ -10,7 +10,8 @@ capability and interconnect, then the model).
 
 A set's files are moe-ar-bench results or `gen-programs tune` outputs (format TUNE_FORMAT); each
 file's stamp must agree with the set's key. Adding a file to COMMITTED_SETS (or a set) is a
-reviewable table diff (`gen-programs diff`).
+reviewable table diff (`gen-programs diff`); the wheel ships the file where pyproject.toml's
+package-data names it too.
 """
 from __future__ import annotations
 
