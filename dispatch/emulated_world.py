@@ -9,7 +9,7 @@ from . import registry, table_sets
 from .op import prepare_call
 from .overlaps import check_rank_overlaps
 from .rank_memory import _RankMemory
-from .workspace import _live_workspaces, _register, _WorkspaceBase
+from .workspace import _register, _WorkspaceBase
 from .workspace_arguments import _check_arguments, _check_devices
 
 
@@ -28,11 +28,7 @@ class _EmulatedRank(_WorkspaceBase):
 
     def close(self) -> None:
         if not self._closed:
-            self._closed = True
-            self._launchers.clear()
-            self._plans.clear()
-            self._recent_plans.clear()
-            _live_workspaces.discard(self)
+            self._forget()
             self._memory.free()
 
 

@@ -16,39 +16,23 @@ memory is the 8 device state words, of which the kernel uses the count of skippe
 """
 from __future__ import annotations
 
-import numbers
-
-import numpy as np
 import torch
 
 from . import registry, table_sets
 from .rank_memory import LocalMemory
-from .workspace import _live_workspaces, _register, _WorkspaceBase
-from .workspace_arguments import _check_arguments
+from .workspace import _register, _WorkspaceBase
+from .workspace_arguments import _check_arguments, device_entry
 from .workspace_sizes import check_sizes
 
 
 def device_index_of(device) -> int:
     """The CUDA device index of `device`: None (the current device), an int, "cuda", "cuda:i" or a
     torch.device. ValueError naming `device` for anything else or a GPU that is not visible."""
-    if isinstance(device, (str, torch.device)):
-        try:
-            dev = torch.device(device)
-        except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"device: {device!r} is not a device") from None
-        if dev.type != "cuda":
-            raise ValueError(f"device: {device!r} is not a CUDA device")
-        device = dev.index
-    elif device is not None and (isinstance(device, (bool, np.bool_)) or not isinstance(device, numbers.Integral)):
-        raise ValueError(f"device: {device!r} ({type(device).__name__}) is not a GPU index, a CUDA device or None")
-    count = torch.cuda.device_count()
-    if device is None:
-        if count == 0:
+    index = device_entry(device, "device")
+    if index is None:
+        if torch.cuda.device_count() == 0:
             raise ValueError("device: None (the current device), but no CUDA device is visible")
         return torch.cuda.current_device()
-    index = int(device)
-    if not 0 <= index < count:
-        raise ValueError(f"device: GPU {index} does not exist ({count} visible)")
     return index
 
 
@@ -94,11 +78,7 @@ class LocalWorkspace(_WorkspaceBase):
         """Release the state words (after this device's kernels have finished); idempotent."""
         if self._closed:
             return
-        self._closed = True
-        self._launchers.clear()
-        self._plans.clear()
-        self._recent_plans.clear()
-        _live_workspaces.discard(self)
+        self._forget()
         self._memory.free()
 
     def __enter__(self) -> "LocalWorkspace":

@@ -104,6 +104,15 @@ class _WorkspaceBase:
         # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
         self._fault_stop_after_units = 0
 
+    def _forget(self) -> None:
+        """Closed: no plan, launcher or dispatch.check() entry refers to this workspace any more
+        (its memory is released by the caller)."""
+        self._closed = True
+        self._launchers.clear()
+        self._plans.clear()
+        self._recent_plans.clear()
+        _live_workspaces.discard(self)
+
     def row_splits_for(self, regime: str) -> tuple:
         """The row splits a program of `regime` runs. World size 1's latency layout (`local`) keeps the
         few-tokens split at every T where it fits a block: its all-loads path (2 vectors a thread) is
@@ -370,11 +379,7 @@ class Workspace(_WorkspaceBase):
             # no peer may still write into this rank's buffers: every rank's kernels have finished
             exchange_status(self.group, "close: finishing this rank's kernels",
                             _attempt(lambda: torch.cuda.synchronize(self.device)))
-            self._closed = True
-            self._launchers.clear()
-            self._plans.clear()
-            self._recent_plans.clear()
-            _live_workspaces.discard(self)
+            self._forget()
             self._unmap_then_free("close")
 
 

@@ -66,6 +66,30 @@ def _check_backend(backend) -> str:
     return backend
 
 
+def device_entry(device, name: str) -> int | None:
+    """The GPU index one argument names: an int, "cuda:i" or torch.device("cuda", i); None for None or
+    a CUDA device without an index (the current device, resolved by the caller). ValueError naming
+    `name` for anything else or a GPU that is not visible."""
+    if isinstance(device, (str, torch.device)):
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"{name}: {device!r} is not a device") from None
+        if dev.type != "cuda":
+            raise ValueError(f"{name}: {device!r} is not a CUDA device")
+        index = dev.index
+    elif device is None:
+        index = None
+    elif isinstance(device, (bool, np.bool_)) or not isinstance(device, numbers.Integral):
+        raise ValueError(f"{name}: {device!r} ({type(device).__name__}) is not a GPU index, a CUDA device or None")
+    else:
+        index = operator.index(device)
+    count = torch.cuda.device_count()
+    if index is not None and not 0 <= index < count:
+        raise ValueError(f"{name}: GPU {index} does not exist ({count} visible)")
+    return index
+
+
 def _check_devices(devices, world_size) -> list:
     """EmulatedWorld's `devices`: W GPU indices (ints, "cuda:i" or torch.device("cuda", i)); None entries
     stand for the current device (resolved later). Needs no GPU."""
@@ -76,22 +100,7 @@ def _check_devices(devices, world_size) -> list:
     devices = list(devices)
     if len(devices) != world_size:
         raise ValueError(f"devices: {len(devices)} entries for world_size {world_size}")
-    count = torch.cuda.device_count()
-    out = []
-    for d in devices:
-        if isinstance(d, (str, torch.device)):
-            try:
-                dev = torch.device(d)
-            except (RuntimeError, TypeError, ValueError):
-                raise ValueError(f"devices: {d!r} is not a device") from None
-            if dev.type != "cuda":
-                raise ValueError(f"devices: {d!r} is not a CUDA device")
-            out.append(dev.index)
-            continue
-        if isinstance(d, (bool, np.bool_)) or not isinstance(d, numbers.Integral):
-            raise ValueError(f"devices: entry {d!r} ({type(d).__name__}) is not a GPU index")
-        out.append(operator.index(d))
-    for i in out:
-        if i is not None and not 0 <= i < count:
-            raise ValueError(f"devices: GPU {i} does not exist ({count} visible)")
-    return out
+    if any(d is None for d in devices):  # None stands for the whole list (devices=None), not an entry
+        raise ValueError("devices: entry None (NoneType) is not a GPU index; devices=None puts every rank on the "
+                         "current device")
+    return [device_entry(d, "devices") for d in devices]

@@ -213,6 +213,20 @@ def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
     assert all(two.row_splits_for(regime) == two.row_splits for regime in ("oneshot", "twoshot", "twoshot_pipelined"))
 
 
+@pytest.mark.parametrize("bad,says", [("cpu", "is not a CUDA device"), ("gpu:0", "is not a device"),
+                                      (True, "is not a GPU index"), (1.0, "is not a GPU index"),
+                                      (10 ** 6, "does not exist")])
+def test_a_bad_device_is_named_as_the_argument_it_came_in(bad, says):
+    """One parser for a LocalWorkspace's `device` and an EmulatedWorld's `devices` entries."""
+    from dispatch.local import device_index_of
+    from dispatch.workspace_arguments import _check_devices
+    with pytest.raises(ValueError, match=f"^device: .*{says}"):
+        device_index_of(bad)
+    with pytest.raises(ValueError, match=f"^devices: .*{says}"):
+        _check_devices(["cuda", bad], 2)
+    assert _check_devices(["cuda", "cuda"], 2) == [None, None]  # the current device, resolved later
+
+
 def test_emulated_world_of_one_rank_is_refused_naming_world_size():
     import dispatch
     with pytest.raises(ValueError, match=r"^world_size: 1 has no peers to emulate; use dispatch.LocalWorkspace"):
