@@ -7,7 +7,8 @@
 //
 // Two layouts, one program each (generator/spec.py): kLocal for few tokens issues every load of a
 // row before using any (latency); kLocalStreaming for many tokens runs more blocks a multiprocessor
-// under a register cap, with eight routes in flight and evict-first loads (bandwidth).
+// under a register cap, with evict-first loads, the residual's load in flight with the routes' and the
+// next row's indices prefetched (bandwidth).
 #pragma once
 #include "call.cuh"
 #include "finalize.cuh"
@@ -127,6 +128,31 @@ __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsi
   }
 }
 
+// The streaming layout's row: as local_row_by_vector with evict-first loads, and the residual's load
+// issued before the routes', in flight with them (one memory round trip a vector, not two).
+template <typename D, int kRoutes, bool kSharedFirst>
+__device__ __forceinline__ void local_row_streaming(const Params& p, int t, unsigned& bad_rows,
+                                                    uint4 (&res)[kMaxVecPerThread]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    res[r] = make_uint4(0, 0, 0, 0);
+    if (r >= vpt || v >= nvec) continue;
+    // residual_in[t] is read before residual_out[t] is written (in place)
+    const uint4 resid = *reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
+                                                        v * kElemsPerVec);
+    const PartialF32 part = partial_f32<D, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows);
+    float s[8], x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = part.x[i];
+    Vec<D>::to_float(resid, x);
+    add_residual_from_zero(s, x);
+    res[r] = Vec<D>::from_float(s);
+    reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
+  }
+}
+
 // Blocks stride over token rows (a grid of at most the co-resident blocks); a row is spread over the
 // block's threads, vec_per_thread 16-byte vectors a thread, as in the exchanges' last phase.
 template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst>
@@ -145,8 +171,21 @@ __device__ __forceinline__ void run_local(const Params& p) {
   const bool all_loads = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
-    if (all_loads) local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
-    else local_row_by_vector<D, kRoutes, kSharedFirst, R == Regime::kLocalStreaming>(p, t, bad_rows, res);
+    if constexpr (R == Regime::kLocalStreaming) {
+      // Pull the block's next row's route indices and weights toward L2 now: that row's first loads
+      // then wait one memory round trip, not two.
+      if (threadIdx.x == 0 && t + gridDim.x < T) {
+        const long long next = (long long)(t + gridDim.x) * p.top_k;
+        prefetch_l2(p.expanded_idx + next);
+        if (p.scale_kind == 1) prefetch_l2(static_cast<const float*>(p.expert_scale) + next);
+        else if (p.scale_kind == 2) prefetch_l2(static_cast<const D*>(p.expert_scale) + next);
+      }
+      local_row_streaming<D, kRoutes, kSharedFirst>(p, t, bad_rows, res);
+    } else if (all_loads) {
+      local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
+    } else {
+      local_row_by_vector<D, kRoutes, kSharedFirst, false>(p, t, bad_rows, res);
+    }
     norm_row<D, P>(p, t, res);
   }
   if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
