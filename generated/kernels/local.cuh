@@ -105,7 +105,9 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
 }
 
 // Any row split and top_k: the vectors one after the other, kRoutes routes of a vector at a time
-// (finalize.cuh's partial_f32); kStreaming: evict-first loads (each expert row is read once).
+// (finalize.cuh's partial_f32). kStreaming (the streaming layout): evict-first loads (each expert row
+// is read once), and the residual's load issued before the routes', in flight with them (one memory
+// round trip a vector, not two).
 template <typename D, int kRoutes, bool kSharedFirst, bool kStreaming>
 __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsigned& bad_rows,
                                                     uint4 (&res)[kMaxVecPerThread]) {
@@ -115,38 +117,18 @@ __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsi
     const int v = r * blockDim.x + threadIdx.x;
     res[r] = make_uint4(0, 0, 0, 0);
     if (r >= vpt || v >= nvec) continue;
+    // residual_in[t] is read before residual_out[t] is written (in place)
+    const auto residual = [&] {
+      return *reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H + v * kElemsPerVec);
+    };
+    uint4 resid_first;
+    if constexpr (kStreaming) resid_first = residual();
     float s[8], x[8];
     const PartialF32 part = partial_f32<D, kRoutes, kSharedFirst, kStreaming>(p, t, v, bad_rows);
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i] = part.x[i];
-    // residual_in[t] is read before residual_out[t] is written (in place)
-    Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
-                                                     v * kElemsPerVec), x);
-    add_residual_from_zero(s, x);
-    res[r] = Vec<D>::from_float(s);
-    reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
-  }
-}
-
-// The streaming layout's row: as local_row_by_vector with evict-first loads, and the residual's load
-// issued before the routes', in flight with them (one memory round trip a vector, not two).
-template <typename D, int kRoutes, bool kSharedFirst>
-__device__ __forceinline__ void local_row_streaming(const Params& p, int t, unsigned& bad_rows,
-                                                    uint4 (&res)[kMaxVecPerThread]) {
-  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
-#pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
-    res[r] = make_uint4(0, 0, 0, 0);
-    if (r >= vpt || v >= nvec) continue;
-    // residual_in[t] is read before residual_out[t] is written (in place)
-    const uint4 resid = *reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
-                                                        v * kElemsPerVec);
-    const PartialF32 part = partial_f32<D, kRoutes, kSharedFirst, /*kStreaming=*/true>(p, t, v, bad_rows);
-    float s[8], x[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) s[i] = part.x[i];
-    Vec<D>::to_float(resid, x);
+    if constexpr (kStreaming) Vec<D>::to_float(resid_first, x);
+    else Vec<D>::to_float(residual(), x);
     add_residual_from_zero(s, x);
     res[r] = Vec<D>::from_float(s);
     reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
@@ -180,7 +162,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
         if (p.scale_kind == 1) prefetch_l2(static_cast<const float*>(p.expert_scale) + next);
         else if (p.scale_kind == 2) prefetch_l2(static_cast<const D*>(p.expert_scale) + next);
       }
-      local_row_streaming<D, kRoutes, kSharedFirst>(p, t, bad_rows, res);
+      local_row_by_vector<D, kRoutes, kSharedFirst, true>(p, t, bad_rows, res);
     } else if (all_loads) {
       local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
     } else {
