@@ -102,7 +102,7 @@ def test_the_manifest_and_tables_carry_world_size_one():
             "/*routes_in_flight=*/4, /*shared_row_first=*/true>(p);") in program
     assert f"__launch_bounds__({abi.MAX_THREADS}) moe_ar_lc_bf16_ws1_nvfp4(" in program  # uncapped: spec.REGISTER_CAP
     program = (ROOT / "generated" / "programs" / "moe_ar_lcs_bf16_ws1_plain.cu").read_text()
-    assert "moe_ar::Regime::kLocalStreaming" in program and "/*routes_in_flight=*/8" in program
+    assert "moe_ar::Regime::kLocalStreaming" in program and "/*routes_in_flight=*/4" in program
     assert "__maxnreg__(72) moe_ar_lcs_bf16_ws1_plain(" in program
 
 
