@@ -150,8 +150,8 @@ FAMILY_BY_NAME = _by_name(
                    "residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)",
            base="local", protocol="local", regime="local", shared_prefetch=False, cpp_name="Local"),
     Family("local_streaming", code="lcs", title="local, world size 1, streaming",
-           meaning="the local program for many tokens: more blocks a multiprocessor under a register cap, "
-                   "four routes at a time in flight with the residual, evict-first loads (large T)",
+           meaning="the local program for many tokens: the rows come into a ring in shared memory by bulk "
+                   "copies, in flight while the block normalizes and quantizes (large T)",
            base="local", protocol="local", regime="local_streaming", shared_prefetch=False,
            cpp_name="LocalStreaming"),
     Family("oneshot", code="os", title="one-shot",
@@ -219,10 +219,8 @@ COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=tru
 # a multiprocessor. The world-size-2 two-shots measured faster capped, spills included; the
 # one-shots (the latency range) slower, and world sizes 4 and 8 have no hardware here to measure
 # on (bench_results/registers/, bench_results/pipelined/). World size 1: the latency layout (local)
-# is uncapped (a row's loads all in registers); the streaming one is capped at 72 (four 224-thread
-# blocks a multiprocessor), which measured a third faster at many tokens (bench_results/world_size_1/).
-REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72,
-                ("local_streaming", 1): 72}
+# is uncapped (a row's loads all in registers); the streaming one has a ring (below).
+REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72}
 
 # The pipelined two-shot with the row ring reads its partials' rows through a ring of this many
 # rows in shared memory, filled by bulk copies (dynamic shared memory: stages x H x the dtype's
@@ -231,19 +229,29 @@ REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipeline
 # fastest ring (bench_results/pipelined/row_ring/).
 PIPELINED_ROW_STAGES = 3
 PIPELINED_RING_CAP = 128
+# World size 1's streaming program reads its rows through the same kind of ring (local.cuh): rows
+# stay in flight while a block normalizes and quantizes, holding no registers. Three rows under a cap
+# of 96 (three 224-thread blocks a multiprocessor at H 7168, no spills) measured fastest: 2-9% faster
+# than four routes at a time in registers under a cap of 72 from 1,024 tokens; two, four and six rows,
+# two blocks or four were no faster (bench_results/world_size_1/row_ring/).
+LOCAL_STREAMING_ROW_STAGES = 3
+LOCAL_RING_CAP = 96
+if not LOCAL_STREAMING_ROW_STAGES:
+    raise ValueError("spec: the streaming program of world size 1 has no register-load form; it needs its ring")
 
 # The one-shot, every profile: four routes at a time, the shared row first
 # (bench_results/oneshot/, "Loads in flight"). World size 1: the latency layout loads alike where its
-# all-loads path does not apply (local.cuh); the streaming one too: under its cap of 72, eight routes
-# spilled and measured 2-7% slower (bench_results/world_size_1/streaming_loads/).
+# all-loads path does not apply (local.cuh).
 ONESHOT_LOADS = (4, True)
 LOCAL_LOADS = ONESHOT_LOADS
-LOCAL_STREAMING_LOADS = (4, True)
 
 
 def row_stages(family: str) -> int:
     """Rows in the shared-memory ring of a program's partials; 0: it loads them into registers."""
-    return PIPELINED_ROW_STAGES if FAMILY_BY_NAME[family].regime == "twoshot_pipelined" else 0
+    regime = FAMILY_BY_NAME[family].regime
+    if regime == "twoshot_pipelined":
+        return PIPELINED_ROW_STAGES
+    return LOCAL_STREAMING_ROW_STAGES if regime == "local_streaming" else 0
 
 
 def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
@@ -255,8 +263,6 @@ def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
         return ONESHOT_LOADS
     if regime == "local":
         return LOCAL_LOADS
-    if regime == "local_streaming":
-        return LOCAL_STREAMING_LOADS
     if regime == "twoshot_pipelined_loads":
         return PROFILE_BY_NAME[profile].pipelined_loads
     return None
@@ -264,7 +270,7 @@ def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
 
 def register_cap(family: str, world_size: int) -> int | None:
     if row_stages(family):
-        return PIPELINED_RING_CAP
+        return LOCAL_RING_CAP if FAMILY_BY_NAME[family].regime == "local_streaming" else PIPELINED_RING_CAP
     return REGISTER_CAP.get((FAMILY_BY_NAME[family].regime, world_size))
 
 

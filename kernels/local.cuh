@@ -6,9 +6,9 @@
 // state word used is kBadRows, the count of skipped out-of-range routes (dispatch check() reads it).
 //
 // Two layouts, one program each (generator/spec.py): kLocal for few tokens issues every load of a
-// row before using any (latency); kLocalStreaming for many tokens runs more blocks a multiprocessor
-// under a register cap, with evict-first loads, the residual's load in flight with the routes' and the
-// next row's indices prefetched (bandwidth).
+// row before using any (latency); kLocalStreaming for many tokens reads its rows through a ring in
+// shared memory filled by bulk copies (row_ring.cuh), which keeps the next rows in flight, holding no
+// registers, while the block normalizes and quantizes a row (bandwidth).
 #pragma once
 #include "call.cuh"
 #include "finalize.cuh"
@@ -17,6 +17,7 @@
 #include "norm.cuh"
 #include "nvfp4.cuh"
 #include "params.cuh"
+#include "row_ring.cuh"
 #include "vector.cuh"
 
 namespace moe_ar {
@@ -105,10 +106,8 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
 }
 
 // Any row split and top_k: the vectors one after the other, kRoutes routes of a vector at a time
-// (finalize.cuh's partial_f32). kStreaming (the streaming layout): evict-first loads (each expert row
-// is read once), and the residual's load issued before the routes', in flight with them (one memory
-// round trip a vector, not two).
-template <typename D, int kRoutes, bool kSharedFirst, bool kStreaming>
+// (finalize.cuh's partial_f32).
+template <typename D, int kRoutes, bool kSharedFirst>
 __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsigned& bad_rows,
                                                     uint4 (&res)[kMaxVecPerThread]) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
@@ -117,28 +116,49 @@ __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsi
     const int v = r * blockDim.x + threadIdx.x;
     res[r] = make_uint4(0, 0, 0, 0);
     if (r >= vpt || v >= nvec) continue;
-    // residual_in[t] is read before residual_out[t] is written (in place)
-    const auto residual = [&] {
-      return *reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H + v * kElemsPerVec);
-    };
-    uint4 resid_first;
-    if constexpr (kStreaming) resid_first = residual();
     float s[8], x[8];
-    const PartialF32 part = partial_f32<D, kRoutes, kSharedFirst, kStreaming>(p, t, v, bad_rows);
+    const PartialF32 part = partial_f32<D, kRoutes, kSharedFirst>(p, t, v, bad_rows);
 #pragma unroll
     for (int i = 0; i < 8; ++i) s[i] = part.x[i];
-    if constexpr (kStreaming) Vec<D>::to_float(resid_first, x);
-    else Vec<D>::to_float(residual(), x);
+    // residual_in[t] is read before residual_out[t] is written (in place)
+    Vec<D>::to_float(*reinterpret_cast<const uint4*>(static_cast<const D*>(p.residual_in) + (long long)t * H +
+                                                     v * kElemsPerVec), x);
     add_residual_from_zero(s, x);
     res[r] = Vec<D>::from_float(s);
     reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
   }
 }
 
+// The streaming layout's row from the ring: the partial in fp32 (the additions of partial_f32, in its
+// order), then residual_in[t], the last row of the token in the ring (copied before residual_out[t],
+// which may be the same memory, is written).
+template <typename D, int kStages>
+__device__ __forceinline__ void local_row_ring(const Params& p, RowRing<D, kStages, true>& ring, int t,
+                                               unsigned& bad_rows, uint4 (&res)[kMaxVecPerThread]) {
+  const int nvec = p.hidden / kElemsPerVec, vpt = p.vec_per_thread;
+  float s[kMaxVecPerThread][8];
+  partial_row_f32(p, ring, t, s, bad_rows);
+  const uint4* residual_row = ring.wait_row(p);
+  uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * p.hidden);
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    res[r] = make_uint4(0, 0, 0, 0);
+    if (r >= vpt || v >= nvec) continue;
+    float x[8];
+    Vec<D>::to_float(residual_row[v], x);
+    add_residual_from_zero(s[r], x);
+    res[r] = Vec<D>::from_float(s[r]);
+    residual_out[v] = res[r];
+  }
+  ring.release_row(p);
+}
+
 // Blocks stride over token rows (a grid of at most the co-resident blocks); a row is spread over the
 // block's threads, vec_per_thread 16-byte vectors a thread, as in the exchanges' last phase.
-template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst>
+template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst, int kRowStages>
 __device__ __forceinline__ void run_local(const Params& p) {
+  static_assert((kRowStages > 0) == (R == Regime::kLocalStreaming), "the ring is the streaming layout's, and only its");
   wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
   // The next kernel's griddepcontrol.wait still waits for this whole grid to finish and its writes to
   // be visible, and this grid is all resident at once (dispatch sizes it so): letting the next kernel
@@ -151,26 +171,27 @@ __device__ __forceinline__ void run_local(const Params& p) {
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8.
   const bool all_loads = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
+  extern __shared__ __align__(128) unsigned char dynamic_smem[];
+  RowRing<D, (kRowStages > 0 ? kRowStages : 1), /*kLocal=*/true> ring;  // unused without the ring
+  if constexpr (kRowStages > 0) ring.start(dynamic_smem, max(0, (T - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x), 0, p);
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
-    if constexpr (R == Regime::kLocalStreaming) {
-      // Pull the block's next row's route indices and weights toward L2 now: that row's first loads
-      // then wait one memory round trip, not two.
-      if (threadIdx.x == 0 && t + gridDim.x < T) {
-        const long long next = (long long)(t + gridDim.x) * p.top_k;
-        prefetch_l2(p.expanded_idx + next);
-        if (p.scale_kind == 1) prefetch_l2(static_cast<const float*>(p.expert_scale) + next);
-        else if (p.scale_kind == 2) prefetch_l2(static_cast<const D*>(p.expert_scale) + next);
-      }
-      local_row_by_vector<D, kRoutes, kSharedFirst, true>(p, t, bad_rows, res);
+    if constexpr (kRowStages > 0) {
+      local_row_ring(p, ring, t, bad_rows, res);
+      // The outputs by plain stores: the next layer reads them (and they measured faster from 4,096
+      // tokens than evict-first ones).
+      norm_row<D, P, /*overlap_quant_rounds=*/true, /*fewest_quant_instructions=*/true, /*streaming_stores=*/false>(p, t, res);
+      continue;
     } else if (all_loads) {
       local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
     } else {
-      local_row_by_vector<D, kRoutes, kSharedFirst, false>(p, t, bad_rows, res);
+      local_row_by_vector<D, kRoutes, kSharedFirst>(p, t, bad_rows, res);
     }
     norm_row<D, P>(p, t, res);
   }
-  if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
+  // kBadRows counts a skipped route once a 16-byte vector; the ring counts it once a row
+  const unsigned long long per_count = kRowStages > 0 ? p.hidden / kElemsPerVec : 1;
+  if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), bad_rows * per_count);
 }
 
 }  // namespace moe_ar

@@ -308,8 +308,9 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         assert p["row_stages"] == stages
         if stages:
             ringed += 1
-            assert p["family"] == "twoshot_pipelined" and loads is None
-            assert p["register_cap"] == spec.PIPELINED_RING_CAP
+            assert p["family"] in ("twoshot_pipelined", "local_streaming") and loads is None
+            assert p["register_cap"] == (spec.LOCAL_RING_CAP if p["family"] == "local_streaming"
+                                         else spec.PIPELINED_RING_CAP)
             assert (f"/*routes_in_flight=*/4, /*shared_row_first=*/false, /*row_stages=*/{stages}>(p);" in text)
             continue
         assert "row_stages" not in text
@@ -323,8 +324,6 @@ def test_register_bound_follows_the_cap(rendered, manifest):
             assert loads == spec.PROFILE_BY_NAME[p["profile"]].pipelined_loads and p["register_cap"] == 72
         elif p["family"] == "local":
             assert loads == spec.LOCAL_LOADS and p["register_cap"] is None and p["world_size"] == 1
-        elif p["family"] == "local_streaming":
-            assert loads == spec.LOCAL_STREAMING_LOADS and p["register_cap"] == 72 and p["world_size"] == 1
         else:
             assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"

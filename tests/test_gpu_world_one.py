@@ -23,6 +23,7 @@ Seeds come from conftest (fresh per run; --seed N reproduces); every failure nam
 """
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import pathlib
@@ -186,11 +187,13 @@ def test_selection_is_local_for_every_token_count(dname, quant, workspaces, seed
 
 # ---- routes and special inputs --------------------------------------------------------------------
 
+@pytest.mark.parametrize("family", ["local", "local_streaming"])
 @pytest.mark.parametrize("quant", QUANTS)
-def test_out_of_range_routes_are_skipped_and_counted(quant, workspaces, seed_for):
+def test_out_of_range_routes_are_skipped_and_counted(quant, family, workspaces, seed_for):
     """Routes with an index >= allreduce_in.shape[0] add nothing (the reference skips them as dropped
     routes) and are counted: check() raises naming the number of 16-byte row loads left out (H / 8 per
-    route), reset() clears the count, and a valid call afterwards is correct."""
+    route), reset() clears the count, and a valid call afterwards is correct. Both layouts (the
+    streaming one counts a skipped route once a row, not once a vector)."""
     H, T, K = 4096, 37, 8
     ws = workspaces.get(MAX_TOKENS, H, torch.bfloat16)
     ws.reset()  # count from zero
@@ -206,7 +209,8 @@ def test_out_of_range_routes_are_skipped_and_counted(quant, workspaces, seed_for
     for t, k in bad:  # what the reference computes: the route adds nothing, as a dropped one
         expected[0]["expanded_idx_to_permuted_idx"][t, k] = -1
         idx[t, k] = R + rnd.choice([0, 1, 1000, 2 ** 31 - 1 - R])
-    call = _prepare(expected, quant)
+    program = gspec.ProgramSpec(family, "bf16", 1, next(n for n, q in PROFILE_QUANT.items() if q == quant)).name
+    call = _prepare(expected, quant, program=program)
     call["kwargs"]["expanded_idx_to_permuted_idx"] = idx
     out = dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
     torch.cuda.synchronize()
@@ -217,7 +221,7 @@ def test_out_of_range_routes_are_skipped_and_counted(quant, workspaces, seed_for
     _check(call, out, f"{len(bad)} out-of-range routes")
     ws.reset()
     ws.check()  # the count is cleared
-    _run_and_check(ws, _case(T, H, torch.bfloat16, seed_for("after")), quant, "after reset")
+    _run_and_check(ws, _case(T, H, torch.bfloat16, seed_for("after")), quant, "after reset", program=program)
 
 
 def test_zero_tokens_launches_nothing_and_returns_empty_outputs(workspaces):
@@ -284,22 +288,25 @@ def test_router_weights_and_weight_bias(scale_kind, weight_bias, workspaces, see
 
 
 def test_residual_out_may_be_residual_in(workspaces, seed_for):
-    """In place: residual_out given as residual_in itself, every profile, against the reference of a
-    copy of residual_in taken before the call."""
+    """In place: residual_out given as residual_in itself, every profile, both layouts (the streaming
+    one copies residual_in into shared memory ahead of writing residual_out), against the reference of
+    a copy of residual_in taken before the call."""
     ws = workspaces.get(MAX_TOKENS, 7168, torch.bfloat16)
     rnd = random.Random(seed_for("plan"))
-    for i, quant in enumerate(QUANTS):
+    for i, (quant, family) in enumerate(itertools.product(QUANTS, ("local", "local_streaming"))):
+        profile = next(n for n, q in PROFILE_QUANT.items() if q == quant)
+        program = gspec.ProgramSpec(family, "bf16", 1, profile).name
         for T in (rnd.randint(1, 16), rnd.randint(257, MAX_TOKENS)):
             case = _case(T, 7168, torch.bfloat16, seed_for(f"case{i}.{T}"), rnd)
             pristine = ref.Case([dict(case[0], residual_in=case[0]["residual_in"].clone())], case.meta)
-            call = _prepare(pristine, quant, fp8_layout="column", fp8_pow2=True)
+            call = _prepare(pristine, quant, fp8_layout="column", fp8_pow2=True, program=program)
             call["kwargs"]["residual_in"] = call["kwargs"]["residual_out"] = case[0]["residual_in"]
             call["provided"][0]["residual_out"] = case[0]["residual_in"]
             out = dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
             torch.cuda.synchronize()
             ws.check()
             assert out.residual_out.data_ptr() == case[0]["residual_in"].data_ptr()
-            _check(call, out, f"in place quant={quant} T={T}")
+            _check(call, out, f"in place {program} T={T}")
 
 
 # ---- PDL and CUDA graphs --------------------------------------------------------------------------

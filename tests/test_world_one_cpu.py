@@ -102,8 +102,11 @@ def test_the_manifest_and_tables_carry_world_size_one():
             "/*routes_in_flight=*/4, /*shared_row_first=*/true>(p);") in program
     assert f"__launch_bounds__({abi.MAX_THREADS}) moe_ar_lc_bf16_ws1_nvfp4(" in program  # uncapped: spec.REGISTER_CAP
     program = (ROOT / "generated" / "programs" / "moe_ar_lcs_bf16_ws1_plain.cu").read_text()
-    assert "moe_ar::Regime::kLocalStreaming" in program and "/*routes_in_flight=*/4" in program
-    assert "__maxnreg__(72) moe_ar_lcs_bf16_ws1_plain(" in program
+    assert "moe_ar::Regime::kLocalStreaming" in program
+    assert f"/*row_stages=*/{spec.LOCAL_STREAMING_ROW_STAGES}>(p);" in program  # the row ring
+    assert f"__maxnreg__({spec.LOCAL_RING_CAP}) moe_ar_lcs_bf16_ws1_plain(" in program
+    entry = next(e for e in manifest["programs"] if e["name"] == "moe_ar_lcs_bf16_ws1_plain")
+    assert entry["row_stages"] == spec.LOCAL_STREAMING_ROW_STAGES > 0
 
 
 def test_gen_programs_list_and_tables_at_world_size_one():
