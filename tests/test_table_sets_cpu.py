@@ -186,14 +186,16 @@ def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
     assert at_4096.label != _resolve(user=user, hidden=4096 + 128).label
 
 
-def test_the_committed_world_one_cells_serve_hidden_4096_by_its_own_boundaries():
-    """The H200 set fitted world size 1 at H 7168 and 4096: the latency layout runs every T at 4096
-    (bench_results/world_size_1/row_split/), the streaming layout from 2 MiB a rank at 7168."""
+def test_the_committed_world_one_cells_share_one_byte_boundary():
+    """The H200 set fitted world size 1 at H 7168 and 4096 (plain): one boundary in bytes a rank serves
+    both sizes, the latency layout up to 1 MiB (73 tokens at 7168, 128 at 4096), the streaming layout
+    (its row ring) above; no row of its own for 4096 (bench_results/tuning/README.md, "World size 1")."""
     cell = _committed_cell(world_size=1)
-    assert set(cell.by_hidden) == {4096}
+    assert cell.by_hidden == {}
     streaming = FIELDS.index("local_max_tokens")
-    assert _resolve(world_size=1, hidden=4096).limits("plain")["local_max_tokens"] == 16384  # the measured range's end
-    assert _resolve(world_size=1).limits("plain")["local_max_tokens"] == cell.limits[streaming] // ROW == 146
+    assert cell.limits[streaming] == 1 << 20
+    assert _resolve(world_size=1).limits("plain")["local_max_tokens"] == cell.limits[streaming] // ROW == 73
+    assert _resolve(world_size=1, hidden=4096).limits("plain")["local_max_tokens"] == 128
 
 
 @pytest.mark.parametrize("by_hidden", [{0: (from_oneshot(5), (1, 2))}, {4096: ((9, 3, 3, 3, 3, 3), (1, 2))},
