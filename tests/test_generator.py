@@ -796,13 +796,25 @@ def _git(repo, *args):
                    check=True, capture_output=True)
 
 
+def _with_own_row_at_4096(manifest):
+    """A copy of the manifest whose h200_nvlink bf16 ws1 plain cell has a row of its own at hidden 4096
+    (the latency layout at every T, measured 8 KiB to 128 MiB), as a fit can give (fit.py)."""
+    import copy
+    new = copy.deepcopy(manifest)
+    table_set = next(s for s in new["selection"]["sets"] if s["name"] == "h200_nvlink")
+    cell = next(b for b in table_set["boundaries"]
+                if (b["dtype"], b["world_size"], b["profile"]) == ("bf16", 1, "plain"))
+    assert not cell.get("by_hidden")
+    cell["by_hidden"] = {"4096": {"limits": {field: tuning.ALL_TOKENS for field in cell["limits"]},
+                                  "measured": [8192, 134217728]}}
+    return new, table_set, cell
+
+
 def test_diff_reports_a_hidden_sizes_own_boundaries(manifest):
     """A cell's row for one hidden size added, changed or dropped is a line of its own."""
-    import copy
-    old = copy.deepcopy(manifest)
-    cell = next(b for s in old["selection"]["sets"] for b in s["boundaries"] if b.get("by_hidden"))
+    with_row, _, cell = _with_own_row_at_4096(manifest)
     label = f"selection h200_nvlink {cell['dtype']} ws{cell['world_size']} {cell['profile']} at hidden 4096"
-    del cell["by_hidden"]
+    old, manifest = manifest, with_row
     lines = diff_manifests(old, manifest)
     assert f"~ {label}: none of its own -> all / all / all / all / all / all measured 8KiB to 128MiB" in lines, lines
     assert f"~ {label}: all / all / all / all / all / all measured 8KiB to 128MiB -> none of its own" in \
@@ -876,6 +888,16 @@ def test_list_filters():
     assert r.returncode != 0 and "'110' is not one of 'plain', 'nvfp4'" in r.stderr, r.stderr
 
 
+def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
+    from generator import cli
+    _, table_set, _ = _with_own_row_at_4096(manifest)
+    fields = [field for _regime, field in manifest["selection"]["ladder"] if field is not None]
+    profiles = [profile["name"] for profile in manifest["axes"]["output_profiles"]]
+    cli._print_set(table_set, manifest["axes"], profiles, fields)
+    assert "  bf16 ws1 plain at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in \
+        capsys.readouterr().out
+
+
 def test_tables_marks_holes_and_fallbacks():
     r = run_cli(["tables"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
@@ -896,8 +918,6 @@ def test_tables_marks_holes_and_fallbacks():
     assert "hole[2]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
     # measured, in bytes per rank: no model mark
     assert re.search(r"bf16 ws2 +0 / 0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
-    # a hidden size with boundaries of its own: a line of its own under its set
-    assert "  bf16 ws1 plain at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in r.stdout
 
     # world size 1: local for every T; every other family a hole there that falls back to local, and
     # local a hole (never selected, no arrow) elsewhere
