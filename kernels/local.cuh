@@ -173,14 +173,19 @@ __device__ __forceinline__ void run_local(const Params& p) {
   const bool all_loads = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
   extern __shared__ __align__(128) unsigned char dynamic_smem[];
   RowRing<D, (kRowStages > 0 ? kRowStages : 1), /*kLocal=*/true> ring;  // unused without the ring
-  if constexpr (kRowStages > 0) ring.start(dynamic_smem, max(0, (T - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x), 0, p);
+  if constexpr (kRowStages > 0) {
+    // this block's tokens: t = blockIdx.x + u * gridDim.x < T
+    const int block_tokens = max(0, (T - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x);
+    ring.start(dynamic_smem, block_tokens, 0, p);
+  }
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
     if constexpr (kRowStages > 0) {
       local_row_ring(p, ring, t, bad_rows, res);
       // The outputs by plain stores: the next layer reads them (and they measured faster from 4,096
       // tokens than evict-first ones).
-      norm_row<D, P, /*overlap_quant_rounds=*/true, /*fewest_quant_instructions=*/true, /*streaming_stores=*/false>(p, t, res);
+      norm_row<D, P, /*overlap_quant_rounds=*/true, /*fewest_quant_instructions=*/true, /*streaming_stores=*/false>(
+          p, t, res);
       continue;
     } else if (all_loads) {
       local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
