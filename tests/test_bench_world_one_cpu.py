@@ -381,6 +381,17 @@ def test_markdown_table():
     assert "H 4096, top_k 8;" in format_markdown(_summary(other))
 
 
+def test_markdown_table_has_every_shape():
+    """A run of several shapes shows each shape's table, the target shape first, then in measured order."""
+    records = [_rec("ours", 1, 5.0, shape=(4096, 8, False)), _rec("ours", 1, 7.0, shape=(7168, 4, True))] + _records()
+    text = format_markdown(_summary(records))
+    heads = [line.split(";")[0] for line in text.splitlines() if line.startswith("Microseconds per call")]
+    assert heads == ["Microseconds per call, H 7168, top_k 8 + shared expert", "Microseconds per call, H 4096, top_k 8",
+                     "Microseconds per call, H 7168, top_k 4 + shared expert"]
+    h4096 = text.split("H 4096, top_k 8;")[1].split("Microseconds per call")[0]
+    assert "| 1 | 5.00 |" in h4096 and "| 2048 |" not in h4096
+
+
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     plot(_summary(_records()), tmp_path / "latency.png")

@@ -7,11 +7,17 @@ from typing import Optional
 from moe_ar_tools.bench_one.config import PROFILES, SYSTEMS, TARGET_SHAPE
 
 
-def table_shape(rows: list) -> Optional[tuple]:
-    """(hidden, top_k, shared) the table and the plot show: the target shape if measured, else the first."""
-    shapes = [(r["hidden"], r["top_k"], r["shared"]) for r in rows]
+def table_shapes(rows: list) -> list:
+    """(hidden, top_k, shared) of every shape measured: the target shape first, then in measured order."""
+    shapes = list(dict.fromkeys((r["hidden"], r["top_k"], r["shared"]) for r in rows))
     target = (TARGET_SHAPE.hidden, TARGET_SHAPE.top_k, TARGET_SHAPE.shared)
-    return target if target in shapes else (shapes[0] if shapes else None)
+    return sorted(shapes, key=lambda shape: shape != target)
+
+
+def table_shape(rows: list) -> Optional[tuple]:
+    """(hidden, top_k, shared) the plot shows: the target shape if measured, else the first."""
+    shapes = table_shapes(rows)
+    return shapes[0] if shapes else None
 
 
 def _us(v) -> str:
@@ -23,33 +29,34 @@ def _yes(v) -> str:
 
 
 def format_markdown(summary: dict) -> str:
-    """The short table: per profile at the target shape, T, ours and each baseline (microseconds),
-    ours' speed-up over the fastest baseline and its fraction of the roofline; then the targets."""
+    """The short table: per shape (the target first) and profile, T, ours and each baseline
+    (microseconds), ours' speed-up over the fastest baseline and its fraction of the roofline; then the
+    targets."""
     rows = summary["rows"]
     lines = [f"World size 1 on {summary['gpu']}, {summary['dtype']}, commit {summary['commit'][:12]}, "
              f"{summary['date']}: copy {summary['copy_gbps']:.0f} GB/s (read + write), empty kernel "
              f"{_us(summary['empty_kernel_us'])} us, ours at 1 token {_us(summary['ours_1_token_us']['no_pdl'])} us "
              f"({_us(summary['ours_1_token_us']['pdl'])} us with PDL).", ""]
-    shape = table_shape(rows)
-    if shape is not None:
+    for shape in table_shapes(rows):
         lines += [f"Microseconds per call, H {shape[0]}, top_k {shape[1]}{' + shared expert' if shape[2] else ''}; "
                   "speed-up = the fastest baseline's time / ours (median of per-round ratios); torch.compile "
                   "d / s = dynamic shapes / compiled per T; flashinfer: compiled finalize + FlashInfer's norm "
                   "kernel, `-` where it has none (see summary.json `null_reasons`).", ""]
-    for profile in PROFILES:
-        mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile]
-        if not mine:
-            continue
-        lines += [f"**{profile}**", "", "| T | ours | torch eager | torch.compile | flashinfer | speed-up | roofline |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
-        for r in mine:
-            us = r["us"]
-            mode = f" ({r['compile_mode'][0]})" if r["compile_mode"] else ""
-            speedup = "-" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
-            frac = "-" if r["roofline_fraction"] is None else f"{100 * r['roofline_fraction']:.0f}%"
-            lines.append(f"| {r['tokens']} | {_us(us['ours'])} | {_us(us['torch_eager'])} | "
-                         f"{_us(us['torch_compile'])}{mode} | {_us(us['flashinfer'])} | {speedup} | {frac} |")
-        lines.append("")
+        for profile in PROFILES:
+            mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile]
+            if not mine:
+                continue
+            lines += [f"**{profile}**", "",
+                      "| T | ours | torch eager | torch.compile | flashinfer | speed-up | roofline |",
+                      "|---:|---:|---:|---:|---:|---:|---:|"]
+            for r in mine:
+                us = r["us"]
+                mode = f" ({r['compile_mode'][0]})" if r["compile_mode"] else ""
+                speedup = "-" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
+                frac = "-" if r["roofline_fraction"] is None else f"{100 * r['roofline_fraction']:.0f}%"
+                lines.append(f"| {r['tokens']} | {_us(us['ours'])} | {_us(us['torch_eager'])} | "
+                             f"{_us(us['torch_compile'])}{mode} | {_us(us['flashinfer'])} | {speedup} | {frac} |")
+            lines.append("")
     lines += ["Targets: bandwidth = ours' roofline fraction from 2,048 tokens (>= 88%, NVFP4 >= 85%); never slower "
               "than any baseline; geometric mean over T of the speed-up over the fastest baseline >= 2x; 1 token <= "
               "2x the empty kernel.", "",
