@@ -231,9 +231,9 @@ PIPELINED_ROW_STAGES = 3
 PIPELINED_RING_CAP = 128
 # World size 1's streaming program reads its rows through the same kind of ring (local.cuh): rows
 # stay in flight while a block normalizes and quantizes, holding no registers. Three rows under a cap
-# of 96 (three 224-thread blocks a multiprocessor at H 7168, no spills) measured fastest: 2-9% faster
+# of 96 (two 224-thread blocks a multiprocessor at H 7168, no spills) measured fastest: 2-9% faster
 # than four routes at a time in registers under a cap of 72 from 1,024 tokens; two, four and six rows,
-# two blocks or four were no faster (bench_results/world_size_1/row_ring/).
+# and three blocks (cap 80) were no faster (bench_results/world_size_1/row_ring/, small_hidden/).
 LOCAL_STREAMING_ROW_STAGES = 3
 LOCAL_RING_CAP = 96
 if not LOCAL_STREAMING_ROW_STAGES:
