@@ -3,6 +3,8 @@ import json, os, sys, statistics, time
 import torch, cupy as cp
 import dispatch
 from moe_ar_common import cuda_env
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_timing import timed  # noqa: E402
 out = os.environ["OUT"]
 H, K = 7168, 8
 dev = torch.device("cuda")
@@ -36,23 +38,6 @@ def sets(n, packed, seed=0):
         S.append(parts)
     return S
 
-def timed(launch, n_sets, calls, reps=50):
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(3): launch(i % n_sets)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                for i in range(calls): launch(i % n_sets)
-    torch.cuda.synchronize()
-    for _ in range(5): g.replay()
-    ts = []
-    for _ in range(reps):
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record(); g.replay(); e1.record(); e1.synchronize()
-        ts.append(e0.elapsed_time(e1) * 1000 / calls)
-    return round(statistics.median(ts), 3)
 
 empty = mod.get_function("empty_kernel")
 res = {}

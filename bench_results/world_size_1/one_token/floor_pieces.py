@@ -1,7 +1,9 @@
 """Probe: what a kernel that touches memory costs at its floor (graph replay of back-to-back calls)."""
-import json, os, statistics
+import json, os, sys
 import torch, cupy as cp
 from moe_ar_common import cuda_env
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_timing import timed  # noqa: E402
 SRC = r'''
 #include <cuda_bf16.h>
 extern "C" __global__ void k_empty(const int* a, int* o) {}
@@ -35,23 +37,6 @@ extern "C" __global__ void k_gather(const int* a, int* o) {
 out = os.environ["OUT"]
 mod = cp.RawModule(code=SRC, options=("-std=c++17", "--gpu-architecture=sm_90a", "-I" + cuda_env.include_dir()))
 dev = torch.device("cuda")
-def timed(launch, n_sets, calls, reps=50):
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(3): launch(i % n_sets)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=stream):
-            with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-                for i in range(calls): launch(i % n_sets)
-    torch.cuda.synchronize()
-    for _ in range(5): g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / calls)
-    return statistics.median(ts)
 res = {}
 for label, n_sets in (("l2", 10), ("hbm", 400)):
     ins = [torch.zeros(64 + 10 * 896 * 4, dtype=torch.int32, device=dev) for _ in range(n_sets)]
