@@ -1,20 +1,16 @@
 """Experiment: the 1-token chain by piece (floor_chain.cu), inputs in separate allocations or one packed allocation a set; graph replay of back-to-back calls. Run with PYTHONPATH=. and $OUT."""
-import json, os, sys, statistics, time
+import json, os, sys
 import torch, cupy as cp
 import dispatch
 from moe_ar_common import cuda_env
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from graph_timing import timed  # noqa: E402
+from graph_timing import timed, warm_up  # noqa: E402
 out = os.environ["OUT"]
 H, K = 7168, 8
 dev = torch.device("cuda")
 mod = cp.RawModule(code=open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "floor_chain.cu")).read(),
                    options=("-std=c++17", "--gpu-architecture=sm_90a", "-I" + cuda_env.include_dir()))
-a = torch.randn(8192, 8192, device=dev)
-t0 = time.time()
-while time.time() - t0 < 2.0:  # clocks up
-    a @ a
-torch.cuda.synchronize(); del a
+warm_up()
 
 def sets(n, packed, seed=0):
     g = torch.Generator(device=dev); g.manual_seed(seed)

@@ -1,9 +1,19 @@
 """The probes' timing: `calls` launches captured in one CUDA graph (cycling over `n_sets` input sets),
 replayed `reps` times; the median time a call in us, as bench_one times every system."""
 import statistics
+import time
 
 import cupy as cp
 import torch
+
+
+def warm_up(seconds: float = 2.0) -> None:
+    """Raise the GPU's clocks before the first timing (a process's first timing runs slow)."""
+    a = torch.randn(8192, 8192, device="cuda")
+    start = time.time()
+    while time.time() - start < seconds:
+        a @ a
+    torch.cuda.synchronize()
 
 
 def timed(launch, n_sets: int, calls: int, reps: int = 50) -> float:
