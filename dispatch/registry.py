@@ -71,8 +71,11 @@ class _ProgramSet:
         families = self.manifest["axes"]["families"]
         # (regime, shared_prefetch) -> family
         self.family_of = {(f["regime"], f["shared_prefetch"]): f["name"] for f in families}
-        # family -> the family its holes fall back to (itself for a root family)
-        self.base_family = {f["name"]: f["base"] for f in families}
+        # (family, dtype, world_size, profile) of a hole -> the family that runs there instead (the
+        # manifest's holes: the base chain; at world size 1 an exchange family's hole runs `local`),
+        # None where no T selects the family
+        self.hole_fallback = {(h["family"], h["dtype"], h["world_size"], h["profile"]): h["fallback_family"]
+                              for h in self.manifest["holes"]}
         # quant argument -> output profile
         self.profile_of_quant = {p["quant"]: p["name"] for p in self.manifest["axes"]["output_profiles"]}
 
@@ -153,7 +156,8 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
 
 
 def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
-    """The program of a cell, falling back explicitly from a hole to the base family."""
+    """The program of a cell, falling back explicitly from a hole to the family the manifest names for it
+    (the tables' `hole -> family` comments)."""
     generated = program_set()
     tried = []
     while True:
@@ -161,11 +165,11 @@ def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
         if name is not None:
             return name
         tried.append(family)
-        base = generated.base_family.get(family, family)
-        if base == family:
+        fallback = generated.hole_fallback.get((family, dtype, world_size, profile))
+        if fallback is None or fallback in tried:
             raise ValueError(f"program: no program for {dtype} world size {world_size} output profile {profile} "
                              f"(tried families {tried})")
-        family = base
+        family = fallback
 
 
 # ---- compilation ----------------------------------------------------------------------

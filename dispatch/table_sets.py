@@ -11,6 +11,7 @@ null). For a device the runtime takes, per workspace:
    one warning naming the mismatch and not used at all. It serves the cells it measured;
 2. else, and for the cells it lacks, the committed set of the exact product, then of the same
    compute capability and interconnect (the first listed), then the written model.
+At world size 1 the interconnect is not compared (nothing is exchanged).
 
 A fitted cell covers its measured range only (in tokens for the workspace's hidden size and dtype):
 below it a call runs no later rung than the range's first, above it no earlier than its last, and
@@ -35,6 +36,7 @@ import warnings
 from . import registry
 
 ENV_VAR = "MOE_AR_TABLES"
+LOCAL_WORLD_SIZE = 1  # generator/spec.py: the world size that exchanges nothing
 # What `gen-programs tune` writes (generator/table_sets.py holds the generator's copy of these two).
 TUNE_FORMAT = "moe_ar_table_set"
 TUNE_VERSION = 1
@@ -438,10 +440,13 @@ def resolve(*, dtype: str, world_size: int, hidden: int, elem_bytes: int, device
     all_tokens = program_set.all_tokens
     fields = ladder_fields()
     pinned = check_boundaries(boundaries, fields, all_tokens)
-    committed, why = committed_for(device)
+    # A world of one exchanges nothing: the interconnect does not decide its tables (its cells were
+    # measured on one GPU, whatever NVML said of its links).
+    matched = device if world_size != LOCAL_WORLD_SIZE else dataclasses.replace(device, interconnect="unknown")
+    committed, why = committed_for(matched)
     _, model = committed_sets()
     if user is not None:
-        mismatch = user_set_mismatch(user, device, program_set_sha256)
+        mismatch = user_set_mismatch(user, matched, program_set_sha256)
         if mismatch is not None:
             _once("warn", f"{where}: the table set {user.table_set.name!r} from {user.table_set.origin} is not used: "
                           f"{mismatch}")

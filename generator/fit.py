@@ -98,9 +98,10 @@ class CellFit:
 
 
 def fit_cell(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_bytes: int = 2,
-             margin: float = MIN_WIN) -> CellFit:
+             margin: float = MIN_WIN, families: tuple[str, ...] = LADDER_FAMILIES) -> CellFit:
     """The boundaries of one cell from its points (see the module doc); `prior` holds the written
-    model's boundaries of the cell in tokens."""
+    model's boundaries of the cell in tokens; `families` the family each rung runs at the cell's world
+    size (tuning.ladder_families)."""
     if not points:
         raise ValueError("points: nothing measured")
     if len(prior) != len(spec.BOUNDARY_FIELDS):
@@ -108,12 +109,12 @@ def fit_cell(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_b
     by_value: dict[int, list] = {}
     for (hidden, top_k, shared, tokens), times in points.items():
         by_value.setdefault(key_value(key, tokens, hidden, elem_bytes), []).append(
-            ((hidden, top_k, shared) == TARGET_SHAPE, LADDER_FAMILIES[rung_of(prior, tokens)], times))
+            ((hidden, top_k, shared) == TARGET_SHAPE, families[rung_of(prior, tokens)], times))
     values = sorted(by_value)
-    rungs = range(len(LADDER_FAMILIES))
+    rungs = range(len(families))
     # cost[k][r]: (points clearly over the target at the target shape, clearly over anywhere, log cost)
     # of rung r serving every point at values[k]; None where its family was not measured at all of them.
-    cost = [[_cost(by_value[value], LADDER_FAMILIES[r], margin) for r in rungs] for value in values]
+    cost = [[_cost(by_value[value], families[r], margin) for r in rungs] for value in values]
     # best[k][r]: the cheapest ladder over values[:k+1] ending on rung r, and the rung before it. The
     # cost ends with the number of rung changes: at equal times the fewer regimes win.
     best = [[(None if cost[0][r] is None else (*cost[0][r], 0), None) for r in rungs]]
@@ -137,43 +138,53 @@ def fit_cell(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_b
         served = [value for value, r in zip(values, chosen) if r <= i]
         limits.append(ALL_TOKENS if chosen[-1] <= i else max(served, default=0))
     return CellFit(key, tuple(limits), (values[0], values[-1]),
-                   *_score(points, lambda hidden: limits, key, elem_bytes))
+                   *_score(points, lambda hidden: limits, key, elem_bytes, families))
 
 
-def _slowdowns(points: dict, limits_at, key: str, elem_bytes: int) -> list[tuple[bool, int, float]]:
+def _slowdowns(points: dict, limits_at, key: str, elem_bytes: int,
+               families: tuple[str, ...]) -> list[tuple[bool, int, float]]:
     """(at the target shape, hidden, slowdown against the best program) of every point, served by the
     boundaries limits_at(hidden)."""
     out = []
     for (hidden, top_k, shared, tokens), times in points.items():
-        family = LADDER_FAMILIES[rung_of(limits_at(hidden), key_value(key, tokens, hidden, elem_bytes))]
+        family = families[rung_of(limits_at(hidden), key_value(key, tokens, hidden, elem_bytes))]
         out.append(((hidden, top_k, shared) == TARGET_SHAPE, hidden,
                     times[family].median_us / min(t.median_us for t in times.values())))
     return out
 
 
-def _score(points: dict, limits_at, key: str, elem_bytes: int) -> tuple[int, int, int, float, float]:
+def _score(points: dict, limits_at, key: str, elem_bytes: int,
+           families: tuple[str, ...]) -> tuple[int, int, int, float, float]:
     """(points, over the target, of them at the target shape, worst, geometric mean) of a choice."""
-    slowdowns = _slowdowns(points, limits_at, key, elem_bytes)
+    slowdowns = _slowdowns(points, limits_at, key, elem_bytes, families)
     over = [at_target for at_target, _hidden, slowdown in slowdowns if slowdown > TARGET_SLOWDOWN]
     return (len(slowdowns), len(over), sum(over), max(s for *_, s in slowdowns),
             math.exp(sum(math.log(s) for *_, s in slowdowns) / len(slowdowns)))
 
 
 def fit_cell_by_hidden(points: dict, prior: tuple[int, ...], *, key: str = FIT_KEY, elem_bytes: int = 2,
-                       margin: float = MIN_WIN) -> CellFit:
+                       margin: float = MIN_WIN, families: tuple[str, ...] = LADDER_FAMILIES,
+                       own_families: tuple[str, ...] | None = None) -> CellFit:
     """fit_cell over every point, and, where the points hold more than one hidden size, each hidden
     size fitted on its own points alone: its boundaries are kept (CellFit.by_hidden) where they serve
     its points with fewer over the target, or a worst slowdown smaller by more than `margin`. A
     crossover that one key cannot place for every row size (the regimes' occupancy differs with the
     row's threads: bench_results/world_size_1/row_split/) is then exact where it was measured; any
-    other hidden size takes the joint boundaries."""
-    joint = fit_cell(points, prior, key=key, elem_bytes=elem_bytes, margin=margin)
+    other hidden size takes the joint boundaries.
+
+    `own_families` (default `families`): the family each rung runs for a hidden size's own boundaries.
+    At world size 1 the joint ladder runs the measured rungs only (`families` = tuning.LADDER_FAMILIES:
+    one crossover, the unmeasured hidden sizes' boundaries), while a measured hidden size's own may
+    return to the latency layout after the streaming one (tuning.ladder_families(1)): its lead at large T
+    is particular to H 4096 and 2048 (bench_results/world_size_1/small_hidden/)."""
+    own_families = families if own_families is None else own_families
+    joint = fit_cell(points, prior, key=key, elem_bytes=elem_bytes, margin=margin, families=families)
     own = []
     for hidden in sorted({point[0] for point in points}) if len({point[0] for point in points}) > 1 else ():
         mine = {point: times for point, times in points.items() if point[0] == hidden}
-        alone = fit_cell(mine, prior, key=key, elem_bytes=elem_bytes, margin=margin)
-        _, over_joint, _, worst_joint, _ = _score(mine, lambda h: joint.limits, key, elem_bytes)
-        _, over_alone, _, worst_alone, _ = _score(mine, lambda h: alone.limits, key, elem_bytes)
+        alone = fit_cell(mine, prior, key=key, elem_bytes=elem_bytes, margin=margin, families=own_families)
+        _, over_joint, _, worst_joint, _ = _score(mine, lambda h: joint.limits, key, elem_bytes, own_families)
+        _, over_alone, _, worst_alone, _ = _score(mine, lambda h: alone.limits, key, elem_bytes, own_families)
         if alone.limits != joint.limits and (over_alone < over_joint or (
                 over_alone == over_joint and worst_alone * (1 + margin) < worst_joint)):
             own.append((hidden, alone.limits, alone.measured))
@@ -183,7 +194,7 @@ def fit_cell_by_hidden(points: dict, prior: tuple[int, ...], *, key: str = FIT_K
     return dataclasses.replace(joint, by_hidden=tuple(own),
                                **dict(zip(("points", "over", "over_at_target", "worst", "mean"),
                                           _score(points, lambda hidden: limits_of.get(hidden, joint.limits),
-                                                 key, elem_bytes))))
+                                                 key, elem_bytes, own_families))))
 
 
 def _add(before: tuple, here: tuple, change: bool) -> tuple:

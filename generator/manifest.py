@@ -32,7 +32,8 @@ def selection_rule() -> str:
     """The ladder in words (the manifest's `selection.rule`, the selection table's comment)."""
     rungs = [f"T <= {regime.max_tokens_field}: {regime.name}" for regime in spec.LADDER[:-1]]
     return ("; ".join(rungs) + f"; else {spec.LADDER[-1].name}; then the shared-expert variant where the rank "
-            "has a shared operand; a hole falls back to its fallback_family")
+            "has a shared operand; a hole falls back to its fallback_family (at world size 1 every exchange rung "
+            "is a hole that runs local: a ladder may return to the latency layout after the streaming one)")
 
 
 def dumps(obj) -> str:

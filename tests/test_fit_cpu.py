@@ -264,3 +264,65 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="^points: no family"):
         fit.fit_cell({(7168, 8, True, 1): {"oneshot": fit.Time(1, 0)},
                       (4096, 8, True, 1): {"twoshot": fit.Time(1, 0)}}, PRIOR, key="tokens")
+
+
+def _world_one_window(lo, hi):
+    """World size 1 at H 4096 and 7168: the streaming layout 10% faster for lo <= T <= hi at H 4096 (the
+    latency layout faster below and above: bench_results/world_size_1/small_hidden/), from 256 tokens
+    at H 7168."""
+    points = _world_one({7168: 256})
+    for T in (1, 16, 128, 256, 512, 1024, 4096):
+        streaming_wins = lo <= T <= hi
+        points[(4096, 8, False, T)] = {"local": fit.Time(11.0 if streaming_wins else 10.0, 0.0),
+                                       "local_streaming": fit.Time(10.0 if streaming_wins else 11.0, 0.0)}
+    return points
+
+
+def test_at_world_size_one_every_exchange_rung_runs_the_latency_layout():
+    """The exchange families are holes at world size 1 that fall back to `local` (generator/enumeration.py):
+    a rung after the streaming one runs the latency layout again."""
+    families = tuning.ladder_families(1)
+    assert families[:2] == ("local", "local_streaming") and set(families[2:]) == {"local"}
+    assert tuning.ladder_families(2) == tuning.LADDER_FAMILIES and tuning.ladder_families(8) == tuning.LADDER_FAMILIES
+
+
+def test_a_world_size_one_ladder_returns_to_the_latency_layout_where_it_wins_again():
+    """H 4096: the latency layout to 128 tokens, the streaming one at 256-1,024, the latency one again
+    from 4,096. With the rungs' fallback families the fit serves every point by the faster program;
+    without them (the exchange rungs unmeasured) one crossover is the best it can do."""
+    points = {p: t for p, t in _world_one_window(256, 1024).items() if p[0] == 4096}
+    one_crossover = fit.fit_cell(points, WORLD_ONE, key="bytes_per_rank")
+    assert one_crossover.over >= 1
+    result = fit.fit_cell(points, WORLD_ONE, key="bytes_per_rank", families=tuning.ladder_families(1))
+    assert (result.over, result.worst) == (0, 1.0)
+    row = 4096 * 2
+    assert result.limits[0] == 128 * row and result.limits[1] == 1024 * row
+    bounds = tuning.Boundaries(result.limits, "test", result.key, result.measured)
+    served = [tuning.ladder_families(1)[fit.rung_of(result.limits, T * row)] for T in (1, 128, 256, 1024, 4096)]
+    assert served == ["local", "local", "local_streaming", "local_streaming", "local"]
+    assert bounds.family(4096 * row, 4096) == "oneshot"  # the rung; the hole runs `local` (dispatch.registry)
+
+
+def test_the_joint_world_size_one_ladder_keeps_the_target_shape_and_h4096_gets_its_return():
+    """Both hidden sizes: the joint boundaries (every unmeasured hidden size's) keep one crossover, the
+    streaming layout above 256 tokens as at H 7168, even where a return would suit the points jointly;
+    H 4096 gets its own, which return to the latency layout."""
+    points = _world_one_window(256, 1024)
+    result = fit.fit_cell_by_hidden(points, WORLD_ONE, key="bytes_per_rank", own_families=tuning.ladder_families(1))
+    assert result.limits[1] == ALL and 128 * 7168 * 2 <= result.limits[0] < 256 * 7168 * 2
+    (hidden, own, _measured), = result.by_hidden
+    assert hidden == 4096 and own[:2] == (128 * 4096 * 2, 1024 * 4096 * 2) and own[2] == ALL
+    assert (result.over, result.worst) == (0, 1.0)
+
+
+def test_the_joint_world_size_one_ladder_never_returns_even_where_the_points_would_prefer_it():
+    """The latency layout 0.5% faster at H 7168's 4,096 tokens (within the margin) and 10% at H 4096's:
+    jointly a return would win, but the joint boundaries serve the hidden sizes nobody measured (where
+    the ring wins: bench_results/world_size_1/small_hidden/), so only H 4096's own return."""
+    points = _world_one_window(256, 1024)
+    for point, times in points.items():
+        if point[0] == 7168 and point[3] == 4096:
+            times["local"] = fit.Time(times["local_streaming"].median_us * 0.995, 0.0)
+    result = fit.fit_cell_by_hidden(points, WORLD_ONE, key="bytes_per_rank", own_families=tuning.ladder_families(1))
+    assert result.limits[1] == ALL
+    assert [hidden for hidden, *_ in result.by_hidden] == [4096]

@@ -797,13 +797,14 @@ def _git(repo, *args):
 
 
 def _with_own_row_at_4096(manifest):
-    """A copy of the manifest whose h200_nvlink bf16 ws1 plain cell has a row of its own at hidden 4096
-    (the latency layout at every T, measured 8 KiB to 128 MiB), as a fit can give (fit.py)."""
+    """A copy of the manifest whose h200_nvlink bf16 ws1 fp8_group128 cell (none of its own committed) has
+    a row of its own at hidden 4096 (the latency layout at every T, measured 8 KiB to 128 MiB), as a fit
+    can give (fit.py)."""
     import copy
     new = copy.deepcopy(manifest)
     table_set = next(s for s in new["selection"]["sets"] if s["name"] == "h200_nvlink")
     cell = next(b for b in table_set["boundaries"]
-                if (b["dtype"], b["world_size"], b["profile"]) == ("bf16", 1, "plain"))
+                if (b["dtype"], b["world_size"], b["profile"]) == ("bf16", 1, "fp8_group128"))
     assert not cell.get("by_hidden")
     cell["by_hidden"] = {"4096": {"limits": {field: tuning.ALL_TOKENS for field in cell["limits"]},
                                   "measured": [8192, 134217728]}}
@@ -894,7 +895,7 @@ def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
     fields = [field for _regime, field in manifest["selection"]["ladder"] if field is not None]
     profiles = [profile["name"] for profile in manifest["axes"]["output_profiles"]]
     cli._print_set(table_set, manifest["axes"], profiles, fields)
-    assert "  bf16 ws1 plain at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in \
+    assert "  bf16 ws1 fp8_group128 at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in \
         capsys.readouterr().out
 
 

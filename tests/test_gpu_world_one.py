@@ -170,14 +170,16 @@ def test_every_local_program_matches_the_reference(program, workspaces, seed_for
 @pytest.mark.parametrize("dname", gspec.DTYPES)
 def test_selection_is_local_for_every_token_count(dname, quant, workspaces, seed_for):
     """Automatic selection at world size 1: the profile's latency program (local) up to the tables'
-    local_max_tokens, the streaming one above, with or without a shared operand; a call without
-    program= runs it (checked output)."""
+    local_max_tokens, the streaming one up to streaming_max_tokens, the latency one again above (the
+    exchange rungs' hole fallback), with or without a shared operand; a call without program= runs it
+    (checked output)."""
     dtype = ref.NAME_TO_DTYPE[dname]
     ws = workspaces.get(MAX_TOKENS, 2048, dtype)
     profile = next(name for name, q in PROFILE_QUANT.items() if q == quant)
-    limit = ws.selection.limits(profile)["local_max_tokens"]
+    limits = ws.selection.limits(profile)
     for T in range(1, MAX_TOKENS + 1):
-        want = gspec.ProgramSpec("local" if T <= limit else "local_streaming", dname, 1, profile).name
+        streaming = limits["local_max_tokens"] < T <= limits["streaming_max_tokens"]
+        want = gspec.ProgramSpec("local_streaming" if streaming else "local", dname, 1, profile).name
         for shared in (False, True):
             got = dispatch.select_program(ws, T, quant, shared)
             assert got == want, f"T={T} shared={shared} quant={quant}: selected {got}, expected {want}"

@@ -186,16 +186,28 @@ def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
     assert at_4096.label != _resolve(user=user, hidden=4096 + 128).label
 
 
-def test_the_committed_world_one_cells_share_one_byte_boundary():
-    """The H200 set fitted world size 1 at H 7168 and 4096 (plain): one boundary in bytes a rank serves
-    both sizes, the latency layout up to 1 MiB (73 tokens at 7168, 128 at 4096), the streaming layout
-    (its row ring) above; no row of its own for 4096 (bench_results/tuning/README.md, "World size 1")."""
+def test_the_committed_world_one_cells_share_one_byte_boundary_and_h4096_returns():
+    """The H200 set fitted world size 1 at H 7168 and 4096 (plain): one joint boundary in bytes a rank,
+    the latency layout up to 1 MiB (73 tokens at 7168), the streaming layout (its row ring) above, for
+    every hidden size but 4096. H 4096 has its own: the latency layout to 1 MiB (128 tokens), the ring to
+    8 MiB (1,024), the latency layout again above, through the exchange rungs' hole fallback
+    (bench_results/world_size_1/small_hidden/, bench_results/tuning/README.md, "World size 1")."""
     cell = _committed_cell(world_size=1)
-    assert cell.by_hidden == {}
-    streaming = FIELDS.index("local_max_tokens")
-    assert cell.limits[streaming] == 1 << 20
-    assert _resolve(world_size=1).limits("plain")["local_max_tokens"] == cell.limits[streaming] // ROW == 73
-    assert _resolve(world_size=1, hidden=4096).limits("plain")["local_max_tokens"] == 128
+    local, streaming = FIELDS.index("local_max_tokens"), FIELDS.index("streaming_max_tokens")
+    assert cell.limits[local] == 1 << 20 and cell.limits[streaming] == ALL
+    (own, _measured), = [cell.by_hidden[4096]]
+    assert list(cell.by_hidden) == [4096] and own[:2] == (1 << 20, 8 << 20) and set(own[2:]) == {ALL}
+    at_7168, at_4096 = _resolve(world_size=1).limits("plain"), _resolve(world_size=1, hidden=4096).limits("plain")
+    assert at_7168["local_max_tokens"] == cell.limits[local] // ROW == 73 and at_7168["streaming_max_tokens"] == ALL
+    assert (at_4096["local_max_tokens"], at_4096["streaming_max_tokens"]) == (128, 1024)
+    for hidden, bounds, want in ((7168, at_7168, {1: "lc", 73: "lc", 74: "lcs", 16384: "lcs"}),
+                                 (4096, at_4096, {1: "lc", 128: "lc", 129: "lcs", 1024: "lcs", 1025: "lc",
+                                                  16384: "lc"})):
+        for T, code in want.items():
+            family = registry.select_family("bf16", 1, "plain", T, False, 0, bounds=bounds)
+            assert registry.program_for(family, "bf16", 1, "plain") == f"moe_ar_{code}_bf16_ws1_plain", (hidden, T)
+    # a hidden size nobody measured takes the joint boundaries: the ring from 1 MiB up, no return
+    assert _resolve(world_size=1, hidden=5120).limits("plain")["streaming_max_tokens"] == ALL
 
 
 @pytest.mark.parametrize("by_hidden", [{0: (from_oneshot(5), (1, 2))}, {4096: ((9, 3, 3, 3, 3, 3), (1, 2))},
@@ -215,6 +227,24 @@ def test_a_by_hidden_that_is_not_rows_is_refused(tmp_path, by_hidden):
     path.write_text(json.dumps(doc))
     with pytest.raises(ValueError, match="^tables: .*not a table set's boundaries"):
         table_sets.check_arguments(path, None)
+
+
+def test_a_world_of_one_takes_its_products_tables_whatever_the_interconnect(tmp_path):
+    """World size 1 exchanges nothing, so the interconnect does not decide its tables: an H200 whose
+    NVML reports no NVLink (the one-GPU machine the world-size-1 cells were measured on) takes the
+    H200 set's world-size-1 cells, committed or a user's; with peers the interconnect still counts."""
+    lone = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "none")
+    alone = _resolve(device=lone, world_size=1)
+    assert (alone.set, alone.why) == ("h200_nvlink", "exact product")
+    assert "h200-ws1" in alone.cells["plain"].source and alone.limits("plain")["local_max_tokens"] == 73
+    assert alone.device == lone
+    assert _resolve(device=lone, world_size=2).set != "h200_nvlink"
+    cells = {("bf16", 1, "plain"): ((4 * ROW, ALL) + (ALL,) * (len(FIELDS) - 2), (ROW, 2048 * ROW))}
+    user = table_sets.read_user_set(_user_file(tmp_path, cells=cells), "tables")  # tuned with NVLink up
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mine = _resolve(device=lone, world_size=1, user=user)
+    assert mine.set == "tuned here" and mine.limits("plain")["local_max_tokens"] == 4
 
 
 def test_an_unknown_interconnect_is_not_a_mismatch(tmp_path):

@@ -303,3 +303,22 @@ def test_reference_bracket_at_world_size_one_holds_an_fp32_evaluation(seed_for):
     rounded_first = (partial.to(BF16).float() + kw["residual_in"].float()).to(BF16).double()
     outside = ~((got["residual_lo"].double() <= rounded_first) & (rounded_first <= got["residual_hi"].double()))
     assert outside.any(), "rounding the partial first is not told apart from the world-size-1 rule"
+
+
+def test_an_exchange_rung_at_world_size_one_runs_its_hole_fallback_the_latency_program():
+    """The tables say every exchange family's hole at world size 1 falls back to `local`; selection does
+    the same, so a fitted world-size-1 ladder may return to the latency layout after the streaming one."""
+    from dispatch import registry
+    for family in ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined", "twoshot_pipelined_loads",
+                   "twoshot_shared"):
+        for dtype, profile in (("bf16", "plain"), ("fp16", "nvfp4")):
+            assert registry.program_for(family, dtype, 1, profile) == f"moe_ar_lc_{dtype}_ws1_{profile}"
+    bounds = {field: 0 for field in tuning.model(1).by_field()}
+    bounds.update(local_max_tokens=4, streaming_max_tokens=64, oneshot_max_tokens=tuning.ALL_TOKENS)
+    for T, want in ((1, "lc"), (4, "lc"), (5, "lcs"), (64, "lcs"), (65, "lc"), (10 ** 6, "lc")):
+        for capacity in (0, 10 ** 6):  # a world of one has no one-shot buffer: the rungs after it fall back alike
+            family = registry.select_family("bf16", 1, "plain", T, True, capacity, bounds=bounds)
+            assert registry.program_for(family, "bf16", 1, "plain") == f"moe_ar_{want}_bf16_ws1_plain", (T, capacity)
+    # across the line the other way there is still nothing: a world-size-1 family at world size 2
+    with pytest.raises(ValueError, match="no program"):
+        registry.program_for("local", "bf16", 2, "plain")

@@ -11,7 +11,9 @@
 // <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads;
 // else twoshot_pipelined; then the shared-expert variant where the rank has a
-// shared operand; a hole falls back to its fallback_family
+// shared operand; a hole falls back to its fallback_family (at world size 1
+// every exchange rung is a hole that runs local: a ladder may return to the
+// latency layout after the streaming one)
 // Each cell: {key, measured from, measured to, {local_max_tokens,
 // streaming_max_tokens, oneshot_max_tokens, early_max_tokens,
 // twoshot_max_tokens, loads_max_tokens}}. kTokens counts T; kBytesPerRank
@@ -26,10 +28,10 @@ struct CellBoundaries { BoundaryKey key; long long measured_from, measured_to; l
 static const CellBoundaries kRegimeBoundaries[2][5][4] = {
     {  // fp16
         {  // fp16 ws1
-            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 3 of 30 points over 1.05x the best program (0 at the target shape), at most 1.070x, mean 1.007x
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 1 of 30 points over 1.05x the best program (0 at the target shape), at most 1.054x, mean 1.006x
+            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.035x, mean 1.003x; own boundaries at hidden 4096
             {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_group128: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.011x, mean 1.001x
-            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.047x, mean 1.005x
+            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
         },
         {  // fp16 ws2
             {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 plain: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
@@ -58,10 +60,10 @@ static const CellBoundaries kRegimeBoundaries[2][5][4] = {
     },
     {  // bf16
         {  // bf16 ws1
-            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 3 of 30 points over 1.05x the best program (0 at the target shape), at most 1.070x, mean 1.007x
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 1 of 30 points over 1.05x the best program (0 at the target shape), at most 1.054x, mean 1.006x
+            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.035x, mean 1.003x; own boundaries at hidden 4096
             {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_group128: measured in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.011x, mean 1.001x
-            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.047x, mean 1.005x
+            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-01-8f7e942.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
         },
         {  // bf16 ws2
             {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 plain: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
@@ -89,4 +91,15 @@ static const CellBoundaries kRegimeBoundaries[2][5][4] = {
         },
     },
 };
-// No cell has boundaries of its own per hidden size.
+// Boundaries of their own for the hidden sizes measured where one set of boundaries cannot serve
+// every row size ({dtype, world size, profile} indexes as above, hidden, its measured range in the
+// cell's key, its boundaries): a workspace of that hidden size takes these instead of the cell's.
+struct HiddenBoundaries { int dtype, world, profile, hidden; long long measured_from, measured_to, max[6]; };
+static const HiddenBoundaries kHiddenBoundaries[] = {
+    {0, 0, 0, 4096, 8192, 134217728, {1048576, 8388608, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 plain at hidden 4096
+    {0, 0, 1, 4096, 8192, 134217728, {2097152, 16777216, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 nvfp4 at hidden 4096
+    {0, 0, 3, 4096, 8192, 134217728, {1048576, 8388608, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_tensor at hidden 4096
+    {1, 0, 0, 4096, 8192, 134217728, {1048576, 8388608, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 plain at hidden 4096
+    {1, 0, 1, 4096, 8192, 134217728, {2097152, 16777216, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 nvfp4 at hidden 4096
+    {1, 0, 3, 4096, 8192, 134217728, {1048576, 8388608, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_tensor at hidden 4096
+};
