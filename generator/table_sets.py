@@ -217,8 +217,7 @@ def key_comparison(root: pathlib.Path, rel: str) -> str:
     for (dtype, world_size, profile), points in sorted(measurements.cells.items()):
         prior = tuning.model(world_size).limits
         for key in fit.KEYS:
-            families = tuning.ladder_families(world_size)
-            result = fit.fit_cell(points, prior, key=key, elem_bytes=spec.DTYPE_BYTES[dtype], families=families)
+            result = fit.fit_cell(points, prior, key=key, elem_bytes=spec.DTYPE_BYTES[dtype])
             # the rungs the cell's world size can run (world size 1: the local ones; else the exchanges)
             rungs = result.limits[:spec.LOCAL_RUNGS] if world_size == spec.LOCAL_WORLD_SIZE \
                 else result.limits[spec.LOCAL_RUNGS:]
@@ -228,9 +227,8 @@ def key_comparison(root: pathlib.Path, rel: str) -> str:
             seen = {p: t for p, t in points.items() if p[0] == fit.TARGET_SHAPE[0]}
             unseen = {p: t for p, t in points.items() if p[0] != fit.TARGET_SHAPE[0]}
             if seen and unseen:
-                limits = fit.fit_cell(seen, prior, key=key, elem_bytes=spec.DTYPE_BYTES[dtype],
-                                      families=families).limits
-                slowdowns = [times[families[fit.rung_of(limits, fit.key_value(
+                limits = fit.fit_cell(seen, prior, key=key, elem_bytes=spec.DTYPE_BYTES[dtype]).limits
+                slowdowns = [times[tuning.LADDER_FAMILIES[fit.rung_of(limits, fit.key_value(
                     key, p[3], p[0], spec.DTYPE_BYTES[dtype]))]].median_us / min(t.median_us for t in times.values())
                     for p, times in unseen.items()]
                 held_out.append(f"| {dtype} ws{world_size} {profile} | {key} | "
