@@ -551,7 +551,12 @@ def _op_writing(skip_norm_for=None):
 
 class _Workspace:
     def __init__(self, *, max_tokens, hidden, dtype):
+        from dispatch import table_sets
+        from dispatch.rendezvous import program_set_sha256
         self.closed = False
+        self.selection = table_sets.resolve(dtype="bf16", world_size=1, hidden=hidden, elem_bytes=2,
+                                            device=table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "none"),
+                                            user=None, program_set_sha256=program_set_sha256())
 
     def close(self):
         self.closed = True
@@ -626,6 +631,7 @@ def test_the_run_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
         json.dumps(jsonable(summary["rows"])))
     assert summary["complete"] is True and summary["empty_kernel_us"] > 0 and summary["copy_gbps"] == 4000.0
     assert summary["ours_1_token_us"]["pdl"] > 0 and summary["floor"]["program"] == "auto_None"
+    assert summary["tables"] == {"256": {"set": "h200_nvlink", "why": "exact product"}}
     rows = {(r["profile"], r["tokens"]): r for r in summary["rows"]}
     assert len(rows) == 2 * 4
     for (profile, T), row in rows.items():
@@ -660,3 +666,26 @@ def test_the_budget_skips_what_does_not_fit(tmp_path, stubbed_gpu):
     assert [r["tokens"] for r in summary["rows"]] == [1] and summary["complete"] is False
     assert summary["skipped"] == [dict(profile="plain", tokens=2, hidden=256, top_k=4, shared=True,
                                        reason="budget: 480 s")]
+
+
+def test_the_summary_names_the_tables_ours_selected_with():
+    """Which selection tables chose `ours`' programs, per hidden size (a run on a machine no set matches
+    runs the written model, and the summary says so); table.md prints it under its first line."""
+    from types import SimpleNamespace
+    from dispatch import table_sets
+    from dispatch.rendezvous import program_set_sha256
+    from moe_ar_tools.bench_one.runner import tables_used
+
+    def ws(device, hidden):
+        return SimpleNamespace(selection=table_sets.resolve(dtype="bf16", world_size=1, hidden=hidden, elem_bytes=2,
+                                                            device=device, user=None,
+                                                            program_set_sha256=program_set_sha256()))
+    h200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "none")
+    other = table_sets.DeviceKey("NVIDIA L40S", "8.9", 142, "none")
+    used = tables_used({7168: ws(h200, 7168), 4096: ws(other, 4096)})
+    assert used == {"4096": {"set": "model", "why": "no committed set matches"},
+                    "7168": {"set": "h200_nvlink", "why": "exact product"}}
+    summary = dict(_summary(_records()), tables=used)
+    assert format_markdown(summary).splitlines()[1:3] == [
+        "", "Selection tables: H 4096 model (no committed set matches), H 7168 h200_nvlink (exact product)."]
+    assert "Selection tables" not in format_markdown(_summary(_records()))

@@ -24,6 +24,9 @@ Systems at each point (shape, token count T, output profile):
                  reason where FlashInfer has no such kernel on the GPU (NVFP4: sm_100+ only; FP8
                  per-token-group: none) or its kernels are not at hand (baselines/flashinfer_norm.py)
 
+summary.json also names, per hidden size, the selection tables that chose ours' programs (`tables`:
+set and why; a device no committed set matches runs the written model), and table.md prints it.
+
 Floor, measured in the same run: the device-to-device copy bandwidth (read + write counted,
 moe_ar_tools.bench.roofline.measure_bandwidth), an empty kernel timed like every system (graph replays of
 back-to-back empty kernels), ours at 1 token (target shape, plain) with and without PDL.

@@ -37,6 +37,9 @@ def format_markdown(summary: dict) -> str:
              f"{summary['date']}: copy {summary['copy_gbps']:.0f} GB/s (read + write), empty kernel "
              f"{_us(summary['empty_kernel_us'])} us, ours at 1 token {_us(summary['ours_1_token_us']['no_pdl'])} us "
              f"({_us(summary['ours_1_token_us']['pdl'])} us with PDL).", ""]
+    if summary.get("tables"):
+        lines += ["Selection tables: " + ", ".join(f"H {hidden} {t['set']} ({t['why']})"
+                                                   for hidden, t in summary["tables"].items()) + ".", ""]
     for shape in table_shapes(rows):
         lines += [f"Microseconds per call, H {shape[0]}, top_k {shape[1]}{' + shared expert' if shape[2] else ''}; "
                   "speed-up = the fastest baseline's time / ours (median of per-round ratios); torch.compile "

@@ -24,6 +24,14 @@ from moe_ar_tools.bench_one.systems import EmptyKernel, Setup, System, _error, d
 from moe_ar_tools.provenance import git_commit
 
 
+def tables_used(workspaces: dict) -> dict:
+    """{hidden: {set, why}}: the selection tables that chose `ours`' programs on each workspace (a device
+    no committed set matches runs the written model)."""
+    import dispatch
+    return {str(hidden): {key: dispatch.selection_info(ws)[key] for key in ("set", "why")}
+            for hidden, ws in sorted(workspaces.items())}
+
+
 def _versions() -> dict:
     import torch
     versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
@@ -256,6 +264,7 @@ class Runner(Setup):
         self.log(f"  empty kernel {_us(floor['empty_kernel'])} us; ours at 1 token {_us(floor['no_pdl'])} us, "
                  f"{_us(floor['pdl'])} us with PDL")
         self.sweep(header)
+        header["tables"] = tables_used(self.workspaces)
         summary = self.write(header, final=True)
         for ws in self.workspaces.values():
             if hasattr(ws, "close"):
