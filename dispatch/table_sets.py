@@ -36,7 +36,6 @@ import warnings
 from . import registry
 
 ENV_VAR = "MOE_AR_TABLES"
-LOCAL_WORLD_SIZE = 1  # generator/spec.py: the world size that exchanges nothing
 # What `gen-programs tune` writes (generator/table_sets.py holds the generator's copy of these two).
 TUNE_FORMAT = "moe_ar_table_set"
 TUNE_VERSION = 1
@@ -442,7 +441,7 @@ def resolve(*, dtype: str, world_size: int, hidden: int, elem_bytes: int, device
     pinned = check_boundaries(boundaries, fields, all_tokens)
     # A world of one exchanges nothing: the interconnect does not decide its tables (its cells were
     # measured on one GPU, whatever NVML said of its links).
-    matched = device if world_size != LOCAL_WORLD_SIZE else dataclasses.replace(device, interconnect="unknown")
+    matched = device if world_size != 1 else dataclasses.replace(device, interconnect="unknown")
     committed, why = committed_for(matched)
     _, model = committed_sets()
     if user is not None:
