@@ -23,6 +23,9 @@ profiles = os.environ.get("PROFILES", "plain,nvfp4,fp8_group128").split(",")
 res = []
 for vpt in vpts:
     m = RankMeasurer(world_size=1, rank=0, dtype="bf16", max_tokens=8192, reps=15, calls=10, warmup=3, seed=1234)
+    if os.environ.get("ONLY"):  # only the cell's programs whose name holds ONLY (e.g. _lcs_)
+        _progs = m.programs
+        m.programs = lambda unit, _p=_progs: [n for n in _p(unit) if os.environ["ONLY"] in n]
     if vpt is not None:
         def ws(hidden, m=m, vpt=vpt):
             if hidden not in m.workspaces:
