@@ -23,6 +23,16 @@ def _routed_sum(x_ptr, idx_ptr, w_ptr, t, rows, H, offs, mask, K: tl.constexpr, 
 
 
 @triton.jit
+def _partial(x_ptr, idx_ptr, w_ptr, shared_ptr, t, rows, H, rsf, offs, mask, K: tl.constexpr, HAS_W: tl.constexpr,
+             HAS_SHARED: tl.constexpr, BLOCK: tl.constexpr):
+    # rsf * routed sum + the shared expert's row, fp32
+    s = _routed_sum(x_ptr, idx_ptr, w_ptr, t, rows, H, offs, mask, K, HAS_W, BLOCK) * rsf
+    if HAS_SHARED:
+        s += tl.load(shared_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+    return s
+
+
+@triton.jit
 def _norm_and_quant(r, t, H, offs, mask, gamma_ptr, norm_ptr, q_ptr, s_ptr, qscale_ptr, eps, weight_bias,
                     QUANT: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr):
     # r: residual_out in the dtype. RMSNorm -> norm_out (dtype); QUANT 1: FP8 group-128, row-major
@@ -54,9 +64,7 @@ def fused(x_ptr, idx_ptr, w_ptr, shared_ptr, res_in_ptr, gamma_ptr, res_out_ptr,
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
-    s = _routed_sum(x_ptr, idx_ptr, w_ptr, t, rows, H, offs, mask, K, HAS_W, BLOCK) * rsf
-    if HAS_SHARED:
-        s += tl.load(shared_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+    s = _partial(x_ptr, idx_ptr, w_ptr, shared_ptr, t, rows, H, rsf, offs, mask, K, HAS_W, HAS_SHARED, BLOCK)
     s += tl.load(res_in_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
     r = s.to(res_out_ptr.dtype.element_ty)
     tl.store(res_out_ptr + t * H + offs, r, mask=mask)
@@ -69,9 +77,7 @@ def gather_sum(x_ptr, idx_ptr, w_ptr, shared_ptr, out_ptr, rows, H, rsf, K: tl.c
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < H
-    s = _routed_sum(x_ptr, idx_ptr, w_ptr, t, rows, H, offs, mask, K, HAS_W, BLOCK) * rsf
-    if HAS_SHARED:
-        s += tl.load(shared_ptr + t * H + offs, mask=mask, other=0.0).to(tl.float32)
+    s = _partial(x_ptr, idx_ptr, w_ptr, shared_ptr, t, rows, H, rsf, offs, mask, K, HAS_W, HAS_SHARED, BLOCK)
     tl.store(out_ptr + t * H + offs, s.to(out_ptr.dtype.element_ty), mask=mask)
 
 @triton.jit
