@@ -169,6 +169,11 @@ def test_console_scripts_and_packages():
     assert {"dispatch", "generator", COMMON, TOOLS, *tools} <= set(re.findall(r'"([^"]+)"', listed))
 
 
+# Libraries a module may need that the project does not install for everyone: the Triton baselines
+# (moe_ar_tools/baselines/triton_kernels.py) import Triton, which the test extra brings.
+OPTIONAL_IMPORTS = frozenset({"triton"})
+
+
 def test_every_import_of_the_project_resolves():
     """Each `from <project module> import <name>` anywhere in the runtime, the generator, the tools,
     the examples and the tests (also inside functions, which only run on a GPU machine) names a module
@@ -188,6 +193,9 @@ def test_every_import_of_the_project_resolves():
                     if not hasattr(module, alias.name):
                         try:
                             importlib.import_module(f"{node.module}.{alias.name}")
+                        except ModuleNotFoundError as e:
+                            if e.name not in OPTIONAL_IMPORTS:
+                                missing.append(f"{path.relative_to(ROOT_)}:{node.lineno}: {node.module}.{alias.name}")
                         except ImportError:
                             missing.append(f"{path.relative_to(ROOT_)}:{node.lineno}: {node.module}.{alias.name}")
     assert not missing, missing
@@ -278,7 +286,9 @@ def test_the_cycle_check_sees_a_cycle(tmp_path):
 
 def test_every_tool_module_imports_without_a_gpu():
     names = sorted(_tool_modules())
-    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    code = ("import importlib, sys\nfor name in sys.argv[1:]:\n    try:\n        importlib.import_module(name)\n"
+            f"    except ModuleNotFoundError as e:\n        if e.name not in {sorted(OPTIONAL_IMPORTS)!r}:\n"
+            "            raise\n")
     r = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
 
