@@ -53,12 +53,13 @@ sp.split_source = split_source
 class Launcher(sp.SplitLauncher):
     """SplitLauncher on the kernel of (vec, threads, blocks)."""
 
-    def __init__(self, mod, profile, C, vec, load, H, state_ptr, pdl=False, threads=512, blocks=1, cluster=True):
+    def __init__(self, mod, profile, C, vec, load, H, state_ptr, pdl=False, threads=512, blocks=1, cluster=True,
+                 name=None):
         nvec = H // 8
         slice_vectors = -(-nvec // C // 16) * 16
         if slice_vectors % vec or (slice_vectors // vec) % 16 or slice_vectors // vec > threads:
             raise ValueError("shape")
-        self.fn = mod.function(kernel_name(profile, vec, load, threads, blocks))
+        self.fn = mod.function(name or kernel_name(profile, vec, load, threads, blocks))
         self.threads = slice_vectors // vec
         self.C, self.vec, self.state_ptr = C, vec, state_ptr
         self.attrs = sp.cluster_attrs(C, pdl)
