@@ -84,7 +84,8 @@ def test_cli_dry_run_and_bad_options():
                                   "--profiles", "plain,nvfp4", "--budget-s", "300"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output)
-    assert plan["points"] == 2 * 4 * 2 and plan["budget_s"] == 300.0
+    assert plan["points"] == 2 * 4 * 2 * 2 and plan["budget_s"] == 300.0  # shapes, T, profiles, L2 modes
+    assert plan["l2_modes"] == ["cold", "warm"]
     # static: the target shape only, per T: 2 profiles of the chain + 1 finalize for flashinfer
     assert plan["compiles"]["static"] == 4 * (2 + 1)
     # dynamic: (profile, shared, T == 1) of the chain + (shared, T == 1) of the finalize
@@ -274,6 +275,9 @@ def _records():
     for T in (1, 2048, 4096):
         ours = 6.0 if T == 1 else _roof(T) / 0.95
         recs += [_rec("ours", T, ours, program="moe_ar_x_bf16_ws1_plain"),
+                 _rec("triton_fused", T, 5 * ours, variant="num_warps=8"),
+                 _rec("triton_fused", T, 6 * ours, variant="num_warps=4"),
+                 _rec("chain", T, 4.5 * ours, variant="triton num_warps=8"),
                  _rec("torch_eager", T, 4 * ours),
                  _rec("torch_compile", T, 3 * ours, variant="dynamic"),
                  _rec("torch_compile", T, (2.5 if T == 2048 else 3.5) * ours, variant="static")]
@@ -303,6 +307,8 @@ def test_summary_rows():
     assert r1["us"]["flashinfer"] is None and "wrong result" in r1["null_reasons"]["flashinfer"]
     assert r1["null_reasons"].keys() == {"flashinfer"} and r1["ratios"]["flashinfer"] is None
     assert r1["us"]["ours"] == pytest.approx(6.0) and r1["program"] == "moe_ar_x_bf16_ws1_plain"
+    # a Triton baseline's fastest launch parameter is its time
+    assert r1["us"]["triton_fused"] == pytest.approx(30.0) and r1["ratios"]["chain"] == pytest.approx(4.5)
     # the faster compile mode per point, ratios baseline / ours from the per-round pairs
     assert r1["compile_mode"] == "dynamic" and r2["compile_mode"] == "static"
     assert r2["ratios"]["torch_compile"] == pytest.approx(2.5) and r2["ratios"]["torch_eager"] == pytest.approx(4.0)
@@ -349,7 +355,7 @@ def test_targets_pass_and_fail():
 
 def _summary(records, skipped=()):
     header = {"gpu": "NVIDIA H200", "commit": "0123456789abcdef", "date": "2026-12-01T12:00:00", "dtype": "bf16",
-              "copy_gbps": COPY_GBPS, "empty_kernel_us": 4.0, "ours_1_token_us": {"no_pdl": 6.0, "pdl": 5.5},
+              "copy_gbps": COPY_GBPS, "read_gbps": COPY_GBPS, "empty_kernel_us": 4.0, "ours_1_token_us": {"no_pdl": 6.0, "pdl": 5.5},
               "driver": "580", "versions": {"torch": "2.11"}}
     return summarize(header, records, list(skipped), complete=not skipped)
 
@@ -369,13 +375,14 @@ def test_summary_schema_is_strict_json():
 
 def test_markdown_table():
     text = format_markdown(_summary(_records()))
-    assert "**plain**" in text and "| T | ours | torch eager | torch.compile | flashinfer | speed-up | roofline |" in text
+    assert "**plain**, cold L2" in text and ("| T | ours | triton fused | chain | torch eager | torch.compile | "
+                                             "flashinfer | speed-up | read floor |") in text
     assert "| 2048 |" in text and "(s)" in text and "95%" in text and "2.50x" in text
     line = next(s for s in text.splitlines() if s.startswith("| 1 |"))
-    assert line.split("|")[5].strip() == "-"  # flashinfer wrong at 1 token: no time
+    assert line.split("|")[7].strip() == "-"  # flashinfer wrong at 1 token: no time
     gmean = (3 * 2.5 * 2.8) ** (1 / 3)
     assert f"| yes | yes ({gmean:.2f}x) | yes (6.00 / 8.00 us) | yes |" in text
-    assert "| 7168/8s | plain | yes (95% at " in text
+    assert "| 7168/8s cold | plain | yes (95% at " in text
     # another shape only: its table, no target shape
     other = [_rec("ours", 1, 5.0, shape=(4096, 8, False))]
     assert "H 4096, top_k 8;" in format_markdown(_summary(other))
@@ -586,13 +593,17 @@ class _CpuRunner(Runner):
     def compiled_fns(self, mode):  # the eager functions stand in for the compiled ones
         return {"chain": tc.chain, "finalize": tc.finalize}
 
+    def __init__(self, cfg, device=None):
+        super().__init__(cfg, device=device)
+        self.l2_bytes = 1 << 16  # a cold point rotates through a few input sets, not thousands
+
     def capture(self, system):
         for j in range(self.cfg.warmup):
-            system.call(j % self.cfg.calls)
-        captured = [system.call(j) for j in range(self.cfg.calls)]
+            system.call(j % self.calls)
+        captured = [system.call(j) for j in range(self.calls)]
 
         def replay():
-            again = [system.call(j) for j in range(self.cfg.calls)]
+            again = [system.call(j) for j in range(self.calls)]
             for old, new in zip(captured, again):
                 for name in (old or {}):
                     if old[name] is not new[name]:
@@ -610,6 +621,7 @@ def stubbed_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stub GPU")
     monkeypatch.setattr(one_runner, "measure_bandwidth", lambda world, gib: {"hbm_GBps": 4000.0})
+    monkeypatch.setattr(one_runner, "measure_read_bandwidth", lambda index, gib: {"read_gbps": 4400.0})
     monkeypatch.setattr(dispatch, "LocalWorkspace", _Workspace, raising=False)
     monkeypatch.setattr(dispatch, "moe_finalize_allreduce", _op_writing())
     monkeypatch.setattr(dispatch, "select_program", lambda ws, T, quant, shared: f"auto_{quant}")
@@ -632,7 +644,16 @@ def test_the_run_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
     assert summary["complete"] is True and summary["empty_kernel_us"] > 0 and summary["copy_gbps"] == 4000.0
     assert summary["ours_1_token_us"]["pdl"] > 0 and summary["floor"]["program"] == "auto_None"
     assert summary["tables"] == {"256": {"set": "h200_nvlink", "why": "exact product"}}
-    rows = {(r["profile"], r["tokens"]): r for r in summary["rows"]}
+    assert summary["read_gbps"] == 4400.0
+    # both L2 modes, cold first; the floor is the bytes over the read bandwidth
+    assert [r["mode"] for r in summary["rows"]][:4] == ["cold"] * 4 and len(summary["rows"]) == 2 * 2 * 4
+    for r in summary["rows"]:
+        assert r["floor_us"] == pytest.approx(r["hbm_bytes"] / 4400e3) and r["floor_fraction"] > 0
+    records = json.loads((tmp_path / "out" / "records.json").read_text())["records"]
+    sets = {r["mode"]: r["input_sets"] for r in records if r["system"] == "ours" and r["tokens"] == 1 and r["valid"]}
+    per_set = (4 + 2 + 2) * 256 * 2  # T = 1: 4 routes, shared, residual in; residual and norm out
+    assert sets["warm"] == 1 and sets["cold"] == -(-3 * (1 << 16) // per_set)  # 3x the stub's 64 KiB L2
+    rows = {(r["profile"], r["tokens"]): r for r in summary["rows"] if r["mode"] == "cold"}
     assert len(rows) == 2 * 4
     for (profile, T), row in rows.items():
         assert row["us"]["ours"] and row["us"]["torch_eager"] and row["us"]["torch_compile"], (profile, T, row)
@@ -640,6 +661,7 @@ def test_the_run_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
     # in place on the residual, restored before each checked replay: right at plain and per-tensor FP8
     assert rows[("plain", 3)]["us"]["flashinfer"] and rows[("fp8_tensor", 3)]["us"]["flashinfer"]
     assert "sm_100" in rows[("nvfp4", 1)]["null_reasons"]["flashinfer"]
+    assert "CUDA device" in rows[("plain", 1)]["null_reasons"]["triton_fused"]  # the stub runs on the CPU
     assert "per-token-group" in rows[("fp8_group128_col", 1)]["null_reasons"]["flashinfer"]
     # several world-size-1 programs for plain: each forced; one for nvfp4: not
     assert set(rows[("plain", 1)]["programs"]) == {"moe_ar_a_bf16_ws1_plain", "moe_ar_b_bf16_ws1_plain"}
@@ -652,7 +674,7 @@ def test_the_run_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
 def test_a_wrong_result_voids_ours(tmp_path, stubbed_gpu):
     import dispatch
     stubbed_gpu.setattr(dispatch, "moe_finalize_allreduce", _op_writing(skip_norm_for="fp8_tensor"))
-    summary = _run(tmp_path, tokens="2", profiles="plain,fp8_tensor", systems="ours,torch_eager")
+    summary = _run(tmp_path, tokens="2", profiles="plain,fp8_tensor", systems="ours,torch_eager", l2="cold")
     plain, fp8 = summary["rows"]
     assert plain["us"]["ours"] and fp8["us"]["ours"] is None
     assert "wrong result" in fp8["null_reasons"]["ours"] and "norm_out" in fp8["null_reasons"]["ours"]
@@ -662,9 +684,9 @@ def test_a_wrong_result_voids_ours(tmp_path, stubbed_gpu):
 
 def test_the_budget_skips_what_does_not_fit(tmp_path, stubbed_gpu):
     stubbed_gpu.setattr(Runner, "over_budget", lambda self: bool(self.records))  # room for one point
-    summary = _run(tmp_path, tokens="1,2", profiles="plain", systems="ours,torch_eager")
+    summary = _run(tmp_path, tokens="1,2", profiles="plain", systems="ours,torch_eager", l2="cold")
     assert [r["tokens"] for r in summary["rows"]] == [1] and summary["complete"] is False
-    assert summary["skipped"] == [dict(profile="plain", tokens=2, hidden=256, top_k=4, shared=True,
+    assert summary["skipped"] == [dict(profile="plain", tokens=2, hidden=256, top_k=4, shared=True, mode="cold",
                                        reason="budget: 480 s")]
 
 

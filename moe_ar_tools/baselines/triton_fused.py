@@ -34,6 +34,21 @@ def _kernels():
             "add_rmsnorm": triton_kernels.add_rmsnorm}
 
 
+def unsupported(quant: Optional[str], scale_layout: Optional[str], device) -> Optional[str]:
+    """Why the Triton baselines cannot run a profile on `device` (None: they can)."""
+    if getattr(device, "type", str(device)) != "cuda":
+        return "Triton baselines: need a CUDA device"
+    if quant == "nvfp4":
+        return "Triton baselines: no NVFP4 output"
+    if quant == "fp8_group128" and scale_layout not in (None, "row"):
+        return "Triton baselines: FP8 group-128 scales row-major only"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"Triton not installed ({e})"
+    return None
+
+
 def _block(hidden: int) -> int:
     """The row as one power-of-two block (masked past H)."""
     return max(FP8_GROUP, 1 << (hidden - 1).bit_length())

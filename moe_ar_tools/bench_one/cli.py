@@ -21,6 +21,8 @@ from moe_ar_tools.bench_one.runner import Runner
               help="torch.compile modes: dynamic (one compile for every T), static (one per T)")
 @click.option("--static-compile-shapes", default="7168:8:shared",
               help="shapes compiled per T too (compiles are slow: the target shape); empty for none")
+@click.option("--l2", default="cold,warm", help="L2 modes: cold (inputs rotated through more than 3x the L2), "
+                                                "warm (one input set)")
 @click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="bf16")
 @click.option("--reps", default=50, help="timed replays per system and point (at least 50)")
 @click.option("--calls", default=10, help="back-to-back calls captured in one CUDA graph")

@@ -10,9 +10,15 @@ from typing import Optional
 from moe_ar_tools.bench.config import (DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPE_BYTES, Shape, parse_list, parse_shapes,
                                        parse_tokens)
 
-SYSTEMS = ("ours", "torch_eager", "torch_compile", "flashinfer")
+# triton_fused: the whole tail in one Triton launch; chain: a Triton gather-sum kernel, then FlashInfer's
+# add + RMSNorm where it runs, else a Triton one (moe_ar_tools/baselines/triton_fused.py)
+SYSTEMS = ("ours", "triton_fused", "chain", "torch_eager", "torch_compile", "flashinfer")
 BASELINES = SYSTEMS[1:]
 COMPILE_MODES = ("dynamic", "static")
+# cold: the captured calls rotate through input sets of more than COLD_L2_MULTIPLE x the L2 (the
+# headline); warm: one input set, every call (what a tail right after its GEMM finds at small T)
+L2_MODES = ("cold", "warm")
+COLD_L2_MULTIPLE = 3
 # a record's system: one of SYSTEMS, a forced program ("program", its name the variant), the floor's empty kernel
 RECORD_SYSTEMS = SYSTEMS + ("program", "empty_kernel")
 TARGET_SHAPE = Shape(7168, 8, True)
@@ -59,6 +65,7 @@ class Config:
     bw_gib: float = 2.0
     flashinfer_dir: Optional[str] = None
     programs: bool = True                 # force every world-size-1 program where a cell has several
+    l2_modes: list = field(default_factory=lambda: list(L2_MODES))
     started: float = field(default_factory=time.time)
 
     def static_compile(self, shape: Shape) -> bool:
@@ -68,7 +75,7 @@ class Config:
 def make_config(*, shapes=DEFAULT_SHAPES, tokens=DEFAULT_TOKENS, profiles=",".join(PROFILES),
                 systems=",".join(SYSTEMS), compile_modes=",".join(COMPILE_MODES),
                 static_compile_shapes="7168:8:shared", dtype="bf16", reps=50, calls=10, warmup=3,
-                budget_s=DEFAULT_BUDGET_S, **rest) -> Config:
+                budget_s=DEFAULT_BUDGET_S, l2=",".join(L2_MODES), **rest) -> Config:
     """The options as a Config; ValueError naming the option that is wrong."""
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
@@ -82,12 +89,13 @@ def make_config(*, shapes=DEFAULT_SHAPES, tokens=DEFAULT_TOKENS, profiles=",".jo
                   systems=parse_list(systems, SYSTEMS, "system"),
                   compile_modes=parse_list(compile_modes, COMPILE_MODES, "compile mode"),
                   static_compile_shapes=parse_shapes(static_compile_shapes) if static_compile_shapes else [],
-                  dtype=dtype, reps=reps, calls=calls, warmup=warmup, budget_s=float(budget_s), **rest)
+                  dtype=dtype, reps=reps, calls=calls, warmup=warmup, budget_s=float(budget_s),
+                  l2_modes=parse_list(l2, L2_MODES, "L2 mode"), **rest)
 
 
 def plan(cfg: Config) -> dict:
     """What a run measures and compiles (the --dry-run output)."""
-    points = len(cfg.shapes) * len(cfg.tokens) * len(cfg.profiles)
+    points = len(cfg.shapes) * len(cfg.tokens) * len(cfg.profiles) * len(cfg.l2_modes)
     compiles = {"dynamic": 0, "static": 0}
     if "torch_compile" in cfg.systems or "flashinfer" in cfg.systems:
         if "dynamic" in cfg.compile_modes:
@@ -99,6 +107,6 @@ def plan(cfg: Config) -> dict:
         compiles["static"] = len(static_shapes) * len(cfg.tokens) * \
             (len(cfg.profiles) * ("torch_compile" in cfg.systems) + ("flashinfer" in cfg.systems))
     return {"points": points, "shapes": [s.label for s in cfg.shapes], "tokens": cfg.tokens, "profiles": cfg.profiles,
-            "systems": cfg.systems, "compile_modes": cfg.compile_modes,
+            "systems": cfg.systems, "compile_modes": cfg.compile_modes, "l2_modes": cfg.l2_modes,
             "static_compile_shapes": [s.label for s in cfg.static_compile_shapes], "compiles": compiles,
             "reps": cfg.reps, "calls": cfg.calls, "budget_s": cfg.budget_s}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pathlib
 from typing import Optional
 
-from moe_ar_tools.bench_one.config import PROFILES, SYSTEMS, TARGET_SHAPE
+from moe_ar_tools.bench_one.config import L2_MODES, PROFILES, SYSTEMS, TARGET_SHAPE
 
 
 def table_shapes(rows: list) -> list:
@@ -45,20 +45,22 @@ def format_markdown(summary: dict) -> str:
                   "speed-up = the fastest baseline's time / ours (median of per-round ratios); torch.compile "
                   "d / s = dynamic shapes / compiled per T; flashinfer: compiled finalize + FlashInfer's norm "
                   "kernel, `-` where it has none (see summary.json `null_reasons`).", ""]
-        for profile in PROFILES:
-            mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile]
+        for l2, profile in ((l2, profile) for l2 in L2_MODES for profile in PROFILES):
+            mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile
+                    and r.get("mode", "cold") == l2]
             if not mine:
                 continue
-            lines += [f"**{profile}**", "",
-                      "| T | ours | torch eager | torch.compile | flashinfer | speed-up | roofline |",
-                      "|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += [f"**{profile}**, {l2} L2", "",
+                      "| T | ours | triton fused | chain | torch eager | torch.compile | flashinfer | speed-up | "
+                      "read floor |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r in mine:
                 us = r["us"]
                 mode = f" ({r['compile_mode'][0]})" if r["compile_mode"] else ""
                 speedup = "-" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
-                frac = "-" if r["roofline_fraction"] is None else f"{100 * r['roofline_fraction']:.0f}%"
-                lines.append(f"| {r['tokens']} | {_us(us['ours'])} | {_us(us['torch_eager'])} | "
-                             f"{_us(us['torch_compile'])}{mode} | {_us(us['flashinfer'])} | {speedup} | {frac} |")
+                frac = "-" if r.get("floor_fraction") is None else f"{100 * r['floor_fraction']:.0f}%"
+                lines.append(f"| {r['tokens']} | {_us(us['ours'])} | {_us(us.get('triton_fused'))} | "
+                             f"{_us(us.get('chain'))} | {_us(us['torch_eager'])} | {_us(us['torch_compile'])}{mode} | "
+                             f"{_us(us['flashinfer'])} | {speedup} | {frac} |")
             lines.append("")
     lines += ["Targets: bandwidth = ours' roofline fraction from 2,048 tokens (>= 88%, NVFP4 >= 85%); never slower "
               "than any baseline; geometric mean over T of the speed-up over the fastest baseline >= 2x; 1 token <= "
@@ -74,7 +76,8 @@ def format_markdown(summary: dict) -> str:
             (f" (ours missing at {n['ours_missing']})" if n["ours_missing"] else "")
         gm = "-" if g["value"] is None else f"{g['value']:.2f}x"
         one = "-" if o["ours_us"] is None else f"{_us(o['ours_us'])} / {_us(o['limit_us'])} us"
-        lines.append(f"| {t['hidden']}/{t['top_k']}{'s' if t['shared'] else ''} | {t['profile']} | {_yes(b['pass'])} "
+        lines.append(f"| {t['hidden']}/{t['top_k']}{'s' if t['shared'] else ''} {t.get('mode', 'cold')} | "
+                     f"{t['profile']} | {_yes(b['pass'])} "
                      f"({worst}) | {nsl} | {_yes(g['pass'])} ({gm}) | {_yes(o['pass'])} ({one}) | {_yes(t['pass'])} |")
     if summary.get("skipped"):
         lines += ["", f"{len(summary['skipped'])} points skipped (summary.json `skipped`)."]
@@ -94,7 +97,8 @@ def plot(summary: dict, path: pathlib.Path) -> None:
         return
     fig, axes = plt.subplots(1, len(profiles), figsize=(5.5 * len(profiles), 4.4), squeeze=False)
     for ax, profile in zip(axes[0], profiles):
-        mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile]
+        mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile
+                and r.get("mode", "cold") == "cold"]  # the headline
         for system in SYSTEMS:
             pts = [(r["tokens"], r["us"][system]) for r in mine if r["us"][system] is not None]
             if pts:

@@ -16,6 +16,7 @@ from moe_ar_tools.bench.config import EPS, FP8_TOLERANCE, NVFP4_TOLERANCE, ROUTE
 from moe_ar_tools.bench.inputs import rel_err, worst
 from moe_ar_tools.bench.records import _driver_version, jsonable
 from moe_ar_tools.bench.roofline import measure_bandwidth
+from moe_ar_tools.bench_one.read_floor import measure_read_bandwidth
 from moe_ar_tools.bench.timing import replay_orders
 from moe_ar_tools.bench_one.config import PROFILES, SYSTEMS, plan
 from moe_ar_tools.bench_one.report import _us, format_markdown, plot
@@ -55,14 +56,14 @@ class Runner(Setup):
         try:
             for j in range(self.cfg.warmup):
                 t0 = time.perf_counter()
-                system.call(j % self.cfg.calls)
+                system.call(j % self.calls)
                 if j == 0:
                     torch.cuda.synchronize(self.device)
                     system.compile_s = time.perf_counter() - t0
             torch.cuda.synchronize(self.device)
             graph, captured = torch.cuda.CUDAGraph(), []
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for j in range(self.cfg.calls):
+                for j in range(self.calls):
                     captured.append(system.call(j))
             torch.cuda.synchronize(self.device)
             if captured[0] is not None:  # outputs of call j, whose inputs are set j % sets
@@ -121,10 +122,11 @@ class Runner(Setup):
                 systems[j].graph.replay()
                 end.record()
         torch.cuda.synchronize(self.device)
-        return [[start.elapsed_time(end) * 1e3 / self.cfg.calls for start, end in row] for row in events]
+        return [[start.elapsed_time(end) * 1e3 / self.calls for start, end in row] for row in events]
 
     def measure(self, systems: list, profile: str, data: dict, where: dict) -> list:
         """Capture, check, time and check again; returns the records (every system, valid or not)."""
+        self.calls = data["calls"]  # calls a graph captures: at least one a cold input set
         records, ready = [], []
         for s in systems:
             err = self.capture(s)
@@ -150,7 +152,7 @@ class Runner(Setup):
         times = self.timed_loop(good) if good else []
         after = self.checked_replay(good, profile, data) if good else {}
         for s, replay_us in zip(good, times):
-            extra = dict(s.detail, program=s.program, compile_s=s.compile_s, calls_per_graph=self.cfg.calls,
+            extra = dict(s.detail, program=s.program, compile_s=s.compile_s, calls_per_graph=self.calls,
                          input_sets=len(data["sets"]), reps=self.cfg.reps)
             if after[id(s)]:
                 records.append(make_record(system=s.system, variant=s.variant, valid=False,
@@ -173,7 +175,8 @@ class Runner(Setup):
         if "ours" in self.cfg.systems:
             systems += [self.ours(shape, 1, "plain", data, pdl=False, variant="no_pdl"),
                         self.ours(shape, 1, "plain", data, pdl=True, variant="pdl")]
-        where = dict(profile="plain", tokens=1, hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared)
+        where = dict(profile="plain", tokens=1, hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared,
+                     mode=data["mode"])
         recs = {r["variant"] or r["system"]: r for r in self.measure(systems, "plain", data, where)}
         out = {"shape": shape.label, "records": list(recs.values())}
         for key in ("empty_kernel", "no_pdl", "pdl"):
@@ -189,19 +192,20 @@ class Runner(Setup):
     def sweep(self, header: dict) -> None:
         import torch
         cfg = self.cfg
-        total = len(cfg.shapes) * len(cfg.tokens) * len(cfg.profiles)
+        total = len(cfg.shapes) * len(cfg.tokens) * len(cfg.profiles) * len(cfg.l2_modes)
         done = 0
         for shape in cfg.shapes:
-            for T in cfg.tokens:
+            for T, mode in ((T, mode) for T in cfg.tokens for mode in cfg.l2_modes):
                 data = None
                 for profile in cfg.profiles:
                     done += 1
-                    where = dict(profile=profile, tokens=T, hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared)
+                    where = dict(profile=profile, tokens=T, hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared,
+                                 mode=mode)
                     if self.over_budget():
                         self.skipped.append(dict(where, reason=f"budget: {cfg.budget_s:.0f} s"))
                         continue
                     t0 = time.time()
-                    data = data or self.inputs(shape, T)
+                    data = data or self.inputs(shape, T, mode)
                     systems, nulls = self.build_systems(shape, T, profile, data)
                     recs = nulls + self.measure(systems, profile, data, where)
                     self.records += recs
@@ -211,7 +215,7 @@ class Runner(Setup):
                     for r in recs:
                         if r["valid"] and (r["system"] not in best or r["median_us"] < best[r["system"]]):
                             best[r["system"]] = r["median_us"]
-                    self.log(f"[{done}/{total}] {shape.label} T={T} {profile}: " +
+                    self.log(f"[{done}/{total}] {shape.label} T={T} {mode} {profile}: " +
                              ", ".join(f"{s} {_us(best.get(s))}" for s in SYSTEMS if s in cfg.systems) +
                              f" us ({spent:.1f} s, {time.time() - cfg.started:.0f} s in)")
                 del data
@@ -250,12 +254,15 @@ class Runner(Setup):
         bandwidth = measure_bandwidth(1, cfg.bw_gib)
         header.update(bandwidth=bandwidth, copy_gbps=bandwidth["hbm_GBps"])
         self.log(f"  copy {bandwidth['hbm_GBps']:.0f} GB/s (device to device, read + write)")
+        read = measure_read_bandwidth(self.device.index, cfg.bw_gib)
+        header.update(read_floor=read, read_gbps=read["read_gbps"])
+        self.log(f"  read {read['read_gbps']:.0f} GB/s (a streaming-read kernel: the floor)")
         if "ours" in cfg.systems:
             names = sorted({n for p in cfg.profiles for n in self.programs_for(p)})
             t0 = time.perf_counter()
             dispatch.warmup(names, device_index=self.device.index)
             self.log(f"  {len(names)} world-size-1 programs ready in {time.perf_counter() - t0:.1f} s")
-        if "flashinfer" in cfg.systems:
+        if "flashinfer" in cfg.systems or "chain" in cfg.systems:
             self.load_flashinfer()
         header["flashinfer"] = self.flashinfer_info
         floor = self.floor()

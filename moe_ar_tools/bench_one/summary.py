@@ -8,7 +8,7 @@ from typing import Optional
 from moe_ar_tools.bench.config import DTYPE_BYTES
 from moe_ar_tools.bench.roofline import hbm_bytes
 from moe_ar_tools.bench.timing import median, pair_ratio, percentile
-from moe_ar_tools.bench_one.config import BASELINES, PROFILES, RECORD_SYSTEMS, SYSTEMS
+from moe_ar_tools.bench_one.config import BASELINES, L2_MODES, PROFILES, RECORD_SYSTEMS, SYSTEMS
 
 # The targets (check_targets)
 BANDWIDTH_FROM_TOKENS = 2048
@@ -44,18 +44,21 @@ def roofline_us(total_bytes: float, copy_gbps: float) -> float:
 
 def make_record(*, system: str, profile: str, tokens: int, hidden: int, top_k: int, shared: bool,
                 valid: bool, replay_us=None, variant: Optional[str] = None, reason: Optional[str] = None,
-                **extra) -> dict:
+                mode: str = "cold", **extra) -> dict:
     """One system (one variant: a compile mode, a forced program) at one point. A valid record carries
     its per-replay times (microseconds per call) and their median; an invalid one the reason."""
     if system not in RECORD_SYSTEMS:
         raise ValueError(f"record: system {system!r}")
     if profile not in PROFILES:
         raise ValueError(f"record: profile {profile!r}")
+    if mode not in L2_MODES:
+        raise ValueError(f"record: L2 mode {mode!r}")
     if valid and not replay_us:
         raise ValueError("record: a valid record needs replay_us")
     if not valid and not reason:
         raise ValueError("record: an invalid record needs the reason")
-    rec = {"system": system, "variant": variant, "profile": profile, "tokens": int(tokens), "hidden": int(hidden),
+    rec = {"system": system, "variant": variant, "mode": mode, "profile": profile, "tokens": int(tokens),
+           "hidden": int(hidden),
            "top_k": int(top_k), "shared": bool(shared), "valid": bool(valid),
            "median_us": median(replay_us) if valid else None, "replay_us": list(replay_us or [])}
     if valid:
@@ -67,10 +70,10 @@ def make_record(*, system: str, profile: str, tokens: int, hidden: int, top_k: i
 
 
 def _point(r) -> tuple:
-    return (r["hidden"], r["top_k"], r["shared"], r["profile"], r["tokens"])
+    return (r["hidden"], r["top_k"], r["shared"], r.get("mode", "cold"), r["profile"], r["tokens"])
 
 
-def summary_rows(records: list, copy_gbps: float, elem_bytes: int = 2) -> list:
+def summary_rows(records: list, copy_gbps: float, elem_bytes: int = 2, read_gbps: Optional[float] = None) -> list:
     """One row per point (shape, profile, tokens), in the order measured: each system's time (its
     fastest valid variant; null when it has none, `null_reasons` says why), the ratios baseline /
     ours (medians of per-round ratios), the fastest baseline and ours' speed-up over it, the
@@ -81,9 +84,9 @@ def summary_rows(records: list, copy_gbps: float, elem_bytes: int = 2) -> list:
         order.setdefault(_point(r)[:3], len(order))
     profile_order = {name: i for i, name in enumerate(PROFILES)}
     rows = []
-    for key in sorted(points, key=lambda k: (order[k[:3]], profile_order[k[3]], k[4])):
+    for key in sorted(points, key=lambda k: (order[k[:3]], L2_MODES.index(k[3]), profile_order[k[4]], k[5])):
         recs = points[key]
-        hidden, top_k, shared, profile, tokens = key
+        hidden, top_k, shared, mode, profile, tokens = key
 
         def best(system):
             ok = [r for r in recs if r["system"] == system and r["valid"]]
@@ -95,6 +98,7 @@ def summary_rows(records: list, copy_gbps: float, elem_bytes: int = 2) -> list:
         fastest = min((chosen[s] for s in BASELINES if chosen[s]), key=lambda r: r["median_us"], default=None)
         hbm = hbm_bytes_ws1(tokens, hidden, top_k, shared, profile, elem_bytes)["total"]
         roof = roofline_us(hbm, copy_gbps)
+        floor = roofline_us(hbm, read_gbps) if read_gbps else None
         nulls = {}
         for s in SYSTEMS:
             if chosen[s] is None:
@@ -102,13 +106,14 @@ def summary_rows(records: list, copy_gbps: float, elem_bytes: int = 2) -> list:
                        for r in recs if r["system"] == s]
                 nulls[s] = "; ".join(why) if why else "not measured"
         rows.append({
-            "hidden": hidden, "top_k": top_k, "shared": shared, "profile": profile, "tokens": tokens,
+            "mode": mode, "hidden": hidden, "top_k": top_k, "shared": shared, "profile": profile, "tokens": tokens,
             "us": {s: chosen[s] and chosen[s]["median_us"] for s in SYSTEMS},
             "ratios": ratios,
             "best_baseline": fastest and fastest["system"],
             "speedup_vs_best_baseline": ratios[fastest["system"]] if fastest and ours else None,
             "hbm_bytes": hbm, "roofline_us": roof,
             "roofline_fraction": roof / ours["median_us"] if ours else None,
+            "floor_us": floor, "floor_fraction": floor / ours["median_us"] if ours and floor else None,
             "compile_mode": chosen["torch_compile"] and chosen["torch_compile"]["variant"],
             "flashinfer_finalize": chosen["flashinfer"] and chosen["flashinfer"]["variant"],
             "program": ours and ours.get("program"),
@@ -131,9 +136,9 @@ def check_targets(rows: list, empty_kernel_us: Optional[float]) -> list:
     nothing to check is None; a point where ours has no valid time fails `never_slower`."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["hidden"], r["top_k"], r["shared"], r["profile"]), []).append(r)
+        groups.setdefault((r["hidden"], r["top_k"], r["shared"], r.get("mode", "cold"), r["profile"]), []).append(r)
     out = []
-    for (hidden, top_k, shared, profile), rs in groups.items():
+    for (hidden, top_k, shared, mode, profile), rs in groups.items():
         big = [r for r in rs if r["tokens"] >= BANDWIDTH_FROM_TOKENS and r["roofline_fraction"] is not None]
         worst = min(big, key=lambda r: r["roofline_fraction"], default=None)
         need = BANDWIDTH_TARGET[profile]
@@ -154,7 +159,7 @@ def check_targets(rows: list, empty_kernel_us: Optional[float]) -> list:
         limit = ONE_TOKEN_EMPTY_KERNELS * empty_kernel_us if empty_kernel_us else None
         one_token = {"ours_us": one and one["us"]["ours"], "limit_us": limit,
                      "pass": None if one is None or limit is None else one["us"]["ours"] <= limit}
-        out.append({"hidden": hidden, "top_k": top_k, "shared": shared, "profile": profile,
+        out.append({"mode": mode, "hidden": hidden, "top_k": top_k, "shared": shared, "profile": profile,
                     "bandwidth": bandwidth, "never_slower": never_slower, "geomean_speedup": geomean,
                     "one_token": one_token,
                     "pass": _verdict(bandwidth["pass"], never_slower["pass"], geomean["pass"], one_token["pass"])})
@@ -164,6 +169,6 @@ def check_targets(rows: list, empty_kernel_us: Optional[float]) -> list:
 def summarize(header: dict, records: list, skipped: list, complete: bool) -> dict:
     """summary.json: the run's header (gpu, commit, copy_gbps, empty_kernel_us, ours_1_token_us,
     versions, date, config ...), the rows, the targets, what was skipped."""
-    rows = summary_rows(records, header["copy_gbps"], DTYPE_BYTES[header["dtype"]])
+    rows = summary_rows(records, header["copy_gbps"], DTYPE_BYTES[header["dtype"]], header.get("read_gbps"))
     return dict(header, rows=rows, targets=check_targets(rows, header.get("empty_kernel_us")),
                 skipped=skipped, complete=complete)

@@ -12,8 +12,7 @@ from typing import Callable, Optional
 
 from moe_ar_tools.bench.config import DTYPE_BYTES, EPS, FALLBACK_L2_BYTES, ROUTED_SCALING_FACTOR, Shape
 from moe_ar_tools.bench.inputs import make_input_sets
-from moe_ar_tools.bench.timing import input_sets_for
-from moe_ar_tools.bench_one.config import PROFILES, Config
+from moe_ar_tools.bench_one.config import COLD_L2_MULTIPLE, PROFILES, Config
 from moe_ar_tools.bench_one.summary import make_record
 
 
@@ -119,6 +118,10 @@ class System:
             ref.repoison({k: v for k, v in outs.items() if not (self.restore and k == "residual_out")})
 
 
+MAX_COLD_SETS = 4096  # 3x a 60 MiB L2 at one token of H 2048, top_k 8: 3,850 sets
+CHAIN_NUM_WARPS = (4, 8, 16)  # the chain's kernels' launch parameter, swept like triton_fused's
+
+
 def _error(e: Exception) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
@@ -193,16 +196,21 @@ class Setup:
             self.log(f"FlashInfer unavailable: {self.flashinfer_info['reason']}")
 
     # -- inputs --
-    def inputs(self, shape: Shape, T: int) -> dict:
+    def inputs(self, shape: Shape, T: int, mode: str = "cold") -> dict:
+        """The input sets of a point and their float64 check values. cold: enough sets to fill
+        COLD_L2_MULTIPLE x the L2 (inputs and outputs), one captured call each at least; warm: one set."""
         import torch
         from moe_ar_tools import reference as ref
-        bytes_per_set = (T * shape.top_k + T * (2 if shape.shared else 1)) * shape.hidden * DTYPE_BYTES[self.cfg.dtype]
-        n = input_sets_for(bytes_per_set, self.l2_bytes, self.cfg.calls)
+        read = (T * shape.top_k + T * (2 if shape.shared else 1)) * shape.hidden * DTYPE_BYTES[self.cfg.dtype]
+        bytes_per_set = read + 2 * T * shape.hidden * DTYPE_BYTES[self.cfg.dtype]
+        cold_sets = max(1, -(-COLD_L2_MULTIPLE * self.l2_bytes // bytes_per_set))
+        n = 1 if mode == "warm" else min(MAX_COLD_SETS, cold_sets)
         sets = make_input_sets(shape, T, n, self.dtype, 0, self.cfg.seed, self.device)
         refs = [contract_ws1(x, self.dtype) for x in sets]
         amax = max(float(norm.abs().max()) for _, norm in refs)
         gs_value, fp8_value = ref.f32(ref.E4M3_MAX * 6.0 / amax), ref.f32(amax / ref.E4M3_MAX)
-        return {"sets": sets, "refs": refs, "gs_value": gs_value, "fp8_value": fp8_value,
+        return {"sets": sets, "refs": refs, "gs_value": gs_value, "fp8_value": fp8_value, "mode": mode,
+                "calls": max(self.cfg.calls, n),
                 "gs": torch.tensor([gs_value], dtype=torch.float32, device=self.device),
                 "fp8": torch.tensor([fp8_value], dtype=torch.float32, device=self.device)}
 
@@ -247,11 +255,55 @@ class Setup:
                       p.scale_layout == "column", data["gs"], data["fp8"])
         return System(system, variant, call)
 
-    def flashinfer_system(self, finalize, variant, shape: Shape, T: int, profile: str, data: dict) -> System:
+    def triton_fused_system(self, num_warps: int, shape: Shape, T: int, profile: str, data: dict) -> System:
+        """The one-launch Triton kernel into preallocated outputs, one set per input set."""
+        from moe_ar_tools.baselines import triton_fused as tf
+        p, sets = PROFILES[profile], data["sets"]
+        outs = [alloc_outputs(T, shape.hidden, self.dtype, profile, self.device) for _ in sets]
+
+        def call(j):
+            i = j % len(sets)
+            x = sets[i]
+            tf.fused(outs[i], x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, eps=EPS,
+                     routed_scaling_factor=ROUTED_SCALING_FACTOR, quant=p.quant, fp8_scale=data["fp8"],
+                     num_warps=num_warps)
+        return System("triton_fused", f"num_warps={num_warps}", call, list(enumerate(outs)))
+
+    def triton_chain_system(self, num_warps: int, shape: Shape, T: int, profile: str, data: dict) -> System:
+        """The Triton gather-sum to a [T, H] partial, then the Triton add + RMSNorm (+ FP8)."""
+        import torch
+        from moe_ar_tools.baselines import triton_fused as tf
+        p, sets = PROFILES[profile], data["sets"]
+        outs = [alloc_outputs(T, shape.hidden, self.dtype, profile, self.device) for _ in sets]
+        partials = [torch.empty(T, shape.hidden, dtype=self.dtype, device=self.device) for _ in sets]
+
+        def call(j):
+            i = j % len(sets)
+            x = sets[i]
+            tf.gather_sum(partials[i], x.allreduce_in, x.idx, x.scale, x.shared,
+                          routed_scaling_factor=ROUTED_SCALING_FACTOR, num_warps=num_warps)
+            tf.add_rmsnorm(outs[i], partials[i], x.residual, x.norm_weight, eps=EPS, quant=p.quant,
+                           fp8_scale=data["fp8"], num_warps=num_warps)
+        return System("chain", f"triton num_warps={num_warps}", call, list(enumerate(outs)))
+
+    def triton_finalize(self, num_warps: int):
+        """finalize(allreduce_in, idx, scale, shared) -> partial by the Triton gather-sum kernel."""
+        import torch
+        from moe_ar_tools.baselines import triton_fused as tf
+
+        def finalize(allreduce_in, idx, scale, shared):
+            partial = torch.empty(idx.shape[0], allreduce_in.shape[1], dtype=allreduce_in.dtype,
+                                  device=allreduce_in.device)
+            return tf.gather_sum(partial, allreduce_in, idx, scale, shared,
+                                 routed_scaling_factor=ROUTED_SCALING_FACTOR, num_warps=num_warps)
+        return finalize
+
+    def flashinfer_system(self, finalize, variant, shape: Shape, T: int, profile: str, data: dict,
+                          system: str = "flashinfer") -> System:
         """The compiled finalize, then FlashInfer's norm kernel in place on one residual buffer per
         captured call (restored from residual_in before each checked replay)."""
         import torch
-        p, sets, fi, calls = PROFILES[profile], data["sets"], self.flashinfer, self.cfg.calls
+        p, sets, fi, calls = PROFILES[profile], data["sets"], self.flashinfer, data["calls"]
         residuals = [torch.empty(T, shape.hidden, dtype=self.dtype, device=self.device) for _ in range(calls)]
         pdl = self.capability >= (9, 0)  # FlashInfer's default (device_support_pdl)
 
@@ -270,20 +322,37 @@ class Setup:
                                        EPS, pdl)
             return {"residual_out": residuals[j], "quant_out": quant_out}
         restore()
-        return System("flashinfer", variant, call, restore=restore,
+        return System(system, variant, call, restore=restore,
                       detail={"pdl": pdl, "writes_norm_out": p.quant is None})
 
     def build_systems(self, shape: Shape, T: int, profile: str, data: dict) -> tuple:
         """(systems to run, records of systems that cannot run here)."""
-        from moe_ar_tools.baselines import flashinfer_norm, torch_chain
+        from moe_ar_tools.baselines import flashinfer_norm, torch_chain, triton_fused
         cfg, p = self.cfg, PROFILES[profile]
-        where = dict(profile=profile, tokens=T, hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared)
+        where = dict(profile=profile, tokens=T, hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared,
+                     mode=data["mode"])
         systems, nulls = [], []
         if "ours" in cfg.systems:
             systems.append(self.ours(shape, T, profile, data))
             forced = self.programs_for(profile) if cfg.programs else []
             if len(forced) > 1:
                 systems += [self.ours(shape, T, profile, data, program=name, variant=name) for name in forced]
+        for system in ("triton_fused", "chain"):
+            if system not in cfg.systems:
+                continue
+            why = triton_fused.unsupported(p.quant, p.scale_layout, self.device)
+            if why:
+                nulls.append(make_record(system=system, valid=False, reason=why, unavailable=True, **where))
+                continue
+            for nw in triton_fused.NUM_WARPS if system == "triton_fused" else CHAIN_NUM_WARPS:
+                if system == "triton_fused":
+                    systems.append(self.triton_fused_system(nw, shape, T, profile, data))
+                    continue
+                systems.append(self.triton_chain_system(nw, shape, T, profile, data))
+                if self.flashinfer is not None and not flashinfer_norm.unsupported(p.quant, self.capability):
+                    systems.append(self.flashinfer_system(self.triton_finalize(nw),
+                                                          f"triton num_warps={nw} + flashinfer", shape, T, profile,
+                                                          data, system="chain"))
         if "torch_eager" in cfg.systems:
             systems.append(self.chain_system("torch_eager", torch_chain.chain, None, T, profile, data))
         modes = [m for m in cfg.compile_modes if m == "dynamic" or cfg.static_compile(shape)]
