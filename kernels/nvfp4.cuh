@@ -8,7 +8,7 @@
 
 namespace moe_ar {
 
-// Two codings of the rule (tests/reference.py: count the midpoints |q| lies above, ties to the even
+// Two codings of the rule (moe_ar_tools/reference/quant.py: count the midpoints |q| lies above, ties to the even
 // code, saturate at 6, keep the sign bit; a NaN has code 0). tests/test_gpu_correctness.py checks both
 // against the rule for all 2^32 floats; quantize_vector_nvfp4 says which runs where.
 //

@@ -4,9 +4,9 @@
                                      [--profile P] [--arch A ...] [--jobs N] [--json PATH]
 
 NEW_REV defaults to the working tree of the checkout this module runs from. Each revision's tree is
-taken with `git archive REV | tar -x`, and that tree's own generator code (generator/verify.py
-source_for, generator/nvrtc_build.py options, its manifest's compile options, generator/cuda_env.py
-headers) builds its sources; NVRTC compiles them to cubins as the runtime does, `cuobjdump -sass`
+taken with `git archive REV | tar -x`, and that tree's own generator code (its `verify` module's
+source_for, its `nvrtc_build` options, its manifest's compile options, its `cuda_env` headers:
+found in generator/ or moe_ar_common/, wherever that revision kept them) builds its sources; NVRTC compiles them to cubins as the runtime does, `cuobjdump -sass`
 disassembles them, and the two programs of a cell (family, dtype, world size, profile, from the
 manifests) are compared after normalization (each program's own symbol -> a placeholder, blank and
 fat-binary banner lines dropped, runs of blanks made one). Per (program, arch): identical /

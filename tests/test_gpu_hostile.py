@@ -6,7 +6,7 @@
 - Device scales the host cannot check without a synchronization: global_scale (NVFP4) and
   fp8_scale (FP8 per tensor) of 0, -0, negative, NaN, +-inf, the smallest subnormal and a huge
   value, on every world-size-2 program of the profile (one-shot, two-shots, pipelined). The bytes
-  must be the rule's arithmetic applied as written (tests/reference.py, dispatch/API.md's table),
+  must be the rule's arithmetic applied as written (moe_ar_tools/reference/quant.py, dispatch/API.md's table),
   with zero elements and a zero block in norm_out (gamma 0 there) for the 0 / 0 and 0 * inf cases.
   Each call runs twice with different output poisons, so an unwritten byte cannot pass for an
   expected one.

@@ -1,5 +1,5 @@
 """World size 1 on the GPU: dispatch.LocalWorkspace and the local programs against the float64
-reference (moe_ar_tools/reference.py, whose world size 1 keeps the partial unrounded up to the
+reference (moe_ar_tools/reference/, whose world size 1 keeps the partial unrounded up to the
 residual add, docs/operation.md "World size 1").
 
 What every checked call holds to (reference.check_outputs): outputs poisoned first (NaN, 0xAB

@@ -5,22 +5,17 @@ loop keeps, per replay, the slowest rank's (every rank of a call waits for the s
 rank must fit the same table)."""
 from __future__ import annotations
 
-import math
 import pathlib
 import statistics
 import sys
 import time
 
+from moe_ar_tools.bench.timing import percentile
+
 from . import output
 
 
-def _percentile(values: list, q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100] (as moe_ar_tools/bench.py computes it)."""
-    values = sorted(values)
-    pos = (len(values) - 1) * q / 100
-    low = math.floor(pos)
-    high = min(low + 1, len(values) - 1)
-    return values[low] + (values[high] - values[low]) * (pos - low)
+_percentile = percentile  # the benchmark's (moe_ar_tools/bench/timing.py), one definition
 
 
 def combine_ranks(per_rank: list) -> dict:
