@@ -62,6 +62,9 @@ class EmulatedWorld:
                              f"peers' buffers directly (no CUDA IPC, no symmetric memory): pass None or 'ipc'")
         world_size = int(world_size)
         devices = _check_devices(devices, world_size)  # before any CUDA call
+        if torch.cuda.device_count() == 0:
+            raise ValueError("devices: no CUDA GPU is visible (torch.cuda.device_count() is 0); EmulatedWorld "
+                             "runs every rank on a GPU")
         if None in devices:
             current = torch.cuda.current_device()
             devices = [current if d is None else d for d in devices]

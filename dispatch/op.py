@@ -22,10 +22,16 @@ __all__ = ["FP8_GROUP", "MoeFinalizeOutputs", "fp8_scale_shape", "moe_finalize_a
            "profile_for_quant", "scale_out_bytes", "select_program"]
 
 
+def _not_a_workspace(name: str, value) -> str:
+    return f"{name}: {value!r} is not a dispatch workspace (Workspace, LocalWorkspace or an EmulatedWorld rank's)"
+
+
 def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str:
     """The program the dispatcher runs on this rank for a call of `tokens` tokens with `quant`
     (None, "nvfp4", "fp8_group128" or "fp8_tensor") and, when `has_shared`, a shared-expert operand.
     Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell."""
+    if not all(hasattr(ws, name) for name in ("dtype_name", "world_size", "oneshot_max_tokens", "selection")):
+        raise ValueError(_not_a_workspace("ws", ws))
     profile = profile_for_quant(quant)
     family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens,
                                     bounds=ws.selection.limits(profile))
@@ -71,7 +77,10 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     kwargs["expanded_idx_to_permuted_idx"] = expanded_idx_to_permuted_idx
     kwargs["residual_in"] = residual_in
     kwargs["norm_weight"] = norm_weight
-    recent = workspace._recent_plans
+    try:
+        recent = workspace._recent_plans
+    except AttributeError:  # not a workspace: a check that costs the launch path nothing
+        raise ValueError(_not_a_workspace("workspace", workspace)) from None
     if recent and not recent[0].fill:  # the short path of prepare_call, without a _Call
         workspace._ensure_open()
         workspace._check_error_words()
@@ -91,6 +100,8 @@ _KNOWN = frozenset(_DEFAULTS) | frozenset(_REQUIRED)
 def prepare_call(workspace, kwargs: dict) -> _Call:
     """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use).
     `kwargs` (the call's keyword arguments) gets the allocated outputs."""
+    if not hasattr(workspace, "_recent_plans"):
+        raise ValueError(_not_a_workspace("workspace", workspace))
     workspace._ensure_open()
     workspace._check_error_words()
     recent = workspace._recent_plans

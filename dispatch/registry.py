@@ -420,6 +420,11 @@ def warmup(names=None, device_index: int | None = None) -> list[dict]:
     """Compile (or load from the cache) the named programs ahead of time and put their code on the
     device; returns per-program info with the seconds each took and whether it came from the cache."""
     import torch
+    if isinstance(names, (str, bytes)):
+        raise ValueError(f"names: a list of program names, not one string ({names!r}); pass [{names!r}]")
+    if torch.cuda.device_count() == 0:
+        raise ValueError("device_index: no CUDA GPU is visible (torch.cuda.device_count() is 0); warmup "
+                         "loads the programs onto one")
     if device_index is None:
         device_index = torch.cuda.current_device()
     out = []

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from . import registry
+from .workspace_sizes import MAX_TOKENS
 
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16"}
 BACKENDS = ("ipc", "symm_mem", "auto")
@@ -45,7 +46,7 @@ def _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_m
         raise ValueError(f"world_size: {world_size} is not generated (have {generated})")
     if not isinstance(dtype, torch.dtype) or dtype not in DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not supported (use torch.float16 or torch.bfloat16)")
-    _int_arg("max_tokens", max_tokens, 1)
+    _int_arg("max_tokens", max_tokens, 1, MAX_TOKENS, " (the kernel's 32-bit counts)")
     hidden = _int_arg("hidden", hidden, 16, limits["max_hidden"],
                       f" (a positive multiple of 16, at most {limits['max_hidden']})")
     if hidden % 16:
