@@ -8,10 +8,8 @@ not written, so its check fails by design).
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
-import os
 import pathlib
 import time
 
@@ -46,43 +44,19 @@ def split_source() -> str:
 sp.split_source = split_source
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--budget-s", type=float, default=420)
-    args = ap.parse_args()
-    out = pathlib.Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    torch.cuda.init()
-    props = torch.cuda.get_device_properties(0)
-    l2 = int(getattr(props, "L2_cache_size", 60 << 20))
-    sp.warm_clocks()
-    fl = sp.floors()
-    sp.log(f"floors: {fl}")
-    mod = sp.SplitModule()
-    state = torch.zeros(8, dtype=torch.int32, device="cuda")
-    results = {"gpu": props.name, "l2_bytes": l2, "floors": fl, "points": [], "commit": os.environ.get("COMMIT")}
-    plan = []
-    for T in (1, 16, 64, 256, 1024, 4096, 16384):
-        for prof in ("plain", "fp8_group128"):
-            if prof == "fp8_group128" and T not in (1, 16, 64, 1024, 16384):
-                continue
-            ks = [k for k in KERNELS if k[0] == prof]
-            # (C, kernel): one token a block for every kernel, a cluster of 8 for the 1-vector ones
-            variants = [(1, k) for k in ks if k[1] > 1] + [(8, k) for k in ks if k[1] == 1 and T <= 64]
-            plan.append((prof, T, "cold", variants))
-    plan += [("plain", T, "warm", [(1, k) for k in KERNELS if k[0] == "plain" and k[1] > 1])
-             for T in (256, 4096)]
+def run_plan(ctx, plan, json_name: str) -> None:
+    """Each point of `plan` ((profile, T, L2 mode, [(C, kernel)])) against the committed programs and
+    Triton, logged and written to json_name as it goes."""
+    args, out, t_start, l2, mod, state, results = ctx
     orig = sp.SplitLauncher
+
+    def make(mod_, profile, C, vec, name, H_, state_ptr, pdl=False):
+        return rb.Launcher(mod_, "plain", C, vec, 0, H_, state_ptr, pdl, 512, 1, C > 1, name=name)
     for prof, T, mode, variants in plan:
         if time.perf_counter() - t_start > args.budget_s:
             sp.log(f"budget: stop before {prof} T {T} {mode}")
             continue
         shaped = [(C, k[1], kname(*k), False) for C, k in variants]
-
-        def make(mod_, profile, C, vec, name, H_, state_ptr, pdl=False):
-            return rb.Launcher(mod_, "plain", C, vec, 0, H_, state_ptr, pdl, 512, 1, C > 1, name=name)
         sp.SplitLauncher = make
         try:
             r = sp.point(mod, state, prof, T, 7168, 8, True, mode, l2, shaped, 15 if T <= 2048 else 9, {})
@@ -99,8 +73,24 @@ def main():
         sp.log(f"{prof} T{T} {mode}: triton {tr[0]:.2f} ({tr[1]}) old {old:.2f} | " + " ".join(
             f"{k.replace('split_', '').replace('exp_var_', '').replace(prof + '_', '')}={v:.2f}"
             for k, v in sorted(us.items()) if k.startswith("split")) + f" errors {sorted(r['errors'])}")
-        (out / "variants.json").write_text(json.dumps(results, indent=1))
+        (out / json_name).write_text(json.dumps(results, indent=1))
     sp.log(f"done in {time.perf_counter() - t_start:.0f} s")
+
+
+def main():
+    ctx = rb.start(420)
+    plan = []
+    for T in (1, 16, 64, 256, 1024, 4096, 16384):
+        for prof in ("plain", "fp8_group128"):
+            if prof == "fp8_group128" and T not in (1, 16, 64, 1024, 16384):
+                continue
+            ks = [k for k in KERNELS if k[0] == prof]
+            # (C, kernel): one token a block for every kernel, a cluster of 8 for the 1-vector ones
+            variants = [(1, k) for k in ks if k[1] > 1] + [(8, k) for k in ks if k[1] == 1 and T <= 64]
+            plan.append((prof, T, "cold", variants))
+    plan += [("plain", T, "warm", [(1, k) for k in KERNELS if k[0] == "plain" and k[1] > 1])
+             for T in (256, 4096)]
+    run_plan(ctx, plan, "variants.json")
 
 
 if __name__ == "__main__":
