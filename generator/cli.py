@@ -371,6 +371,7 @@ def tune(args):
     root = locations.checkout_root()
     if root is not None:  # the checkout's moe_ar_tools and dispatch, as this generator is the checkout's
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    env["MOE_AR_TUNE_PROG_NAME"] = "gen-programs tune"  # its usage lines name the command typed
     code = subprocess.run([sys.executable, "-m", "moe_ar_tools.tune", *args], env=env).returncode
     sys.exit(code)
 

@@ -256,3 +256,17 @@ def test_a_rank_checks_every_output_against_the_float64_reference():
     from moe_ar_tools.bench import systems as bench
     bench._poison(outs)
     assert [r.split(" rel err")[0] for r in m._check(outs, None)] == ["residual_out", "norm_out"]
+
+
+def test_gen_programs_tune_help_names_itself():
+    """`gen-programs tune --help` says `gen-programs tune`, not the module it runs; `python -m
+    moe_ar_tools.tune --help` keeps its own name."""
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    r = subprocess.run([sys.executable, "-c", "import sys; from generator.cli import main; sys.argv = ['gen-programs', "
+                        "'tune', '--help']; main()"], cwd=root, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("Usage: gen-programs tune "), r.stdout[:300] + r.stderr[-500:]
+    r = subprocess.run([sys.executable, "-m", "moe_ar_tools.tune", "--help"], cwd=root, capture_output=True, text=True)
+    assert r.stdout.startswith("Usage: python -m moe_ar_tools.tune "), r.stdout[:300]
