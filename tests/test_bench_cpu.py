@@ -135,6 +135,14 @@ def test_input_sets_for():
     assert n * per_set >= 2 * L2 and (n - 1) * per_set < 2 * L2
 
 
+def test_cold_input_sets_fill_three_times_the_l2_whatever_the_calls():
+    L2 = 60 * 2 ** 20
+    per_set = (8 + 2 + 2) * 7168 * 2  # one token of H 7168, top_k 8 + shared: read and written
+    n = timing.cold_input_sets(per_set, L2)
+    assert n * per_set > 3 * L2 - per_set and (n - 1) * per_set < 3 * L2 and n > 1000
+    assert timing.cold_input_sets(10 * L2, L2) == 1 and timing.cold_input_sets(1, L2) == timing.MAX_COLD_SETS
+
+
 # ---- records -------------------------------------------------------------------------------------
 
 def _record(**kw):

@@ -64,3 +64,13 @@ def input_sets_for(bytes_per_set: int, l2_bytes: int, calls: int) -> int:
     at least twice the L2 (so a call does not find the previous call's inputs cached), at most
     one per call."""
     return max(1, min(calls, -(-2 * l2_bytes // max(1, bytes_per_set))))
+
+
+COLD_L2_MULTIPLE = 3  # cold_input_sets: the sets together fill this many times the L2
+MAX_COLD_SETS = 4096  # 3x a 60 MiB L2 at one token of H 2048, top_k 8: 3,850 sets
+
+
+def cold_input_sets(bytes_per_set: int, l2_bytes: int) -> int:
+    """The sets a cold point rotates through, each call its own set when the sets outnumber the calls:
+    together more than COLD_L2_MULTIPLE x the L2 (inputs and outputs counted), at most MAX_COLD_SETS."""
+    return min(MAX_COLD_SETS, max(1, -(-COLD_L2_MULTIPLE * l2_bytes // max(1, bytes_per_set))))

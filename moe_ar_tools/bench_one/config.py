@@ -15,10 +15,10 @@ from moe_ar_tools.bench.config import (DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPE_BYT
 SYSTEMS = ("ours", "triton_fused", "chain", "torch_eager", "torch_compile", "flashinfer")
 BASELINES = SYSTEMS[1:]
 COMPILE_MODES = ("dynamic", "static")
-# cold: the captured calls rotate through input sets of more than COLD_L2_MULTIPLE x the L2 (the
-# headline); warm: one input set, every call (what a tail right after its GEMM finds at small T)
+# cold: the captured calls rotate through input sets of more than 3x the L2 (the headline;
+# moe_ar_tools.bench.timing.cold_input_sets); warm: one input set, every call (what a tail right
+# after its GEMM finds at small T)
 L2_MODES = ("cold", "warm")
-COLD_L2_MULTIPLE = 3
 # a record's system: one of SYSTEMS, a forced program ("program", its name the variant), the floor's empty kernel
 RECORD_SYSTEMS = SYSTEMS + ("program", "empty_kernel")
 TARGET_SHAPE = Shape(7168, 8, True)

@@ -12,7 +12,8 @@ from typing import Callable, Optional
 
 from moe_ar_tools.bench.config import DTYPE_BYTES, EPS, FALLBACK_L2_BYTES, ROUTED_SCALING_FACTOR, Shape
 from moe_ar_tools.bench.inputs import make_input_sets
-from moe_ar_tools.bench_one.config import COLD_L2_MULTIPLE, PROFILES, Config
+from moe_ar_tools.bench.timing import cold_input_sets
+from moe_ar_tools.bench_one.config import PROFILES, Config
 from moe_ar_tools.bench_one.summary import make_record
 
 
@@ -118,7 +119,6 @@ class System:
             ref.repoison({k: v for k, v in outs.items() if not (self.restore and k == "residual_out")})
 
 
-MAX_COLD_SETS = 4096  # 3x a 60 MiB L2 at one token of H 2048, top_k 8: 3,850 sets
 CHAIN_NUM_WARPS = (4, 8, 16)  # the chain's kernels' launch parameter, swept like triton_fused's
 
 
@@ -198,13 +198,13 @@ class Setup:
     # -- inputs --
     def inputs(self, shape: Shape, T: int, mode: str = "cold") -> dict:
         """The input sets of a point and their float64 check values. cold: enough sets to fill
-        COLD_L2_MULTIPLE x the L2 (inputs and outputs), one captured call each at least; warm: one set."""
+        3x the L2 (inputs and outputs; bench.timing.cold_input_sets), one captured call each at least;
+        warm: one set."""
         import torch
         from moe_ar_tools import reference as ref
         read = (T * shape.top_k + T * (2 if shape.shared else 1)) * shape.hidden * DTYPE_BYTES[self.cfg.dtype]
         bytes_per_set = read + 2 * T * shape.hidden * DTYPE_BYTES[self.cfg.dtype]
-        cold_sets = max(1, -(-COLD_L2_MULTIPLE * self.l2_bytes // bytes_per_set))
-        n = 1 if mode == "warm" else min(MAX_COLD_SETS, cold_sets)
+        n = 1 if mode == "warm" else cold_input_sets(bytes_per_set, self.l2_bytes)
         sets = make_input_sets(shape, T, n, self.dtype, 0, self.cfg.seed, self.device)
         refs = [contract_ws1(x, self.dtype) for x in sets]
         amax = max(float(norm.abs().max()) for _, norm in refs)
