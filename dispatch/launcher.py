@@ -9,6 +9,7 @@ import struct
 import torch
 
 from . import registry
+from .workspace import LOCAL_LATENCY_REGIME
 
 _QUANT_FLAG_COLUMN_MAJOR, _QUANT_FLAG_POW2 = 1, 2  # Params.quant_flags bits (the template's QuantFlag)
 _POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
@@ -53,7 +54,7 @@ class _Launcher:
             # the loaded program for the process (tests that also run one rank a GPU).
             prog.prefer_largest_shared_memory()
         self.dynamic_smem = registry.dynamic_smem_bytes(info, ws.hidden, ws.dtype.itemsize)
-        self.row_splits = ws.row_splits_for(self.regime)
+        self.row_splits = ws.row_splits_for(self.regime, info["row_stages"])
         self.max_blocks = []  # per row split of this program on the workspace
         for split in self.row_splits:
             per_sm = prog.max_blocks_per_sm(split.threads, self.dynamic_smem)
@@ -61,7 +62,14 @@ class _Launcher:
                 raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
             self.max_blocks.append(max(1, per_sm * sms // sharing))
         self.function_ptr = prog.function_ptr
+        self.cluster_function_ptr = prog.cluster_function_ptr
         self.threads = [split.threads for split in self.row_splits]
+        self.cluster_blocks = cluster_blocks_for(self.regime, self.row_splits) if prog.cluster_function_ptr else 1
+        limits = registry.program_set().limits
+        self.cluster_max_tokens = limits["cluster_max_tokens"] if self.cluster_blocks > 1 else 0
+        # the launch attributes of a cluster launch, without and with PDL (kept alive with the launcher)
+        self.cluster_attrs = (_cluster_attributes(self.cluster_blocks, False),
+                              _cluster_attributes(self.cluster_blocks, True))
         # The fields every call of this program on this workspace shares.
         template = self.template = registry.params_struct()()
         for r, ptr in enumerate(ws.peer_buffer_ptrs):
@@ -97,12 +105,27 @@ class _Launcher:
         params.eps = a["eps"]
         params.weight_bias = float(a["weight_bias"])
         params.vec_per_thread = self.row_splits[self.row_split_index(T)].vec_per_thread
-        return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"]))
+        function_ptr = self.cluster_function_ptr if self.uses_cluster(T, params.top_k) else self.function_ptr
+        return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"], params.top_k), function_ptr)
 
-    def config_for(self, ws, T, pdl):
-        """The launch configuration of a call of T tokens (the stream is set at each launch)."""
+    def uses_cluster(self, T: int, top_k: int) -> bool:
+        """Whether a call of T tokens and top_k routes runs the cluster layout (world size 1, few tokens)."""
+        return T <= self.cluster_max_tokens and top_k <= _CLUSTER_MAX_ROUTES
+
+    def config_for(self, ws, T, pdl, top_k):
+        """The launch configuration of a call of T tokens and top_k routes (the stream is set at each
+        launch)."""
         i = self.row_split_index(T)
         config = _LaunchConfig()
+        if self.uses_cluster(T, top_k):
+            # world size 1's cluster layout: a token a cluster, the row's threads over its blocks (local.cuh)
+            config.gridDimX = T * self.cluster_blocks
+            config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
+            config.blockDimX = self.threads[i] // self.cluster_blocks
+            config.sharedMemBytes = self.dynamic_smem
+            attrs = self.cluster_attrs[bool(pdl)]
+            config.attrs, config.numAttrs = attrs, len(attrs)
+            return config
         if self.sliced_units:  # a unit is one row slice
             config.gridDimX = min(T * self.row_splits[i].vec_per_thread, self.max_blocks[i])
         elif self.column_units:  # a unit is one column: a token of each rank
@@ -120,18 +143,38 @@ class _Launcher:
         """Launch on the current stream; `pointers`: the data pointers in the kernel call's order."""
         kernel.packer.pack_into(kernel.params, self.pointer_base, *pointers)
         kernel.config.hStream = _current_stream(self.device_index)
-        err = _cu_launch_kernel_ex(kernel.config_ref, self.function_ptr, kernel.param_pointer, None)
+        err = _cu_launch_kernel_ex(kernel.config_ref, kernel.function_ptr, kernel.param_pointer, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx({self.name}) failed: CUresult {err}")
+
+
+_CLUSTER_MAX_ROUTES = 8  # the cluster layout runs the all-loads row (local.cuh): top_k <= 8
+
+
+def cluster_blocks_for(regime: str, row_splits) -> int:
+    """Blocks a cluster of world size 1's latency program spreads a token over (1: no cluster layout):
+    the largest C <= cluster_max_blocks that divides the warps of its one row split, where C >= 2, the
+    row has cluster_min_warps warps or more and the split is the all-loads one (2 vectors a thread or
+    fewer, whole warps)."""
+    if regime != LOCAL_LATENCY_REGIME or len(row_splits) != 1:
+        return 1
+    split = row_splits[0]
+    limits = registry.program_set().limits
+    if split.vec_per_thread > 2 or split.threads % 32 or split.threads // 32 < limits["cluster_min_warps"]:
+        return 1
+    warps = split.threads // 32
+    most = limits["cluster_max_blocks"]
+    blocks = max(c for c in range(1, most + 1) if warps % c == 0)
+    return blocks if blocks >= 2 else 1
 
 
 class _KernelCall:
     """A launch of one program for one call signature (everything but the data pointers and stream)."""
 
-    __slots__ = ("params", "param_pointer", "packer", "config", "config_ref")
+    __slots__ = ("params", "param_pointer", "packer", "config", "config_ref", "function_ptr")
 
-    def __init__(self, params, order, config):
-        self.params, self.config = params, config
+    def __init__(self, params, order, config, function_ptr):
+        self.params, self.config, self.function_ptr = params, config, function_ptr
         self.param_pointer = (ctypes.c_void_p * 1)(ctypes.addressof(params))  # cuLaunchKernelEx's kernelParams
         self.config_ref = ctypes.byref(config)
         # The pointer fields are consecutive 8-byte words (generator/abi.py): the call's pointers go
@@ -145,7 +188,8 @@ class _KernelCall:
 # signature, so a launch sets the stream and makes one foreign call (layouts from cuda.h).
 
 class _LaunchAttributeValue(ctypes.Union):
-    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int)]
+    _fields_ = [("pad", ctypes.c_char * 64), ("programmaticStreamSerializationAllowed", ctypes.c_int),
+                ("clusterDim", ctypes.c_uint * 3)]
 
 
 class _LaunchAttribute(ctypes.Structure):
@@ -163,6 +207,20 @@ _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _PDL_ATTRIBUTE = (_LaunchAttribute * 1)()
 _PDL_ATTRIBUTE[0].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _PDL_ATTRIBUTE[0].value.programmaticStreamSerializationAllowed = 1
+_CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
+
+
+def _cluster_attributes(blocks: int, pdl: bool):
+    """The launch attributes of a cluster of `blocks` blocks along x, and PDL if asked."""
+    attrs = (_LaunchAttribute * (1 + int(pdl)))()
+    attrs[0].id = _CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attrs[0].value.clusterDim[:] = (blocks, 1, 1)
+    if pdl:
+        attrs[1].id = _CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs[1].value.programmaticStreamSerializationAllowed = 1
+    return attrs
+
+
 _cu_launch_kernel_ex = None
 
 

@@ -357,6 +357,12 @@ class LoadedProgram:
             self.function = self.module.get_function(self.entry["symbol"])
             self.function_ptr = int(self.function.ptr)
             _load_now(self.function_ptr)
+            # world size 1's latency programs: their cluster layout, a second kernel (0: none)
+            self.cluster_function_ptr = 0
+            if self.entry.get("cluster_symbol"):
+                self.cluster_function = self.module.get_function(self.entry["cluster_symbol"])
+                self.cluster_function_ptr = int(self.cluster_function.ptr)
+                _load_now(self.cluster_function_ptr)
             if self.entry["row_stages"]:  # the row ring: above the 48 KiB a launch may take unasked
                 self._allow_dynamic_smem(dynamic_smem_bytes(self.entry, program_set().limits["max_hidden"], 2))
         self.device_index = device_index

@@ -34,6 +34,7 @@ PHASES = {0: "none", 1: "reduce-scatter (waiting for peers' partials)",
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
 
 LOCAL_LATENCY_REGIME = "local"  # world size 1's latency layout (generator/spec.py)
+LOCAL_STREAMING_REGIME = "local_streaming"  # and its streaming layout
 _live_workspaces = weakref.WeakSet()  # every constructed, not yet closed workspace, for dispatch.check()
 
 
@@ -113,13 +114,19 @@ class _WorkspaceBase:
         self._recent_plans.clear()
         _live_workspaces.discard(self)
 
-    def row_splits_for(self, regime: str) -> tuple:
-        """The row splits a program of `regime` runs. World size 1's latency layout (`local`) keeps the
-        few-tokens split at every T where it fits a block: its all-loads path (2 vectors a thread) is
-        faster than its by-vector path under the wide split at every T measured on an H200
-        (bench_results/world_size_1/row_split/). A split fixed by vec_per_thread is every program's."""
-        if regime == LOCAL_LATENCY_REGIME and self.vec_per_thread is None and len(self.row_splits) == 2:
-            return (self.row_splits[0]._replace(max_tokens=_ALL_TOKENS),)
+    def row_splits_for(self, regime: str, row_stages: int = 0) -> tuple:
+        """The row splits a program of `regime` (with a ring of `row_stages` rows) runs. World size 1's
+        latency layout (`local`) keeps the few-tokens split at every T where it fits a block: its
+        all-loads path (2 vectors a thread) is faster than its by-vector path under the wide split at
+        every T measured on an H200 (bench_results/world_size_1/row_split/). Its streaming layout
+        without a ring keeps the wide split at every T: the fewest threads a block, so two blocks fit
+        a multiprocessor (bench_results/world_size_1/two_blocks/). A split fixed by vec_per_thread is
+        every program's."""
+        if self.vec_per_thread is None and len(self.row_splits) == 2:
+            if regime == LOCAL_LATENCY_REGIME:
+                return (self.row_splits[0]._replace(max_tokens=_ALL_TOKENS),)
+            if regime == LOCAL_STREAMING_REGIME and not row_stages:
+                return (self.row_splits[1],)
         return self.row_splits
 
     def row_split_index(self, T: int) -> int:

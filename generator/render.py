@@ -261,7 +261,7 @@ def _selection_context(table_set: table_sets.TableSet) -> dict:
 
 def register_bound(program: spec.ProgramSpec) -> str:
     """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP)."""
-    cap = spec.register_cap(program.family, program.world_size)
+    cap = spec.register_cap(program.family, program.world_size, program.profile)
     if cap is None:
         return f"__launch_bounds__({abi.MAX_THREADS})"
     # __maxnreg__ and __launch_bounds__ exclude each other; the cap must still let a block of
@@ -330,12 +330,13 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       spec=program,
                       name=program.name,
                       symbol=program.symbol,
+                      cluster_symbol=program.cluster_symbol,
                       dtype_cpp=spec.DTYPE_CPP[program.dtype],
                       profile_cpp=profile.cpp,
                       regime_cpp=spec.REGIME_BY_NAME[family.regime].cpp,
                       shared_prefetch="true" if family.shared_prefetch else "false",
                       loads=spec.loads_in_flight(program.family, program.profile),
-                      row_stages=spec.row_stages(program.family),
+                      row_stages=spec.row_stages(program.family, program.profile),
                       body_file=body_name,
                       register_bound=register_bound(program),
                       family_meaning=family.meaning,

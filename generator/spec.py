@@ -150,8 +150,9 @@ FAMILY_BY_NAME = _by_name(
                    "residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)",
            base="local", protocol="local", regime="local", shared_prefetch=False, cpp_name="Local"),
     Family("local_streaming", code="lcs", title="local, world size 1, streaming",
-           meaning="the local program for many tokens: the rows come into a ring in shared memory by bulk "
-                   "copies, in flight while the block normalizes and quantizes (large T)",
+           meaning="the local program for many tokens: two blocks a multiprocessor, each loading its row a few "
+                   "routes at a time while the other normalizes (FP8 group-128: the rows come into a ring in "
+                   "shared memory by bulk copies) (large T)",
            base="local", protocol="local", regime="local_streaming", shared_prefetch=False,
            cpp_name="LocalStreaming"),
     Family("oneshot", code="os", title="one-shot",
@@ -229,15 +230,21 @@ REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipeline
 # fastest ring (bench_results/pipelined/row_ring/).
 PIPELINED_ROW_STAGES = 3
 PIPELINED_RING_CAP = 128
-# World size 1's streaming program reads its rows through the same kind of ring (local.cuh): rows
-# stay in flight while a block normalizes and quantizes, holding no registers. Three rows under a cap
-# of 96 (two 224-thread blocks a multiprocessor at H 7168, no spills) measured fastest: 2-9% faster
-# than four routes at a time in registers under a cap of 72 from 1,024 tokens; two, four and six rows,
-# and three blocks (cap 80) were no faster (bench_results/world_size_1/row_ring/, small_hidden/).
+# World size 1's streaming program, FP8 group-128: its rows come through the same kind of ring
+# (local.cuh), in flight while a block normalizes and quantizes, holding no registers. Three rows
+# under a cap of 96 (two 224-thread blocks a multiprocessor at H 7168, no spills) measured fastest
+# (bench_results/world_size_1/row_ring/, small_hidden/).
 LOCAL_STREAMING_ROW_STAGES = 3
 LOCAL_RING_CAP = 96
+LOCAL_RING_PROFILES = ("fp8_group128",)
+# The other profiles load their rows into registers, LOCAL_BATCH_ROUTES routes of every vector of the
+# thread at a time, 4 vectors a thread at every T, under a cap that keeps two blocks a
+# multiprocessor: one block's epilogue runs under the other's loads. Measured faster than the ring
+# for plain and NVFP4 from 256 tokens, slower for FP8 group-128 (bench_results/world_size_1/two_blocks/).
+LOCAL_BATCH_ROUTES = 2
+LOCAL_TWO_BLOCKS_CAP = 128
 if not LOCAL_STREAMING_ROW_STAGES:
-    raise ValueError("spec: the streaming program of world size 1 has no register-load form; it needs its ring")
+    raise ValueError("spec: the ring of world size 1's streaming program needs rows")
 
 # The one-shot, every profile: four routes at a time, the shared row first
 # (bench_results/oneshot/, "Loads in flight"). World size 1: the latency layout loads alike where its
@@ -246,12 +253,12 @@ ONESHOT_LOADS = (4, True)
 LOCAL_LOADS = ONESHOT_LOADS
 
 
-def row_stages(family: str) -> int:
+def row_stages(family: str, profile: str) -> int:
     """Rows in the shared-memory ring of a program's partials; 0: it loads them into registers."""
     regime = FAMILY_BY_NAME[family].regime
     if regime == "twoshot_pipelined":
         return PIPELINED_ROW_STAGES
-    return LOCAL_STREAMING_ROW_STAGES if regime == "local_streaming" else 0
+    return LOCAL_STREAMING_ROW_STAGES if regime == "local_streaming" and profile in LOCAL_RING_PROFILES else 0
 
 
 def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
@@ -263,15 +270,20 @@ def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
         return ONESHOT_LOADS
     if regime == "local":
         return LOCAL_LOADS
+    if regime == "local_streaming":
+        return None if row_stages(family, profile) else (LOCAL_BATCH_ROUTES, False)
     if regime == "twoshot_pipelined_loads":
         return PROFILE_BY_NAME[profile].pipelined_loads
     return None
 
 
-def register_cap(family: str, world_size: int) -> int | None:
-    if row_stages(family):
-        return LOCAL_RING_CAP if FAMILY_BY_NAME[family].regime == "local_streaming" else PIPELINED_RING_CAP
-    return REGISTER_CAP.get((FAMILY_BY_NAME[family].regime, world_size))
+def register_cap(family: str, world_size: int, profile: str) -> int | None:
+    regime = FAMILY_BY_NAME[family].regime
+    if row_stages(family, profile):
+        return LOCAL_RING_CAP if regime == "local_streaming" else PIPELINED_RING_CAP
+    if regime == "local_streaming":
+        return LOCAL_TWO_BLOCKS_CAP
+    return REGISTER_CAP.get((regime, world_size))
 
 
 # ---- one program and its names ------------------------------------------------------
@@ -306,6 +318,11 @@ class ProgramSpec:
     @property
     def symbol(self) -> str:
         return self.name
+
+    @property
+    def cluster_symbol(self) -> str | None:
+        """The second kernel of world size 1's latency programs: its cluster layout (few tokens)."""
+        return f"{self.name}_cluster" if FAMILY_BY_NAME[self.family].regime == "local" else None
 
     @property
     def file_name(self) -> str:

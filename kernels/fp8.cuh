@@ -87,7 +87,8 @@ __device__ __forceinline__ float fp8_group_scale(float amax) {
 // quantization) rather than held as floats in between, and the rounds go one at a time (as NVFP4's):
 // fewer registers, more blocks resident.
 template <typename D, bool kStreamingStores>
-__device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread]) {
+__device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
+                                                       RowPlace place = block_row_place()) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, groups = H / kFp8Group;
   const bool column_major = p.quant_flags & kScalesColumnMajor, pow2 = p.quant_flags & kScalesPow2;
   uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
@@ -101,7 +102,7 @@ __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, c
     float amax = amax_of<D>(normed[r]);  // 0 for vectors past the row
 #pragma unroll
     for (int o = 1; o < 16; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * place.threads + place.thread;
     if (v >= nvec) continue;
     float s = fp8_group_scale(amax);
     if (pow2) s = pow2_ceil(s);
@@ -115,12 +116,12 @@ __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, c
 // Per-tensor FP8 of this thread's norm_out vectors of row t, with the scale s read from device memory.
 template <typename D, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
-                                                        float s) {
+                                                        float s, RowPlace place = block_row_place()) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * place.threads + place.thread;
     if (r >= vpt || v >= nvec) continue;
     const uint2 bytes = fp8x8<D>(normed[r], s, amax_of<D>(normed[r]), false);
     if (kStreamingStores) __stcs(quant + v, bytes);

@@ -6,9 +6,10 @@
 // state word used is kBadRows, the count of skipped out-of-range routes (dispatch check() reads it).
 //
 // Two layouts, one program each (generator/spec.py): kLocal for few tokens issues every load of a
-// row before using any (latency); kLocalStreaming for many tokens reads its rows through a ring in
-// shared memory filled by bulk copies (row_ring.cuh), which keeps the next rows in flight, holding no
-// registers, while the block normalizes and quantizes a row (bandwidth).
+// row before using any (latency); kLocalStreaming for many tokens (bandwidth) keeps two blocks on a
+// multiprocessor, each loading its rows a few routes at a time (local_row_batched), so that one
+// block's loads are in flight while the other normalizes and quantizes; for FP8 group-128 it reads
+// its rows through a ring in shared memory filled by bulk copies (row_ring.cuh) instead.
 #pragma once
 #include "call.cuh"
 #include "finalize.cuh"
@@ -35,14 +36,15 @@ __device__ __forceinline__ void add_residual_from_zero(float (&s)[8], const floa
 // The additions are partial_f32's, in its order. For top_k <= kMaxRoutes and vec_per_thread <= kVec.
 template <typename D, int kVec, int kMaxRoutes>
 __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsigned& bad_rows,
-                                                    uint4 (&res)[kMaxVecPerThread]) {
+                                                    uint4 (&res)[kMaxVecPerThread],
+                                                    RowPlace place = block_row_place()) {
   const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
   const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
   uint4 resid[kVec], shared_row[kVec], rows[kVec][kMaxRoutes];
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * place.threads + place.thread;
     const bool valid = r < vpt && v < nvec;
     resid[r] = valid ? *reinterpret_cast<const uint4*>(residual + v * kElemsPerVec) : make_uint4(0, 0, 0, 0);
     shared_row[r] = valid && p.shared_in != nullptr ? *reinterpret_cast<const uint4*>(shared + v * kElemsPerVec)
@@ -66,7 +68,7 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
   }
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * place.threads + place.thread;
     const bool valid = r < vpt && v < nvec;
 #pragma unroll
     for (int k = 0; k < kMaxRoutes; ++k) {
@@ -79,7 +81,7 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
   }
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * place.threads + place.thread;
     res[r] = make_uint4(0, 0, 0, 0);
     if (r >= vpt || v >= nvec) continue;
     float acc[8], x[8], s[8];
@@ -102,6 +104,91 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
     add_residual_from_zero(s, x);
     res[r] = Vec<D>::from_float(s);
     reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
+  }
+}
+
+// The batched row: kBatch routes at a time, each route's kVec vectors of the thread loaded together
+// (kVec * kBatch loads in flight), then added. Under a register bound of two blocks a multiprocessor
+// one block's epilogue runs under the other's loads. The additions are partial_f32's, in its order,
+// then the residual's: the same bits as the other paths.
+template <typename D, int kVec, int kBatch>
+__device__ __forceinline__ void local_row_batched(const Params& p, int t, unsigned& bad_rows,
+                                                  uint4 (&res)[kMaxVecPerThread]) {
+  static_assert(kVec <= kMaxVecPerThread, "kVec: at most kMaxVecPerThread vectors a thread");
+  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
+  const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
+  uint4 resid[kVec], shared_row[kVec];
+  float acc[kVec][8];
+#pragma unroll
+  for (int r = 0; r < kVec; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    const bool valid = r < vpt && v < nvec;
+    resid[r] = valid ? *reinterpret_cast<const uint4*>(residual + v * kElemsPerVec) : make_uint4(0, 0, 0, 0);
+    shared_row[r] = valid && p.shared_in != nullptr ? *reinterpret_cast<const uint4*>(shared + v * kElemsPerVec)
+                                                    : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
+  }
+  const int* idx = p.expanded_idx + (long long)t * K;
+  for (int k0 = 0; k0 < K; k0 += kBatch) {
+    int row[kBatch];  // >= 0: the route's row; -1: dropped or past top_k; -2: out of range (skipped, counted)
+    float scale[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int k = k0 + j;
+      const int given = k < K ? idx[k] : -1;
+      const bool in_range = given >= 0 && given < p.rows;
+      float s = 0.f;
+      if (in_range) {
+        if (p.scale_kind == 0) s = 1.f;
+        else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+        else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
+      }
+      scale[j] = s;
+      row[j] = in_range ? given : given >= p.rows ? -2 : -1;
+    }
+    uint4 rows[kVec][kBatch];
+#pragma unroll
+    for (int r = 0; r < kVec; ++r) {
+      const int v = r * blockDim.x + threadIdx.x;
+      const bool valid = r < vpt && v < nvec;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        rows[r][j] = valid && row[j] >= 0 ? *reinterpret_cast<const uint4*>(static_cast<const D*>(p.allreduce_in) +
+                                                                             (long long)row[j] * H + v * kElemsPerVec)
+                                          : make_uint4(0, 0, 0, 0);
+        if (valid && row[j] == -2) ++bad_rows;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kVec; ++r)
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float x[8];
+        Vec<D>::to_float(rows[r][j], x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(scale[j], x[i], acc[r][i]);
+      }
+  }
+  D* residual_out = static_cast<D*>(p.residual_out) + (long long)t * H;
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    res[r] = make_uint4(0, 0, 0, 0);
+    const int v = r * blockDim.x + threadIdx.x;
+    if (r >= kVec || r >= vpt || v >= nvec) continue;
+    float s[8], x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = acc[r][i] * p.routed_scaling_factor;
+    if (p.shared_in != nullptr) {
+      Vec<D>::to_float(shared_row[r], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] += x[i];
+    }
+    Vec<D>::to_float(resid[r], x);
+    add_residual_from_zero(s, x);
+    res[r] = Vec<D>::from_float(s);
+    reinterpret_cast<uint4*>(residual_out)[v] = res[r];
   }
 }
 
@@ -158,7 +245,7 @@ __device__ __forceinline__ void local_row_ring(const Params& p, RowRing<D, kStag
 // block's threads, vec_per_thread 16-byte vectors a thread, as in the exchanges' last phase.
 template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst, int kRowStages>
 __device__ __forceinline__ void run_local(const Params& p) {
-  static_assert((kRowStages > 0) == (R == Regime::kLocalStreaming), "the ring is the streaming layout's, and only its");
+  static_assert(kRowStages == 0 || R == Regime::kLocalStreaming, "the ring is the streaming layout's, and only its");
   wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
   // The next kernel's griddepcontrol.wait still waits for this whole grid to finish and its writes to
   // be visible, and this grid is all resident at once (dispatch sizes it so): letting the next kernel
@@ -187,6 +274,8 @@ __device__ __forceinline__ void run_local(const Params& p) {
       norm_row<D, P, /*overlap_quant_rounds=*/true, /*fewest_quant_instructions=*/true, /*streaming_stores=*/false>(
           p, t, res);
       continue;
+    } else if (R == Regime::kLocalStreaming) {
+      local_row_batched<D, kMaxVecPerThread, kRoutes>(p, t, bad_rows, res);
     } else if (all_loads) {
       local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
     } else {
@@ -197,6 +286,28 @@ __device__ __forceinline__ void run_local(const Params& p) {
   // kBadRows counts a skipped route once a 16-byte vector; the ring counts it once a row
   const unsigned long long per_count = kRowStages > 0 ? p.hidden / kElemsPerVec : 1;
   if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), bad_rows * per_count);
+}
+
+// The latency layout over a cluster (few tokens; a second entry of the local programs, launched with
+// a cluster of C blocks a token, the grid T * C): block c holds the row's threads c * blockDim.x to
+// (c + 1) * blockDim.x - 1 of the one-block layout's all-loads row (the same split), so every load,
+// addition and sum is that layout's: the same bits, the row's loads spread over C multiprocessors.
+template <typename D, Profile P>
+__device__ __forceinline__ void run_local_cluster(const Params& p) {
+  cluster_arrive_started();  // cluster_block_sum waits for every block of the cluster to have started
+  wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
+  allow_next_kernel();  // as run_local: the grid is all resident at once
+  unsigned bad_rows = 0;
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the sum of squares' barriers
+  if (P == Profile::kNvfp4) zero_scale_padding(p);
+  if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
+  const unsigned C = cluster_blocks();
+  const RowPlace place{(int)(block_in_cluster() * blockDim.x + threadIdx.x), (int)(C * blockDim.x)};
+  const int t = (int)(blockIdx.x / C);
+  uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
+  local_row_all_loads<D, 2, 8>(p, t, bad_rows, res, place);
+  norm_row<D, P, false, true, false, /*kClusterRow=*/true>(p, t, res, place);
+  if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
 }
 
 }  // namespace moe_ar

@@ -13,10 +13,13 @@ namespace moe_ar {
 // Epilogue of one token row: residual_out values (in the dtype, held in registers)
 // -> RMSNorm -> norm_out (+ NVFP4 or FP8). The whole block calls it for the same row.
 // kOverlapQuantRounds, kFewestQuantInstructions: see quantize_row_nvfp4. kStreamingStores: the
-// stores of norm_out and of the quantized row evict first (see pipelined_two_shot).
+// stores of norm_out and of the quantized row evict first (see pipelined_two_shot). kClusterRow: the
+// row is held by the blocks of a cluster (world size 1's cluster layout, `place` in it), which sum
+// its squares together (cluster_block_sum).
 template <typename D, Profile P, bool kOverlapQuantRounds = false, bool kFewestQuantInstructions = true,
-          bool kStreamingStores = false>
-__device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread]) {
+          bool kStreamingStores = false, bool kClusterRow = false>
+__device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread],
+                                         RowPlace place = block_row_place()) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   // The global scale of the quantized output, like gamma read before the block reduction, which hides
   // its latency (read per NVFP4 vector, it was on each vector's dependent chain).
@@ -25,7 +28,7 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
   float sumsq = 0.f;
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * place.threads + place.thread;
     gamma[r] = make_uint4(0, 0, 0, 0);
     if (r < vpt && v < nvec) {
       gamma[r] = load_readonly(static_cast<const D*>(p.norm_weight) + v * kElemsPerVec);
@@ -35,12 +38,13 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
       for (int i = 0; i < 8; ++i) sumsq = fmaf(x[i], x[i], sumsq);
     }
   }
-  const float rms = rsqrtf(__fdiv_rn(block_sum(sumsq), (float)H) + p.eps);
+  const float total = kClusterRow ? cluster_block_sum(sumsq) : block_sum(sumsq);
+  const float rms = rsqrtf(__fdiv_rn(total, (float)H) + p.eps);
   D* norm_out = static_cast<D*>(p.norm_out) + (long long)t * H;
   uint4 normed[kMaxVecPerThread];  // norm_out in the dtype: what the quantized outputs encode
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * place.threads + place.thread;
     normed[r] = make_uint4(0, 0, 0, 0);
     if (r >= vpt || v >= nvec) continue;
     float g[8], x[8], y[8];
@@ -53,9 +57,10 @@ __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&r
     else reinterpret_cast<uint4*>(norm_out)[v] = normed[r];
   }
   if (P == Profile::kNvfp4)
-    quantize_row_nvfp4<D, kOverlapQuantRounds, kFewestQuantInstructions, kStreamingStores>(p, t, normed, quant_scale);
-  if (P == Profile::kFp8Group128) quantize_row_fp8_group<D, kStreamingStores>(p, t, normed);
-  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D, kStreamingStores>(p, t, normed, quant_scale);
+    quantize_row_nvfp4<D, kOverlapQuantRounds, kFewestQuantInstructions, kStreamingStores>(p, t, normed, quant_scale,
+                                                                                           place);
+  if (P == Profile::kFp8Group128) quantize_row_fp8_group<D, kStreamingStores>(p, t, normed, place);
+  if (P == Profile::kFp8Tensor) quantize_row_fp8_tensor<D, kStreamingStores>(p, t, normed, quant_scale, place);
 }
 
 }  // namespace moe_ar

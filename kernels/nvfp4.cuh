@@ -155,7 +155,7 @@ __device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsig
 // small changes of the source (bench_results/quant_rounds/).
 template <typename D, bool kOverlapRounds, bool kFewestInstructions, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
-                                                   float gs) {
+                                                   float gs, RowPlace place = block_row_place()) {
   const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
   unsigned* quant_row = reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (H / 2));
   unsigned char* scale_row = static_cast<unsigned char*>(p.scale_out) + swizzled_scale_row(t, num_k_tiles);
@@ -168,7 +168,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
       if (r < vpt) amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
 #pragma unroll
     for (int r = 0; r < kMaxVecPerThread; ++r) {
-      const int v = r * blockDim.x + threadIdx.x;
+      const int v = r * place.threads + place.thread;
       if (r >= vpt || v >= nvec) continue;
       quantize_vector_nvfp4<D, kFewestInstructions, kStreamingStores>(quant_row, scale_row, v, normed[r], amax[r], gs);
     }
@@ -178,7 +178,7 @@ __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const
       if (r >= vpt) break;  // the same for the whole block: every lane below shuffles
       const float own_amax = amax_of<D>(normed[r]);  // 0 for vectors past the row
       const float amax = fmaxf(own_amax, __shfl_xor_sync(0xffffffffu, own_amax, 1));
-      const int v = r * blockDim.x + threadIdx.x;
+      const int v = r * place.threads + place.thread;
       if (v >= nvec) continue;
       quantize_vector_nvfp4<D, /*kFewestInstructions=*/true, kStreamingStores>(quant_row, scale_row, v, normed[r], amax,
                                                                                gs);

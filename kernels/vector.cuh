@@ -9,6 +9,18 @@ namespace moe_ar {
 constexpr int kElemsPerVec = 8;  // a 16-byte vector holds 8 elements of a 2-byte dtype
 
 // Vec<D>: 8 elements <-> 8 floats; scalar() reads one element.
+// The shared-memory address of a generic pointer into this block's shared memory.
+__device__ __forceinline__ unsigned smem_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Where a thread sits in a token row: its vector r is r * threads + thread. A block holds a whole row
+// (block_row_place); world size 1's cluster layout spreads one row over the blocks of a cluster.
+struct RowPlace {
+  int thread, threads;
+};
+__device__ __forceinline__ RowPlace block_row_place() { return RowPlace{(int)threadIdx.x, (int)blockDim.x}; }
+
 template <typename T> struct Vec;
 template <> struct Vec<__half> {
   static __device__ __forceinline__ void to_float(uint4 v, float (&f)[8]) {

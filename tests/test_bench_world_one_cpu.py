@@ -305,7 +305,8 @@ def test_summary_rows():
     r1, r2, r4 = rows
     assert set(r1["us"]) == set(SYSTEMS) and set(r1["ratios"]) == set(BASELINES)
     assert r1["us"]["flashinfer"] is None and "wrong result" in r1["null_reasons"]["flashinfer"]
-    assert r1["null_reasons"].keys() == {"flashinfer"} and r1["ratios"]["flashinfer"] is None
+    assert r1["null_reasons"].keys() == {"flashinfer", "ours_pdl"} and r1["ratios"]["flashinfer"] is None
+    assert "ours_pdl" not in r1["ratios"]  # context beside ours, not a baseline
     assert r1["us"]["ours"] == pytest.approx(6.0) and r1["program"] == "moe_ar_x_bf16_ws1_plain"
     # a Triton baseline's fastest launch parameter is its time
     assert r1["us"]["triton_fused"] == pytest.approx(30.0) and r1["ratios"]["chain"] == pytest.approx(4.5)
@@ -375,11 +376,11 @@ def test_summary_schema_is_strict_json():
 
 def test_markdown_table():
     text = format_markdown(_summary(_records()))
-    assert "**plain**, cold L2" in text and ("| T | ours | triton fused | chain | torch eager | torch.compile | "
-                                             "flashinfer | speed-up | read floor |") in text
+    assert "**plain**, cold L2" in text and ("| T | ours | ours, PDL | triton fused | chain | torch eager | "
+                                             "torch.compile | flashinfer | speed-up | read floor |") in text
     assert "| 2048 |" in text and "(s)" in text and "95%" in text and "2.50x" in text
     line = next(s for s in text.splitlines() if s.startswith("| 1 |"))
-    assert line.split("|")[7].strip() == "-"  # flashinfer wrong at 1 token: no time
+    assert line.split("|")[8].strip() == "-"  # flashinfer wrong at 1 token: no time
     gmean = (3 * 2.5 * 2.8) ** (1 / 3)
     assert f"| yes | yes ({gmean:.2f}x) | yes (6.00 / 8.00 us) | yes |" in text
     assert "| 7168/8s cold | plain | yes (95% at " in text

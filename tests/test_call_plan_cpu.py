@@ -133,7 +133,7 @@ def test_each_pointer_reaches_its_kernel_field(quant, optional):
     params = registry.params_struct()()
     ctypes_fill = bytes(range(256)) * (ctypes.sizeof(params) // 256 + 1)
     ctypes.memmove(ctypes.addressof(params), ctypes_fill, ctypes.sizeof(params))  # every field non-zero first
-    kernel = launcher._KernelCall(params, order, launcher._LaunchConfig())
+    kernel = launcher._KernelCall(params, order, launcher._LaunchConfig(), 0)
     pointers = [0x10000 * (i + 1) + 0x40 for i in range(len(order))]
     kernel.packer.pack_into(params, type(params).allreduce_in.offset, *pointers)
     want = {launcher._FIELD_OF[name]: p for name, p in zip(order, pointers)}

@@ -287,7 +287,7 @@ def test_register_bound_follows_the_cap(rendered, manifest):
     and a capped block of MAX_THREADS threads still fits the register file."""
     capped = 0
     for p in manifest["programs"]:
-        cap = spec.register_cap(p["family"], p["world_size"])
+        cap = spec.register_cap(p["family"], p["world_size"], p["profile"])
         assert p["register_cap"] == cap
         text = rendered.outputs[p["file"]].decode()
         want = f"__maxnreg__({cap})" if cap else f"__launch_bounds__({render.abi.MAX_THREADS})"
@@ -296,14 +296,20 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
                          if (spec.FAMILY_BY_NAME[p["family"]].regime, p["world_size"]) in spec.REGISTER_CAP
-                         or p["row_stages"])
+                         or p["row_stages"] or p["family"] == "local_streaming")
+    # world size 1's streaming program: the ring for FP8 group-128, two blocks a multiprocessor else
+    for p in manifest["programs"]:
+        if p["family"] == "local_streaming":
+            ring = p["profile"] in spec.LOCAL_RING_PROFILES
+            assert p["register_cap"] == (spec.LOCAL_RING_CAP if ring else spec.LOCAL_TWO_BLOCKS_CAP)
+            assert bool(p["row_stages"]) == ring
     # the one-shot and the pipelined two-shot with register loads pass their loads to the kernel
     # body; the pipelined two-shot with the ring passes its stages, under the ring's cap; no other
     # program passes either
     passing = ringed = 0
     for p in manifest["programs"]:
         loads = spec.loads_in_flight(p["family"], p["profile"])
-        stages = spec.row_stages(p["family"])
+        stages = spec.row_stages(p["family"], p["profile"])
         text = rendered.outputs[p["file"]].decode()
         assert p["row_stages"] == stages
         if stages:
@@ -324,6 +330,8 @@ def test_register_bound_follows_the_cap(rendered, manifest):
             assert loads == spec.PROFILE_BY_NAME[p["profile"]].pipelined_loads and p["register_cap"] == 72
         elif p["family"] == "local":
             assert loads == spec.LOCAL_LOADS and p["register_cap"] is None and p["world_size"] == 1
+        elif p["family"] == "local_streaming":
+            assert loads == (spec.LOCAL_BATCH_ROUTES, False) and p["register_cap"] == spec.LOCAL_TWO_BLOCKS_CAP
         else:
             assert p["family"] == "oneshot" and loads == spec.ONESHOT_LOADS and p["register_cap"] is None
         assert (f"/*routes_in_flight=*/{loads[0]}, /*shared_row_first=*/{str(loads[1]).lower()}>(p);"

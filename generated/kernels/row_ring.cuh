@@ -23,9 +23,6 @@ namespace moe_ar {
 // World size 1's streaming program (kLocal) uses the same ring over its own sequence: the block's
 // tokens t = blockIdx.x + u * gridDim.x in order, each routes 0..K-1, the shared row, then its
 // residual_in row (local.cuh).
-__device__ __forceinline__ unsigned smem_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ bool mbarrier_done(unsigned bar, unsigned parity) {
   unsigned done;
   asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"

@@ -7,3 +7,7 @@
 extern "C" __global__ void __launch_bounds__(512) moe_ar_lc_bf16_ws1_plain(const moe_ar::Params p) {
   moe_ar::run<__nv_bfloat16, 1, moe_ar::Profile::kPlain, moe_ar::Regime::kLocal, /*shared_prefetch=*/false, /*routes_in_flight=*/4, /*shared_row_first=*/true>(p);
 }
+// The same row over a cluster of blocks a token (few tokens; the launcher picks it)
+extern "C" __global__ void __launch_bounds__(512) moe_ar_lc_bf16_ws1_plain_cluster(const moe_ar::Params p) {
+  moe_ar::run_local_cluster<__nv_bfloat16, moe_ar::Profile::kPlain>(p);
+}

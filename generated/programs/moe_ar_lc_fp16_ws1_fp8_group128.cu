@@ -7,3 +7,7 @@
 extern "C" __global__ void __launch_bounds__(512) moe_ar_lc_fp16_ws1_fp8_group128(const moe_ar::Params p) {
   moe_ar::run<__half, 1, moe_ar::Profile::kFp8Group128, moe_ar::Regime::kLocal, /*shared_prefetch=*/false, /*routes_in_flight=*/4, /*shared_row_first=*/true>(p);
 }
+// The same row over a cluster of blocks a token (few tokens; the launcher picks it)
+extern "C" __global__ void __launch_bounds__(512) moe_ar_lc_fp16_ws1_fp8_group128_cluster(const moe_ar::Params p) {
+  moe_ar::run_local_cluster<__half, moe_ar::Profile::kFp8Group128>(p);
+}

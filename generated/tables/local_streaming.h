@@ -3,7 +3,7 @@
 #pragma once
 
 // Kernel table of family local_streaming (protocol local, base family local):
-//   the local program for many tokens: the rows come into a ring in shared memory by bulk copies, in flight while the block normalizes and quantizes (large T)
+//   the local program for many tokens: two blocks a multiprocessor, each loading its row a few routes at a time while the other normalizes (FP8 group-128: the rows come into a ring in shared memory by bulk copies) (large T)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
 // [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]

@@ -51,14 +51,15 @@ def format_markdown(summary: dict) -> str:
             if not mine:
                 continue
             lines += [f"**{profile}**, {l2} L2", "",
-                      "| T | ours | triton fused | chain | torch eager | torch.compile | flashinfer | speed-up | "
-                      "read floor |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                      "| T | ours | ours, PDL | triton fused | chain | torch eager | torch.compile | flashinfer | "
+                      "speed-up | read floor |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
             for r in mine:
                 us = r["us"]
                 mode = f" ({r['compile_mode'][0]})" if r["compile_mode"] else ""
                 speedup = "-" if r["speedup_vs_best_baseline"] is None else f"{r['speedup_vs_best_baseline']:.2f}x"
                 frac = "-" if r.get("floor_fraction") is None else f"{100 * r['floor_fraction']:.0f}%"
-                lines.append(f"| {r['tokens']} | {_us(us['ours'])} | {_us(us.get('triton_fused'))} | "
+                lines.append(f"| {r['tokens']} | {_us(us['ours'])} | {_us(us.get('ours_pdl'))} | "
+                             f"{_us(us.get('triton_fused'))} | "
                              f"{_us(us.get('chain'))} | {_us(us['torch_eager'])} | {_us(us['torch_compile'])}{mode} | "
                              f"{_us(us['flashinfer'])} | {speedup} | {frac} |")
             lines.append("")

@@ -243,8 +243,8 @@ class Setup:
                 chosen = f"unknown ({_error(e)})"
         else:
             chosen = program
-        return System("ours" if program is None else "program", variant, call, list(enumerate(outs)), program=chosen,
-                      detail={"pdl": pdl})
+        system = "program" if program is not None else "ours_pdl" if pdl else "ours"
+        return System(system, variant, call, list(enumerate(outs)), program=chosen, detail={"pdl": pdl})
 
     def chain_system(self, system: str, fn, variant, T: int, profile: str, data: dict) -> System:
         p, sets = PROFILES[profile], data["sets"]
@@ -332,6 +332,8 @@ class Setup:
         where = dict(profile=profile, tokens=T, hidden=shape.hidden, top_k=shape.top_k, shared=shape.shared,
                      mode=data["mode"])
         systems, nulls = [], []
+        if "ours_pdl" in cfg.systems:
+            systems.append(self.ours(shape, T, profile, data, pdl=True))
         if "ours" in cfg.systems:
             systems.append(self.ours(shape, T, profile, data))
             forced = self.programs_for(profile) if cfg.programs else []

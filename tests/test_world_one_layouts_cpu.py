@@ -1,0 +1,121 @@
+"""World size 1's layouts as the generator writes them and the launcher picks them, without a GPU:
+the cluster layout (a second kernel of the latency programs, launched with a cluster of blocks a
+token up to the manifest's cluster_max_tokens) and the streaming program's two forms (two blocks a
+multiprocessor with register loads, or the row ring for FP8 group-128). The GPU tests
+(tests/test_gpu_world_one.py) check what they compute; bench_results/world_size_1/cluster/ and
+two_blocks/ what they cost."""
+from __future__ import annotations
+
+import ctypes
+import json
+import pathlib
+
+import pytest
+
+from dispatch import launcher, registry
+from dispatch.workspace import LOCAL_STREAMING_REGIME
+from dispatch.workspace_sizes import _split
+from generator import abi, render, spec
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def rendered():
+    return render.render_all(ROOT)
+
+
+@pytest.fixture(scope="module")
+def manifest(rendered):
+    return json.loads(rendered.outputs["manifest.json"])
+
+
+def test_latency_programs_have_a_cluster_kernel_and_no_other_program_has(rendered, manifest):
+    for p in manifest["programs"]:
+        text = rendered.outputs[p["file"]].decode()
+        if p["family"] == "local":
+            assert p["cluster_symbol"] == p["symbol"] + "_cluster"
+            assert f'{p["cluster_symbol"]}(const moe_ar::Params p) {{\n  moe_ar::run_local_cluster<' in text
+        else:
+            assert p["cluster_symbol"] is None and "_cluster(" not in text and "run_local_cluster" not in text
+    limits = manifest["limits"]
+    assert limits["cluster_max_tokens"] == abi.CLUSTER_MAX_TOKENS > 0
+    assert 2 <= limits["cluster_max_blocks"] == abi.CLUSTER_MAX_BLOCKS <= 8  # the portable cluster size
+    assert limits["cluster_min_warps"] == abi.CLUSTER_MIN_WARPS
+
+
+@pytest.mark.parametrize("hidden, blocks", [(7168, 7), (6144, 6), (8192, 8), (7680, 5), (4096, 1), (2048, 1),
+                                            (5120, 1), (256, 1), (16384, 8)])
+def test_cluster_blocks_divide_the_rows_warps(hidden, blocks):
+    """The few-tokens split's warps over the largest divisor <= 8, for rows of 12 warps or more."""
+    split = _split(hidden // 8, 2, 256)
+    assert launcher.cluster_blocks_for("local", (split,)) == blocks
+    if blocks > 1:
+        assert split.threads % (32 * blocks) == 0
+
+
+def test_no_cluster_outside_the_latency_layout_or_with_more_vectors_a_thread():
+    few = _split(7168 // 8, 2, 256)
+    assert launcher.cluster_blocks_for(LOCAL_STREAMING_REGIME, (few,)) == 1
+    assert launcher.cluster_blocks_for("oneshot", (few,)) == 1
+    assert launcher.cluster_blocks_for("local", (_split(7168 // 8, 4, 256),)) == 1  # not the all-loads row
+    assert launcher.cluster_blocks_for("local", (few, _split(7168 // 8, 4, 1 << 30))) == 1  # not one split
+    odd = few._replace(threads=440)  # not whole warps (the splits round to warps: defensive)
+    assert launcher.cluster_blocks_for("local", (odd,)) == 1
+    assert launcher.cluster_blocks_for("local", (few._replace(threads=10 * 32),)) == 1  # under 12 warps
+    prime = few._replace(threads=13 * 32)  # 13 warps: no divisor from 2 to 8
+    assert launcher.cluster_blocks_for("local", (prime,)) == 1
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_cluster_launch_attributes(pdl):
+    attrs = launcher._cluster_attributes(7, pdl)
+    assert len(attrs) == 1 + pdl
+    assert attrs[0].id == 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    assert list(attrs[0].value.clusterDim) == [7, 1, 1]
+    if pdl:
+        assert attrs[1].id == launcher._CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        assert attrs[1].value.programmaticStreamSerializationAllowed == 1
+    # cuda.h's CUlaunchAttribute: a 4-byte id, 4 bytes of padding, a 64-byte value
+    assert ctypes.sizeof(launcher._LaunchAttribute) == 72
+
+
+class _FakeLauncher(launcher._Launcher):
+    """A launcher with only what config_for and uses_cluster read (no GPU)."""
+
+    def __init__(self, cluster_blocks, threads):
+        self.cluster_blocks, self.threads = cluster_blocks, [threads]
+        self.cluster_max_tokens = registry.program_set().limits["cluster_max_tokens"] if cluster_blocks > 1 else 0
+        self.cluster_attrs = (launcher._cluster_attributes(cluster_blocks, False),
+                              launcher._cluster_attributes(cluster_blocks, True))
+        self.row_splits = (_split(7168 // 8, 2, 1 << 30),)
+        self.sliced_units = self.column_units = False
+        self.max_blocks = [132]
+        self.dynamic_smem = 0
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_config_spreads_few_tokens_over_clusters(pdl):
+    la = _FakeLauncher(7, 448)
+    most = registry.program_set().limits["cluster_max_tokens"]
+    for T in (1, 5, most):
+        assert la.uses_cluster(T, 8)
+        config = la.config_for(None, T, pdl, 8)
+        assert (config.gridDimX, config.blockDimX, config.numAttrs) == (T * 7, 64, 1 + pdl)
+        assert config.attrs[0].id == 4
+    assert not la.uses_cluster(most + 1, 8) and not la.uses_cluster(1, 9)  # the all-loads row: top_k <= 8
+    config = la.config_for(None, most + 1, pdl, 8)
+    assert (config.gridDimX, config.blockDimX, config.numAttrs) == (most + 1, 448, int(pdl))
+    plain = _FakeLauncher(1, 448)  # no cluster kernel or no divisor: never a cluster launch
+    assert not plain.uses_cluster(1, 8) and plain.config_for(None, 1, pdl, 8).blockDimX == 448
+
+
+def test_streaming_program_forms(manifest):
+    for p in manifest["programs"]:
+        if p["family"] != "local_streaming":
+            continue
+        ring = p["profile"] in spec.LOCAL_RING_PROFILES
+        assert bool(p["row_stages"]) == ring
+        assert p["register_cap"] == (spec.LOCAL_RING_CAP if ring else spec.LOCAL_TWO_BLOCKS_CAP)
+        # two 224-thread blocks (H 7168, 4 vectors a thread) fit the register file under the cap
+        assert 2 * 224 * spec.LOCAL_TWO_BLOCKS_CAP <= abi.REGISTERS_PER_SM
