@@ -309,6 +309,34 @@ def tail_case(tail: ModelTail, x: torch.Tensor, residual: torch.Tensor, *, world
     return Case(ranks, meta)
 
 
+@torch.no_grad()
+def combined_case(tail: ModelTail, x: torch.Tensor, residual: torch.Tensor, *, dtype=None, device=None,
+                  seed: int = 0) -> Case:
+    """World size 1 after an all-to-all combine (attention data parallelism with expert parallelism):
+    the combine hands over each token's routed rows already weighted and summed, one row per token,
+    so the op takes them as top_k 1 with no router weights (weight 1) and routed_scaling_factor 1;
+    the shared expert, not part of the combine, stays its own argument. The combined row here is the
+    experts module's own forward with the router's weights (DeepSeek-V3's factor folded in)."""
+    dtype = dtype or x.dtype
+    device = torch.device(device) if device is not None else x.device
+    weights, indices, _ = route(tail, x, scaling="router")
+    x2 = x.reshape(-1, x.shape[-1])
+    combined = tail.experts(x2, indices, weights)  # as the MoE block's forward calls it
+    shared = tail.shared_expert(x2) if tail.shared_expert is not None else None
+    T = x2.shape[0]
+    kw = dict(allreduce_in=combined.to(device=device, dtype=dtype).contiguous(),
+              expanded_idx_to_permuted_idx=torch.arange(T, dtype=torch.int32, device=device).view(T, 1),
+              expert_scale_factor=None, routed_scaling_factor=1.0,
+              shared_expert_output=None if shared is None else shared.to(device=device, dtype=dtype).contiguous(),
+              residual_in=residual.to(device=device, dtype=dtype).contiguous(),
+              norm_weight=tail.next_norm.weight.detach().to(device=device, dtype=dtype).contiguous(),
+              eps=float(tail.next_norm.variance_epsilon), weight_bias=0)
+    meta = dict(seed=seed, world_size=1, tokens=T, hidden=x.shape[-1], top_k=1, dtype=dtype, padded_rows=0,
+                drop_frac=0.0, scale_kind=None, shared=shared is not None, rsf=1.0, weight_bias=0, eps=kw["eps"],
+                family=tail.family, scaling="combined")
+    return Case([kw], meta)
+
+
 def exact_output(case: Case):
     """(residual_out, norm_out) in float64 from a Case's own inputs, nothing rounded: residual_in plus
     every rank's partial (docs/operation.md, "The math"), then RMSNorm. The model's value of the same

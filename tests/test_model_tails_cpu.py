@@ -12,6 +12,7 @@ What is checked:
     a real part, and the partials sum to the layer's output;
   * bf16: the model's own bf16 path and the contract's rounded results both lie within a few unit
     roundoffs of the exact value of the same rows (the model's path is context, not the bound);
+  * the all-to-all combine of attention data parallelism: one summed row per token, top_k 1, weight 1;
   * what the routers do (the mapping's assumptions): DeepSeek-V3 folds routed_scaling_factor into
     weights that sum to it, Qwen3-MoE (norm_topk_prob) and Mixtral renormalize to 1;
   * that the comparison fails for wrong mappings: the factor folded twice, the shared expert left
@@ -122,6 +123,18 @@ def test_bf16_model_and_contract_agree_with_the_exact_value(family, world_size):
     assert _rel(r0["norm_out"], r0["norm_out_f64"]) <= U_BF16
     assert _rel(model_res, r0["residual_out_f64"]) <= 4 * U_BF16
     assert _rel(model_norm, r0["norm_out_f64"]) <= 4 * U_BF16
+
+
+@pytest.mark.parametrize("family", mt.FAMILIES)
+def test_the_all_to_all_combine_is_top_k_one_with_weight_one(family):
+    """Expert parallelism: the combine's weighted sum per token as one route, plus the shared expert."""
+    tail = _tail(family, torch.float64)
+    x, residual = mt.tokens(tail, TOKENS, seed=17)
+    model_res, model_norm = mt.model_output(tail, x, residual)
+    case = mt.combined_case(tail, x, residual)
+    assert case[0]["expanded_idx_to_permuted_idx"].shape == (TOKENS, 1) and case[0]["expert_scale_factor"] is None
+    res_err, norm_err = _errors(case, model_res, model_norm)
+    assert res_err <= 1e-13 and norm_err <= 8 * U_F32, (family, res_err, norm_err)
 
 
 def test_what_the_routers_return():
