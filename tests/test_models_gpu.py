@@ -82,8 +82,15 @@ def _plan(family, world_size):
 
 @pytest.fixture(scope="module")
 def local_workspaces():
+    """local_workspaces(H): one LocalWorkspace per hidden size for the module."""
     made = {}
-    yield lambda H: made.setdefault(H, dispatch.LocalWorkspace(max_tokens=MAX_TOKENS, hidden=H, dtype=DTYPE))
+
+    def get(H):
+        if H not in made:
+            made[H] = dispatch.LocalWorkspace(max_tokens=MAX_TOKENS, hidden=H, dtype=DTYPE)
+        return made[H]
+
+    yield get
     for ws in made.values():
         ws.close()
 
