@@ -13,7 +13,8 @@
 
 In a source checkout (or an editable install) these read and write the checkout's generated/.
 Installed from a wheel, they read the installed tree (package data, generator/locations.py);
-regenerating then needs --out DIR, and diff a repository.
+regenerating then needs --out DIR, and diff a repository. Run inside a checkout other than the
+one they read, regenerating, --check and diff refuse (they would answer for the other tree).
 """
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ def _installed_only(what: str, alternative: str = "") -> click.ClickException:
         f"{what} needs a repository{' or ' + alternative if alternative else ''}: this gen-programs is installed "
         f"({pathlib.Path(__file__).resolve().parent}), and its generated tree is read-only package data; "
         f"run it in a clone of the repository{hint}")
+
+
+def _refuse_another_checkout(root: pathlib.Path, what: str) -> None:
+    """Regenerating, --check and diff work on the tree at root; run inside another checkout of this
+    project they would answer for a tree the user does not stand in (and say "up to date"): refuse."""
+    here = locations.enclosing_checkout(pathlib.Path.cwd().resolve())
+    if here is None or here == root.resolve():
+        return
+    runs_from = "the checkout at" if locations.checkout_root() is not None else "the installed package data at"
+    raise click.ClickException(
+        f"{what} would work on {runs_from} {root}, not on the checkout you are in ({here}). To work on {here}, "
+        f"run `pip install -e .` there (or `python -m generator.cli` in it); to work on the other, run "
+        f"gen-programs outside {here}")
 
 
 def _generated(ctx: click.Context) -> pathlib.Path:
@@ -144,6 +158,8 @@ def main(ctx: click.Context, check: bool, out: pathlib.Path | None) -> None:
             raise _no_sources()
         if out is None and not check:
             raise _installed_only("regenerating", "--out DIR (render into DIR)")
+    if out is None:
+        _refuse_another_checkout(root, "--check" if check else "regenerating")
     start = time.perf_counter()
     result = render.render_all(root)
     dest = out or root / "generated"
@@ -277,6 +293,7 @@ def diff(ctx, rev):
     root = locations.checkout_root()
     if root is None:
         raise _installed_only("diff (it reads the git history)")
+    _refuse_another_checkout(root, "diff")
     new = _manifest(_generated(ctx))
     try:
         old = diffing.manifest_at(rev, root)
