@@ -5,7 +5,8 @@
     gen-programs list [filters]  programs: name, family, profile, protocol class, file
     gen-programs tables          how program names spell families and profiles; every family
                                  as a grid, holes and fallbacks shown; the selection boundaries
-    gen-programs diff REV        table cells changed since git revision REV
+    gen-programs diff REV        table cells changed since git revision REV (exit 0 none, 1 some,
+                                 2 generated/ stale or an error)
     gen-programs compile [filters] [--arch A ...] [--jobs N]
                                  NVRTC-compile programs, print registers/spills
     gen-programs tune [options]  measure this machine's table set on its GPUs (python -m
@@ -287,18 +288,31 @@ def _cell(entry: dict) -> tuple:
 @click.argument("rev")
 @click.pass_context
 def diff(ctx, rev):
-    """Cells changed between the manifest committed at REV and generated/ now."""
-    from . import diffing
+    """Cells changed between the manifest committed at REV and generated/ now: programs that
+    appeared, vanished or were renamed, programs whose code changed (one line per cause: the kernel
+    headers whose code changed, the program file), boundaries that moved; then a summary line.
 
-    root = locations.checkout_root()
-    if root is None:
-        raise _installed_only("diff (it reads the git history)")
-    _refuse_another_checkout(root, "diff")
-    new = _manifest(_generated(ctx))
+    Exit status: 0 no changes, 1 changes, 2 generated/ stale (its inputs changed since the last
+    `gen-programs`, so the diff would miss them) or an error (REV unknown, no repository)."""
+    from . import diffing, render
+
     try:
-        old = diffing.manifest_at(rev, root)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        root = locations.checkout_root()
+        if root is None:
+            raise _installed_only("diff (it reads the git history)")
+        _refuse_another_checkout(root, "diff")
+        generated = _generated(ctx)
+        try:
+            new = diffing.manifest_in(generated)
+            old = diffing.manifest_at(rev, root)
+        except (manifest_reader.ManifestError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+        if new["_generated"]["inputs_sha256"] != render.inputs_sha256(root):
+            raise click.ClickException(f"{generated.name}/ is stale: its inputs changed since it was rendered, so "
+                                       f"a diff would miss those changes; run `gen-programs`, then the diff again")
+    except click.ClickException as e:
+        e.exit_code = 2  # 1 means changes
+        raise
     if old is None:
         click.echo(f"{rev}: no generated/manifest.json there; every cell counts as new")
     lines = diffing.diff_manifests(old, new)
@@ -306,6 +320,7 @@ def diff(ctx, rev):
         click.echo(line)
     if not lines:
         click.echo("no changes")
+    ctx.exit(1 if lines else 0)
 
 
 @main.command("compile")
