@@ -949,7 +949,7 @@ def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
 
 
 def test_tables_marks_holes_and_fallbacks():
-    r = run_cli(["tables"], cwd=ROOT)
+    r = run_cli(["tables", "--width", "0"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     # the table of short codes in program names
     assert "program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>" in r.stdout
@@ -976,6 +976,21 @@ def test_tables_marks_holes_and_fallbacks():
     assert "hole[1]: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T" in r.stdout
     assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout
     assert re.search(r"bf16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
+
+
+@pytest.mark.parametrize("width", [120, 80])
+def test_tables_fit_the_width(width, manifest):
+    """`tables` fits 120 columns (--width: another width): a grid too wide is cut into blocks of
+    profile columns, each led by its row labels, and prose is wrapped; nothing is lost."""
+    args = ["tables"] if width == 120 else ["tables", "--width", str(width)]
+    r = run_cli(args, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    too_wide = [line for line in r.stdout.splitlines() if len(line) > width]
+    assert not too_wide, too_wide
+    for entry in manifest["programs"]:
+        assert re.search(rf"\b{entry['name']}\b", r.stdout), entry["name"]
+    words = run_cli(["tables", "--width", "0"], cwd=ROOT).stdout.split()  # one line a row, as wide as it takes
+    assert sorted(set(words)) == sorted(set(r.stdout.split()))
 
 
 def test_selection_map_draws_the_tables():
