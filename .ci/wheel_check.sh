@@ -82,7 +82,7 @@ same_tree() {  # gen-programs --out renders the installed tree again, byte for b
 
 compile_all_12() {
     # Every program must build; the spill budgets are NVRTC 13's (the gate of the CPU tests), so NVRTC
-    # 12's spills are listed, not failed (README: which programs spill there).
+    # 12's spills are listed, not failed (docs/ci.md: which programs spill there).
     away "$V12/bin/gen-programs" compile --arch sm_90a --arch sm_100a --jobs 2 --spills-as-warnings \
         > "$WORK/compile12.log" 2>&1
     local rc=$?

@@ -3,10 +3,12 @@ shape, device, contiguity and alignment, the scalars, the arguments a quant does
 overlap rule (overlaps.py). Every bad call is a ValueError naming the argument."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from . import registry
-from .outputs import FP8_GROUP, fp8_scale_shape, scale_out_bytes
+from .outputs import FP8_GROUP, MoeFinalizeOutputs, fp8_scale_shape, scale_out_bytes
 from .overlaps import _check_overlaps
 
 MAX_TOP_K = 16
@@ -164,7 +166,23 @@ def _check_args(ws, a):
     return T, K, R, profile
 
 
+# The call's arguments, one description: the inputs without a default, then every other with its
+# default. op.moe_finalize_allreduce shows them as its signature (call_signature);
+# torch_op.moe_finalize_allreduce_op spells them out, less the outputs it always allocates, and a test
+# (tests/test_call_plan_cpu.py) holds it and the torch op's schema to this description.
+REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
 _DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
                  weight_bias=0, quant=None, global_scale=None, fp8_scale=None, fp8_scale_layout="row",
                  fp8_pow2_scales=False, norm_out=None, residual_out=None, quant_out=None, scale_out=None,
                  launch_with_pdl=False, program=None)
+
+
+def call_signature() -> inspect.Signature:
+    """moe_finalize_allreduce(workspace, *, <REQUIRED>, <each of _DEFAULTS with its default>), as help()
+    and inspect.signature show it."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    return inspect.Signature(
+        [inspect.Parameter("workspace", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+         *(inspect.Parameter(name, keyword) for name in REQUIRED),
+         *(inspect.Parameter(name, keyword, default=default) for name, default in _DEFAULTS.items())],
+        return_annotation=MoeFinalizeOutputs)

@@ -12,7 +12,7 @@ call signature: the short path), launcher.py (a program's launch state and cuLau
 from __future__ import annotations
 
 from . import registry
-from .call_arguments import _DEFAULTS, _check_args, profile_for_quant
+from .call_arguments import _DEFAULTS, REQUIRED, _check_args, call_signature, profile_for_quant
 from .call_plan import _Call, _Plan, _signature
 from .launcher import _launcher
 from .outputs import FP8_GROUP, MoeFinalizeOutputs, allocate_outputs, fp8_scale_shape, scale_out_bytes
@@ -91,10 +91,15 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     return prepare_call(workspace, kwargs).launch()
 
 
+# help(), inspect and an IDE that asks the running interpreter see every keyword with its default (the
+# description in call_arguments). The function itself takes **kwargs: spelled-out parameters measured
+# slower on the launch path (every default then enters the call's arguments and its plan).
+moe_finalize_allreduce.__signature__ = call_signature()
+
+
 _PLANS_PER_WORKSPACE = 1024  # a workspace drops its plans past this many signatures
 _RECENT_PLANS = 4  # plans matched before any signature is built, most recently used first
-_REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
-_KNOWN = frozenset(_DEFAULTS) | frozenset(_REQUIRED)
+_KNOWN = frozenset(_DEFAULTS) | frozenset(REQUIRED)
 
 
 def prepare_call(workspace, kwargs: dict) -> _Call:
@@ -145,7 +150,7 @@ def _full_checks(workspace, kwargs: dict) -> _Plan:
     unknown = set(kwargs) - _KNOWN
     if unknown:
         raise ValueError(f"{sorted(unknown)[0]}: unknown argument")
-    for name in _REQUIRED:
+    for name in REQUIRED:
         if name not in kwargs:
             raise ValueError(f"{name}: required")
     a = dict(_DEFAULTS)

@@ -3,9 +3,12 @@
     gen-programs                 regenerate generated/
     gen-programs --check         fail (exit 1, with the diff) when generated/ is stale
     gen-programs list [filters]  programs: name, family, profile, protocol class, file
-    gen-programs tables          how program names spell families and profiles; every family
+    gen-programs tables [--width N]
+                                 how program names spell families and profiles; every family
                                  as a grid, holes and fallbacks shown; the selection boundaries
-    gen-programs diff REV        table cells changed since git revision REV
+                                 (in 120 columns, or N; 0: one line a row)
+    gen-programs diff REV        table cells changed since git revision REV (exit 0 none, 1 some,
+                                 2 generated/ stale or an error)
     gen-programs compile [filters] [--arch A ...] [--jobs N]
                                  NVRTC-compile programs, print registers/spills
     gen-programs tune [options]  measure this machine's table set on its GPUs (python -m
@@ -13,13 +16,15 @@
 
 In a source checkout (or an editable install) these read and write the checkout's generated/.
 Installed from a wheel, they read the installed tree (package data, generator/locations.py);
-regenerating then needs --out DIR, and diff a repository.
+regenerating then needs --out DIR, and diff a repository. Run inside a checkout other than the
+one they read, regenerating, --check and diff refuse (they would answer for the other tree).
 """
 from __future__ import annotations
 
 import os
 import pathlib
 import sys
+import textwrap
 import time
 
 import click
@@ -44,6 +49,19 @@ def _installed_only(what: str, alternative: str = "") -> click.ClickException:
         f"{what} needs a repository{' or ' + alternative if alternative else ''}: this gen-programs is installed "
         f"({pathlib.Path(__file__).resolve().parent}), and its generated tree is read-only package data; "
         f"run it in a clone of the repository{hint}")
+
+
+def _refuse_another_checkout(root: pathlib.Path, what: str) -> None:
+    """Regenerating, --check and diff work on the tree at root; run inside another checkout of this
+    project they would answer for a tree the user does not stand in (and say "up to date"): refuse."""
+    here = locations.enclosing_checkout(pathlib.Path.cwd().resolve())
+    if here is None or here == root.resolve():
+        return
+    runs_from = "the checkout at" if locations.checkout_root() is not None else "the installed package data at"
+    raise click.ClickException(
+        f"{what} would work on {runs_from} {root}, not on the checkout you are in ({here}). To work on {here}, "
+        f"run `pip install -e .` there (or `python -m generator.cli` in it); to work on the other, run "
+        f"gen-programs outside {here}")
 
 
 def _generated(ctx: click.Context) -> pathlib.Path:
@@ -112,11 +130,30 @@ def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> s
     return "\n".join(lines)
 
 
-def _print_rows(rows: list[tuple], header: tuple) -> None:
+def _print_rows(rows: list[tuple], header: tuple, width: int | None = None) -> None:
+    """Rows under a header, columns padded. Where they would pass `width` characters, the columns after
+    the first are cut into blocks of about equal size, printed one under the other, each led by the first."""
     rows = [tuple(str(cell) for cell in header)] + [tuple(str(cell) for cell in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    for row in rows:
-        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+    columns = list(range(1, len(header)))
+    blocks = [columns]
+    if width and columns and sum(widths) + 2 * len(columns) > width:
+        fitting = max(1, (width - widths[0]) // (2 + max(widths[1:])))
+        per_block = -(-len(columns) // -(-len(columns) // fitting))  # as even as the fewest blocks allow
+        blocks = [columns[i:i + per_block] for i in range(0, len(columns), per_block)]
+    for block in blocks:
+        for row in rows:
+            click.echo("  ".join(row[i].ljust(widths[i]) for i in [0, *block]).rstrip())
+
+
+def _echo_wrapped(text: str, width: int | None) -> None:
+    """A line of prose, wrapped at `width` (None: not), the wrapped lines indented under its start."""
+    if not width:
+        click.echo(text)
+        return
+    lead = text[:len(text) - len(text.lstrip())]
+    click.echo("\n".join(textwrap.wrap(text.strip(), width, initial_indent=lead, subsequent_indent=lead + "  ",
+                                       break_long_words=False, break_on_hyphens=False)) or text)
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -144,6 +181,8 @@ def main(ctx: click.Context, check: bool, out: pathlib.Path | None) -> None:
             raise _no_sources()
         if out is None and not check:
             raise _installed_only("regenerating", "--out DIR (render into DIR)")
+    if out is None:
+        _refuse_another_checkout(root, "--check" if check else "regenerating")
     start = time.perf_counter()
     result = render.render_all(root)
     dest = out or root / "generated"
@@ -182,26 +221,30 @@ def list_programs(ctx, families, dtypes, world_sizes, profiles):
 
 
 @main.command()
+@click.option("--width", type=click.IntRange(min=0), default=120, show_default=True,
+              help="Fit the output in this many columns (grids too wide are cut into blocks of profile "
+                   "columns, prose is wrapped); 0: one line a row, however wide.")
 @click.pass_context
-def tables(ctx):
+def tables(ctx, width):
     """How names spell families and profiles; every family as a grid (rows dtype x world size,
     columns output profiles); the selection boundaries."""
+    width = width or None
     manifest = _manifest(_generated(ctx))
     axes = manifest["axes"]
     families, profiles = axes["families"], axes["output_profiles"]
     profile_names = [profile["name"] for profile in profiles]
     click.echo("program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>")
     _print_rows([("  " + family["code"], family["name"], family["title"]) for family in families],
-                ("  family code", "family", "what it is"))
+                ("  family code", "family", "what it is"), width)
     _print_rows([("  " + profile["name"], "None" if profile["quant"] is None else profile["quant"])
-                 for profile in profiles], ("  output profile", "quant="))
+                 for profile in profiles], ("  output profile", "quant="), width)
     click.echo()
     programs = {_cell(entry): entry for entry in manifest["programs"]}
     holes = {_cell(hole): hole for hole in manifest["holes"]}
     for family in families:
         name = family["name"]
-        click.echo(f"{name}  (tables/{name}.h, base {family['base']}, protocol {family['protocol']})")
-        click.echo(f"  {family['meaning']}")
+        _echo_wrapped(f"{name}  (tables/{name}.h, base {family['base']}, protocol {family['protocol']})", width)
+        _echo_wrapped(f"  {family['meaning']}", width)
         rows, reasons = [], {}
         for dtype in axes["dtypes"]:
             for world_size in axes["world_sizes"]:
@@ -216,33 +259,33 @@ def tables(ctx):
                         fallback = hole["fallback_family"]  # None: no T selects the family there
                         row.append(f"-- hole{mark}" + (f" -> {fallback}" if fallback else ""))
                 rows.append(row)
-        _print_rows(rows, ("  ", *profile_names))
+        _print_rows(rows, ("  ", *profile_names), width)
         for reason, mark in reasons.items():
-            click.echo(f"  hole{mark}: {reason}")
+            _echo_wrapped(f"  hole{mark}: {reason}", width)
         click.echo()
     selection = manifest["selection"]
     fields = [field for _regime, field in selection["ladder"] if field is not None]
-    click.echo(f"selection: {selection['rule']}")
-    click.echo("  per device the runtime takes the first set whose key matches (exact product, then the same compute "
-               "capability and interconnect), then the written model; boundaries in tokens, or in bytes per rank "
-               "(KiB, MiB: T x hidden x element bytes); all: no bound")
+    _echo_wrapped(f"selection: {selection['rule']}", width)
+    _echo_wrapped("  per device the runtime takes the first set whose key matches (exact product, then the same "
+                  "compute capability and interconnect), then the written model; boundaries in tokens, or in bytes "
+                  "per rank (KiB, MiB: T x hidden x element bytes); all: no bound", width)
     for table_set in selection["sets"]:
-        _print_set(table_set, axes, profile_names, fields)
+        _print_set(table_set, axes, profile_names, fields, width)
 
 
-def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list) -> None:
+def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list, width: int | None = None) -> None:
     """One table set: its key, its measurement files, its boundaries as a grid."""
     from .tuning import shown_limit
 
     match = table_set["match"]
     click.echo()
-    click.echo(f"set {table_set['name']} ({table_set['table']}): {table_set['title']}")
+    _echo_wrapped(f"set {table_set['name']} ({table_set['table']}): {table_set['title']}", width)
     if match:
-        click.echo(f"  for product {match['product']!r}, compute capability {match['capability']}, interconnect "
-                   f"{match['interconnect']}")
+        _echo_wrapped(f"  for product {match['product']!r}, compute capability {match['capability']}, interconnect "
+                      f"{match['interconnect']}", width)
     for source in table_set["sources"]:
-        click.echo(f"  measured in {source['file']}")
-    click.echo(f"  {' / '.join(fields)}")
+        _echo_wrapped(f"  measured in {source['file']}", width)
+    _echo_wrapped(f"  {' / '.join(fields)}", width)
     bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in table_set["boundaries"]}
     rows = []
     for dtype in axes["dtypes"]:
@@ -253,14 +296,16 @@ def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list) -
                 mark = "" if cell["source"].startswith("measured") else " (model)"
                 row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in fields) + mark)
             rows.append(row)
-    _print_rows(rows, ("  ", *profile_names))
+    _print_rows(rows, ("  ", *profile_names), width)
     for (dtype, world_size, profile), cell in bounds.items():  # the hidden sizes with boundaries of their own
         for hidden, own in cell.get("by_hidden", {}).items():
-            click.echo(f"  {dtype} ws{world_size} {profile} at hidden {hidden}: "
-                       + " / ".join(shown_limit(own["limits"][field], cell["key"]) for field in fields)
-                       + " (measured " + " to ".join(shown_limit(v, cell["key"]) for v in own["measured"]) + ")")
+            _echo_wrapped(f"  {dtype} ws{world_size} {profile} at hidden {hidden}: "
+                          + " / ".join(shown_limit(own["limits"][field], cell["key"]) for field in fields)
+                          + " (measured " + " to ".join(shown_limit(v, cell["key"]) for v in own["measured"]) + ")",
+                          width)
     if any(not cell["source"].startswith("measured") for cell in bounds.values()):
-        click.echo("  (model): no measurement covers the cell; the written model in generator/tuning.py decides")
+        _echo_wrapped("  (model): no measurement covers the cell; the written model in generator/tuning.py decides",
+                      width)
 
 
 def _cell(entry: dict) -> tuple:
@@ -271,17 +316,31 @@ def _cell(entry: dict) -> tuple:
 @click.argument("rev")
 @click.pass_context
 def diff(ctx, rev):
-    """Cells changed between the manifest committed at REV and generated/ now."""
-    from . import diffing
+    """Cells changed between the manifest committed at REV and generated/ now: programs that
+    appeared, vanished or were renamed, programs whose code changed (one line per cause: the kernel
+    headers whose code changed, the program file), boundaries that moved; then a summary line.
 
-    root = locations.checkout_root()
-    if root is None:
-        raise _installed_only("diff (it reads the git history)")
-    new = _manifest(_generated(ctx))
+    Exit status: 0 no changes, 1 changes, 2 generated/ stale (its inputs changed since the last
+    `gen-programs`, so the diff would miss them) or an error (REV unknown, no repository)."""
+    from . import diffing, render
+
     try:
-        old = diffing.manifest_at(rev, root)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+        root = locations.checkout_root()
+        if root is None:
+            raise _installed_only("diff (it reads the git history)")
+        _refuse_another_checkout(root, "diff")
+        generated = _generated(ctx)
+        try:
+            new = diffing.manifest_in(generated)
+            old = diffing.manifest_at(rev, root)
+        except (manifest_reader.ManifestError, ValueError) as e:
+            raise click.ClickException(str(e)) from None
+        if new["_generated"]["inputs_sha256"] != render.inputs_sha256(root):
+            raise click.ClickException(f"{generated.name}/ is stale: its inputs changed since it was rendered, so "
+                                       f"a diff would miss those changes; run `gen-programs`, then the diff again")
+    except click.ClickException as e:
+        e.exit_code = 2  # 1 means changes
+        raise
     if old is None:
         click.echo(f"{rev}: no generated/manifest.json there; every cell counts as new")
     lines = diffing.diff_manifests(old, new)
@@ -289,6 +348,7 @@ def diff(ctx, rev):
         click.echo(line)
     if not lines:
         click.echo("no changes")
+    ctx.exit(1 if lines else 0)
 
 
 @main.command("compile")

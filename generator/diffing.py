@@ -1,10 +1,11 @@
 """`gen-programs diff REV`: what changed in the tables since a git revision.
 
 Compares two manifests cell by cell (family x dtype x world size x profile):
-a program that appeared or vanished, a program whose compiled code changed
+a program that appeared or vanished, programs whose compiled code changed
 (code_sha256: its tokens and those of the body headers it includes, comments and
-layout aside), and selection boundaries that moved. Also whole-table facts: body,
-parameter plan, targets. The revision's code hashes are computed afresh from its
+layout aside), one line per cause (the headers whose code changed, the program's own
+file), and selection boundaries that moved. Also whole-table facts: body layout,
+parameter plan, targets; a summary line closes the list. The revision's code hashes are computed afresh from its
 files, so a change in how the hash is defined never shows as a code change. A
 revision whose body is split into other files (manifest format 2 had one body
 file) hashes other texts: the diff then says so instead of comparing programs.
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 
-from moe_ar_common.manifest_reader import ManifestError, inline_includes
+from moe_ar_common.manifest_reader import ManifestError, inline_includes, load_verified_manifest
 
 from . import spec, tuning
 from .code_hash import code_sha256
@@ -54,17 +55,22 @@ def body_entry(manifest: dict) -> str:
     return body["entry"] if "headers" in body else body["file"]
 
 
-def _with_todays_code_hashes(manifest: dict, rev: str, root, generated: str) -> dict:
-    """The manifest with every code_sha256 computed from rev's files as generator/render.py does today:
-    a program's text, then the text of each body file it includes (inlined as manifest_reader.source_for does)."""
+def code_files(manifest: dict) -> list[str]:
+    """The generated-relative files code hashes are computed from: the body's, then every program's."""
+    return [*body_files(manifest), *(entry["file"] for entry in manifest["programs"])] if "body" in manifest else []
+
+
+def with_code_hashes(manifest: dict, files: dict[str, bytes]) -> dict:
+    """The manifest with its code hashes computed from `files` ({generated-relative path: bytes}) as
+    generator/render.py does today: each program's (its text, then the text of each body file it
+    includes, inlined as manifest_reader.source_for does), and, to name what changed, each body
+    header's (header code_sha256), each program's own text's (text_code_sha256) and its includes."""
     body = manifest.get("body")
     if body is None:
         return manifest
-    entries = manifest["programs"]
     headers = body_files(manifest)
     include_dir = body.get("include_dir", headers[0].rsplit("/", 1)[0])
-    files = _git_files(rev, root, [f"{generated}/{rel}" for rel in [*headers, *(e["file"] for e in entries)]])
-    texts = {rel: files[f"{generated}/{rel}"].decode("utf-8") for rel in headers if f"{generated}/{rel}" in files}
+    texts = {rel: files[rel].decode("utf-8") for rel in headers if rel in files}
     if len(texts) != len(headers):
         return manifest
 
@@ -74,8 +80,10 @@ def _with_todays_code_hashes(manifest: dict, rev: str, root, generated: str) -> 
         return texts[rel]
 
     body["code_sha256"] = code_sha256(*(texts[rel] for rel in headers))
-    for entry in entries:
-        text = files.get(f"{generated}/{entry['file']}")
+    for header in body.get("headers", []):
+        header["code_sha256"] = code_sha256(texts[header["file"]])
+    for entry in manifest["programs"]:
+        text = files.get(entry["file"])
         if text is None:
             continue
         text = text.decode("utf-8")
@@ -84,11 +92,21 @@ def _with_todays_code_hashes(manifest: dict, rev: str, root, generated: str) -> 
         except ManifestError:
             continue  # not a tree this generator can read: its recorded hash stays
         entry["code_sha256"] = code_sha256(text, *(texts[rel] for rel in included))
+        entry["text_code_sha256"] = code_sha256(text)
+        entry["includes"] = list(included)
         today = _name_today(entry)
         if today not in (None, entry["name"]):  # renamed since: its hash as if it had today's name
             entry["code_sha256_as_named_today"] = code_sha256(text.replace(entry["name"], today),
                                                               *(texts[rel] for rel in included))
     return manifest
+
+
+def manifest_in(generated) -> dict:
+    """The verified manifest of a generated tree on disk, with the code hashes diff_manifests names
+    causes by (with_code_hashes)."""
+    manifest = load_verified_manifest(generated)
+    files = {rel: (generated / rel).read_bytes() for rel in code_files(manifest)}
+    return with_code_hashes(manifest, files)
 
 
 def _name_today(entry: dict) -> str | None:
@@ -122,7 +140,9 @@ def manifest_at(rev: str, root, path: str = "generated/manifest.json") -> dict |
     if shown.returncode != 0:
         return None
     manifest = _with_profile_names(json.loads(shown.stdout))
-    return _with_todays_code_hashes(manifest, rev, root, path.rsplit("/", 1)[0])
+    generated = path.rsplit("/", 1)[0]
+    files = _git_files(rev, root, [f"{generated}/{rel}" for rel in code_files(manifest)])
+    return with_code_hashes(manifest, {name.removeprefix(f"{generated}/"): data for name, data in files.items()})
 
 
 def _cell_key(entry: dict) -> tuple:
@@ -158,14 +178,57 @@ def selection_sets(manifest: dict) -> dict:
     return {_SINGLE_TABLE_SET: rows} if rows else {}
 
 
+PROGRAM_FILE = "the program file (templates/program.cu.j2)"
+
+
+def _header_codes(old: dict, new: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """{body header: its code hash} of both manifests where both have them (with_code_hashes), else
+    {body header: the hash of its bytes}."""
+    headers = [[h for h in m.get("body", {}).get("headers", [])] for m in (old, new)]
+    key = "code_sha256" if all("code_sha256" in h for h in headers[0] + headers[1]) else "sha256"
+    return tuple({h["file"]: h[key] for h in each} for each in headers)
+
+
+def _cause(old: dict, new: dict, before: dict, after: dict) -> str:
+    """What changed a program's code: the body headers it includes whose code changed, and its own file."""
+    was, now = _header_codes(old, new)
+    headers = [rel for rel in after.get("includes", now) if was.get(rel) != now[rel]]
+    if "text_code_sha256" in before and "text_code_sha256" in after:
+        own = before["text_code_sha256"] != after["text_code_sha256"]
+    else:  # hashes that do not tell the program's own text apart: blame it where no header changed
+        own = not headers
+    return " and ".join([", ".join(headers)] * bool(headers) + [PROGRAM_FILE] * own)
+
+
+def _counted(programs: list[dict]) -> str:
+    """A few programs by name, more by family: '2 programs: a, b' or '156 programs (local 8, ...)'."""
+    noun = "program" if len(programs) == 1 else "programs"
+    if len(programs) <= 4:
+        return f"{len(programs)} {noun}: {', '.join(p['name'] for p in programs)}"
+    families: dict[str, int] = {}
+    for p in programs:
+        families[p["family"]] = families.get(p["family"], 0) + 1
+    return f"{len(programs)} {noun} ({', '.join(f'{family} {n}' for family, n in families.items())})"
+
+
+def summary(counts: dict[str, int]) -> str:
+    """The closing line of a diff: how many of each kind of change ({s} in a kind: its plural's s)."""
+    return "summary: " + ", ".join(f"{n} {what.format(s='' if n == 1 else 's')}" for what, n in counts.items() if n)
+
+
 def diff_manifests(old: dict | None, new: dict) -> list[str]:
-    """Human-readable change lines, old -> new; empty when nothing changed."""
+    """Human-readable change lines, old -> new, closed by a summary line; empty when nothing changed."""
     old = old or {"programs": [], "holes": [], "selection": {"boundaries": []}}
     lines = []
+    counts = dict.fromkeys(("program{s} appeared", "program{s} vanished", "program{s} renamed",
+                            "program{s} changed code", "hole{s} changed", "selection set{s} added",
+                            "selection set{s} removed", "selection cell{s} changed", "table-wide change{s}"), 0)
+    changed_code: dict[str, list[dict]] = {}  # cause -> the programs it changed
     # Code hashes cover the texts of the body's files, so they compare only within one split of the body.
     same_layout = "body" not in old or body_files(old) == body_files(new)
     if not same_layout:
         before, after = body_files(old), body_files(new)
+        counts["table-wide change{s}"] += 1
         lines.append(f"~ kernel body layout changed: {len(before)} file{'s' if len(before) > 1 else ''} "
                      f"({', '.join(before)}) -> {len(after)} files ({', '.join(after)}); the programs' code "
                      f"hashes cover other texts, so code changes of programs present in both cannot be told "
@@ -179,38 +242,48 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
         if before is None:
             was = old_holes.get(key)
             why = f" (was a hole: {was['reason']})" if was else ""
+            counts["program{s} appeared"] += 1
             lines.append(f"+ {_label(key)}: appeared, {after['name']}{why}")
         elif after is None:
             hole = new_holes.get(key)
             why = f" (now a hole -> {hole['fallback_family'] or 'none'}: {hole['reason']})" if hole else ""
+            counts["program{s} vanished"] += 1
             lines.append(f"- {_label(key)}: vanished, {before['name']}{why}")
         elif before["name"] != after["name"]:
             same = same_layout and before.get("code_sha256_as_named_today") == _code_hash(after)
+            counts["program{s} renamed"] += 1
             lines.append(f"~ {_label(key)}: renamed {before['name']} -> {after['name']}, "
                          + ("same code but the name" if same else
                             f"code sha256 {_code_hash(before)[:12]} -> {_code_hash(after)[:12]}"))
         elif same_layout and _code_hash(before) != _code_hash(after):
-            lines.append(f"~ {_label(key)}: program changed, {after['name']} "
-                         f"code sha256 {_code_hash(before)[:12]} -> {_code_hash(after)[:12]}")
+            changed_code.setdefault(_cause(old, new, before, after), []).append(after)
+    for cause, programs in changed_code.items():
+        counts["program{s} changed code"] += len(programs)
+        lines.append(f"~ {cause} changed: {_counted(programs)}")
     for key in sorted(set(old_holes) & set(new_holes)):
         before, after = old_holes[key], new_holes[key]
         if (before["reason"], before["fallback_family"]) != (after["reason"], after["fallback_family"]):
+            counts["hole{s} changed"] += 1
             lines.append(f"~ {_label(key)}: hole now falls back to {after['fallback_family']} ({after['reason']}), "
                          f"was {before['fallback_family']} ({before['reason']})")
 
     old_sets, new_sets = selection_sets(old), selection_sets(new)
     for name in sorted(set(old_sets) - set(new_sets)):
+        counts["selection set{s} removed"] += 1
         lines.append(f"- selection set {name}: removed ({len(old_sets[name])} cells)")
     for name in sorted(set(new_sets) - set(old_sets)):
+        counts["selection set{s} added"] += 1
         lines.append(f"+ selection set {name}: added ({len(new_sets[name])} cells)")
     for name in sorted(set(old_sets) & set(new_sets)):
         old_bounds, new_bounds = old_sets[name], new_sets[name]
         for key in sorted(set(old_bounds) | set(new_bounds)):
+            cell_start = len(lines)
             dtype, world_size, profile = key
             label = f"selection {name} {dtype} ws{world_size} {profile}"
             before, after = old_bounds.get(key), new_bounds.get(key)
             if before is None or after is None:
                 lines.append(f"{'+' if before is None else '-'} {label}: {'added' if before is None else 'removed'}")
+                counts["selection cell{s} changed"] += 1
                 continue
             for field in spec.BOUNDARY_FIELDS:
                 was, now = before["limits"].get(field), after["limits"].get(field)
@@ -233,14 +306,14 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
                     lines.append(f"~ {label} at hidden {hidden}: {shown[0]} -> {shown[1]}")
             if before.get("source") != after.get("source"):
                 lines.append(f"~ {label}: source {before.get('source')!r} -> {after.get('source')!r}")
+            counts["selection cell{s} changed"] += len(lines) > cell_start
+    table_wide_start = len(lines)
     if old.get("selection", {}).get("ladder") not in (None, new["selection"]["ladder"]):
         lines.append(f"~ regime ladder: {json.dumps(old['selection']['ladder'])} -> "
                      f"{json.dumps(new['selection']['ladder'])}")
-    if "body" in old and same_layout and _code_hash(old["body"]) != _code_hash(new["body"]):
-        lines.append(f"~ kernel body {body_entry(new)} changed "
-                     f"(code sha256 {_code_hash(old['body'])[:12]} -> {_code_hash(new['body'])[:12]})")
     for field, what in (("param_plan", "parameter plan"), ("targets", "targets"),
                         ("compile_options", "compile options")):
         if field in old and old[field] != new.get(field):
             lines.append(f"~ {what} changed: {json.dumps(old[field])} -> {json.dumps(new.get(field))}")
-    return lines
+    counts["table-wide change{s}"] += len(lines) - table_wide_start
+    return [*lines, summary(counts)] if lines else []

@@ -334,3 +334,48 @@ def test_the_pointer_order_writes_what_each_program_writes():
         assert [n for n in order if n in _OUTPUT_NAMES] == list(info["outputs"]), name
         scale_inputs = {n for n in order if n in ("global_scale", "fp8_scale")}
         assert scale_inputs == {"nvfp4": {"global_scale"}, "fp8_tensor": {"fp8_scale"}}.get(info["profile"], set())
+
+
+# ---- the public signatures against the one description of the call's arguments ----------------
+
+def _keywords(fn) -> dict:
+    """{name: default (inspect.Parameter.empty where required)} of fn's keyword-only parameters."""
+    import inspect
+    return {name: p.default for name, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY}
+
+
+def test_the_call_shows_every_argument_with_its_default():
+    """help(dispatch.moe_finalize_allreduce) and an IDE see every keyword and its default, and they
+    are call_arguments' description (REQUIRED, then _DEFAULTS)."""
+    import inspect
+
+    from dispatch import torch_op
+    from dispatch.call_arguments import REQUIRED
+    described = {**dict.fromkeys(REQUIRED, inspect.Parameter.empty), **_DEFAULTS}
+    assert _keywords(op.moe_finalize_allreduce) == described
+    outputs = ("norm_out", "residual_out", "quant_out", "scale_out")  # the op always allocates them
+    assert _keywords(torch_op.moe_finalize_allreduce_op) == {n: d for n, d in described.items() if n not in outputs}
+    schema = {a.name: a.default_value for a in torch_op.moe_finalize_allreduce_custom_op.default._schema.arguments}
+    for name, default in _DEFAULTS.items():
+        if name not in outputs:
+            assert name in schema and schema[name] == default, (name, schema.get(name))
+
+
+def test_every_keyword_reaches_the_call(monkeypatch):
+    """Each keyword the signature shows arrives in the call's arguments as given; help() lists them
+    with their defaults; an unknown keyword is a ValueError naming it."""
+    import pydoc
+
+    from dispatch.call_arguments import REQUIRED
+    ws = _workspace()
+    with pytest.raises(ValueError, match="^world_size: unknown argument"):
+        op.moe_finalize_allreduce(ws, world_size=2, **_valid())
+    seen = []
+    monkeypatch.setattr(op, "prepare_call", lambda ws, kwargs: seen.append(kwargs) or types.SimpleNamespace(
+        launch=lambda: None))
+    given = {name: object() for name in [*REQUIRED, *_DEFAULTS]}
+    op.moe_finalize_allreduce(ws, **given)
+    assert seen[0] == given and all(seen[0][name] is given[name] for name in given)
+    shown = pydoc.render_doc(op.moe_finalize_allreduce, renderer=pydoc.plaintext)
+    assert "norm_weight, expert_scale_factor=None, routed_scaling_factor=1.0," in shown, shown[:600]
+    assert "fp8_scale_layout='row'" in shown and "launch_with_pdl=False, program=None)" in shown

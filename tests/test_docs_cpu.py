@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -88,3 +89,31 @@ def test_model_crossover_falls_with_world_size(model):
     for _, beta, hbm in model.PARAMETER_SETS:
         xs = [model.crossover(W, s, beta, hbm, model.ALPHA_US, model.FIXED_US) for W in (4, 8, 16, 32, 72)]
         assert all(a > b for a, b in zip(xs, xs[1:])) and xs[-1] >= 1, xs
+
+
+# ---- the README's front door ----------------------------------------------------------------
+
+def _quick_start_commands() -> list[str]:
+    section = (ROOT / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    return [line.strip() for line in section.splitlines() if line.startswith("    ")]
+
+
+def test_the_readme_quick_start_is_two_commands():
+    """On a fresh machine: one sets up and runs gen-programs, the other runs what CI runs, with the
+    torch CI pins."""
+    first, second = _quick_start_commands()
+    assert first.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install torch==") and \
+        "&& pip install -e . && gen-programs" in first, first
+    assert second == "bash .ci/run"
+    pinned = re.search(r"pip install --quiet (torch==\S+)", (ROOT / ".ci" / "run").read_text()).group(1)
+    assert f"pip install {pinned} " in first
+
+
+def test_the_readme_speaks_to_a_user():
+    """Nothing of the project's own machines or process (docs/contributing.md has it); the results
+    say when world size 2 and up was last measured, and on what."""
+    text = (ROOT / "README.md").read_text()
+    for phrase in ("these machines", "lent", "nvidia-h200", "nvidia-h200-x2", "issue", "this commit", "session"):
+        assert not re.search(rf"\b{re.escape(phrase)}\b", text, re.I), phrase
+    assert re.search(r"^### World size 2 and up: last measured \d{4}-\d\d-\d\d, on 2x H200", text, re.M)
+    assert re.search(r"^### World size 1: one H200, \d{4}-\d\d-\d\d", text, re.M)

@@ -16,7 +16,7 @@ import time
 import pytest
 
 from generator import manifest as manifest_mod
-from generator import code_hash, policy, render, spec, table_sets, tuning
+from generator import code_hash, diffing, policy, render, spec, table_sets, tuning
 from generator.diffing import diff_manifests, manifest_at
 from generator.enumeration import enumerate_programs
 from moe_ar_common import manifest_reader
@@ -484,8 +484,8 @@ def test_a_comment_change_rewrites_at_most_the_manifest_and_the_body(rendered, m
     assert new["body"]["code_sha256"] != manifest["body"]["code_sha256"]
     assert all(a["code_sha256"] != b["code_sha256"] for a, b in zip(manifest["programs"], new["programs"]))
     lines = diff_manifests(manifest, new)
-    assert sum(" program changed, " in line for line in lines) == len(manifest["programs"])
-    assert any(line.startswith("~ kernel body kernels/moe_finalize_allreduce.cuh changed") for line in lines)
+    assert lines[0].startswith(f"~ kernels/lamport.cuh changed: {len(manifest['programs'])} programs ("), lines
+    assert lines[-1] == f"summary: {len(manifest['programs'])} programs changed code", lines
 
 
 def test_diff_recomputes_the_revisions_code_hashes_and_profile_names(tmp_path):
@@ -539,7 +539,8 @@ def test_diff_shows_a_renamed_program_as_a_rename(tmp_path):
     assert run_cli([], cwd=repo).returncode == 0
     r = run_cli(["diff", "HEAD"], cwd=repo)
     lines = r.stdout.strip().splitlines()
-    assert r.returncode == 0 and len(lines) == renamed, r.stdout + r.stderr
+    assert r.returncode == 1 and len(lines) == renamed + 1, r.stdout + r.stderr
+    assert lines[-1] == f"summary: {renamed} programs renamed", lines
     assert "~ oneshot bf16 ws2 plain: renamed moe_ar_os_bf16_ws2_o110 -> moe_ar_os_bf16_ws2_plain, code sha256 " \
         in r.stdout, r.stdout
     same = [line for line in lines if line.endswith(", same code but the name")]
@@ -573,7 +574,7 @@ def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
     assert run_cli([], cwd=repo).returncode == 0  # today's layout
     r = run_cli(["diff", "HEAD"], cwd=repo)
     lines = r.stdout.splitlines()
-    assert r.returncode == 0 and len(lines) == 1, r.stdout + r.stderr
+    assert r.returncode == 1 and len(lines) == 2 and lines[1] == "summary: 1 table-wide change", r.stdout + r.stderr
     assert lines[0].startswith("~ kernel body layout changed: 1 file (kernels/moe_finalize_allreduce.cuh) -> "
                                f"{len(current['body']['headers'])} files (kernels/moe_finalize_allreduce.cuh, "
                                "kernels/params.cuh, "), lines
@@ -851,7 +852,7 @@ def test_diff_reports_changed_cells(tmp_path):
                                       "MODEL_ONESHOT_MAX_TOKENS = {2: 64, 4: 128,"))
     assert run_cli([], cwd=repo).returncode == 0
     r = run_cli(["diff", "HEAD"], cwd=repo)
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, r.stderr
     lines = r.stdout.splitlines()
     assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_tses_fp16_ws8_plain (was a hole: " \
            "no early shared variant from world size 8 (the early range is short there))" in lines
@@ -867,15 +868,63 @@ def test_diff_reports_changed_cells(tmp_path):
                                "twoshot") for line in r.stdout.splitlines()), r.stdout
 
 
+def _committed_copy(dest):
+    repo = copy_repo(dest)
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-q", "-m", "base")
+    return repo
+
+
+def test_diff_says_a_stale_generated_tree_is_stale(tmp_path):
+    """Inputs changed but not rendered: `diff` would compare the old tree with itself and say "no
+    changes"; it says generated/ is stale and what to run, with exit status 2."""
+    repo = _committed_copy(tmp_path / "repo")
+    _edit(repo / render.KERNEL_DIR / "lamport.cuh", "kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u")
+    r = run_cli(["diff", "HEAD"], cwd=repo)
+    assert r.returncode == 2 and "no changes" not in r.stdout, r.stdout + r.stderr
+    assert "generated/ is stale" in r.stderr and "run `gen-programs`" in r.stderr, r.stderr
+    r = run_cli(["diff", "no-such-revision-xyz"], cwd=repo)
+    assert r.returncode == 2 and "not a git revision" in r.stderr, r.stdout + r.stderr
+
+
+def test_diff_groups_changed_programs_under_their_cause(tmp_path):
+    """A kernel header's code change is one line naming the header and the programs it changed, not one
+    line a program; a summary line closes the diff, and the exit status says there were changes (1);
+    a comment change of a header changes no program's code (0, "no changes")."""
+    repo = _committed_copy(tmp_path / "repo")
+    n_programs = len(json.loads((repo / "generated" / "manifest.json").read_text())["programs"])
+    _edit(repo / render.KERNEL_DIR / "lamport.cuh", "kSentinelWord = 0x80008000u",
+          "kSentinelWord = 0x80008000u;  // a comment")
+    assert run_cli([], cwd=repo).returncode == 0
+    r = run_cli(["diff", "HEAD"], cwd=repo)
+    assert r.returncode == 0 and r.stdout.strip() == "no changes", r.stdout + r.stderr
+
+    _edit(repo / render.KERNEL_DIR / "lamport.cuh", "kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u")
+    assert run_cli([], cwd=repo).returncode == 0
+    r = run_cli(["diff", "HEAD"], cwd=repo)
+    lines = r.stdout.splitlines()
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"~ kernels/lamport.cuh changed: {n_programs} programs (local 8, "), lines
+    assert lines[1] == f"summary: {n_programs} programs changed code", lines
+
+    _edit(repo / "templates" / "program.cu.j2", "(const moe_ar::Params p)", "(const moe_ar::Params params)")
+    _edit(repo / "templates" / "program.cu.j2", ">(p);", ">(params);")  # and every program's own text
+    assert run_cli([], cwd=repo).returncode == 0
+    lines = run_cli(["diff", "HEAD"], cwd=repo).stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith(
+        f"~ kernels/lamport.cuh and the program file (templates/program.cu.j2) changed: {n_programs} programs ("), lines
+
+
 def test_diff_reports_a_changed_program_and_body(manifest):
     new = json.loads(json.dumps(manifest))
     new["programs"][0]["code_sha256"] = "0" * 64
     new["body"]["code_sha256"] = "1" * 64
     lines = diff_manifests(manifest, new)
     p = new["programs"][0]
-    assert any(line.startswith(f"~ {p['family']} {p['dtype']} ws{p['world_size']} {p['profile']}: program changed")
-               for line in lines)
-    assert any(line.startswith("~ kernel body kernels/moe_finalize_allreduce.cuh changed") for line in lines)
+    # the manifests alone do not tell the program's own file from the headers: no header's bytes changed
+    assert lines == [f"~ {diffing.PROGRAM_FILE} changed: 1 program: {p['name']}", "summary: 1 program changed code"]
     assert diff_manifests(manifest, manifest) == []
 
 
@@ -908,7 +957,7 @@ def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
 
 
 def test_tables_marks_holes_and_fallbacks():
-    r = run_cli(["tables"], cwd=ROOT)
+    r = run_cli(["tables", "--width", "0"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
     # the table of short codes in program names
     assert "program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>" in r.stdout
@@ -935,6 +984,21 @@ def test_tables_marks_holes_and_fallbacks():
     assert "hole[1]: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T" in r.stdout
     assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout
     assert re.search(r"bf16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
+
+
+@pytest.mark.parametrize("width", [120, 80])
+def test_tables_fit_the_width(width, manifest):
+    """`tables` fits 120 columns (--width: another width): a grid too wide is cut into blocks of
+    profile columns, each led by its row labels, and prose is wrapped; nothing is lost."""
+    args = ["tables"] if width == 120 else ["tables", "--width", str(width)]
+    r = run_cli(args, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    too_wide = [line for line in r.stdout.splitlines() if len(line) > width]
+    assert not too_wide, too_wide
+    for entry in manifest["programs"]:
+        assert re.search(rf"\b{entry['name']}\b", r.stdout), entry["name"]
+    words = run_cli(["tables", "--width", "0"], cwd=ROOT).stdout.split()  # one line a row, as wide as it takes
+    assert sorted(set(words)) == sorted(set(r.stdout.split()))
 
 
 def test_selection_map_draws_the_tables():

@@ -355,7 +355,7 @@ def test_installed_gen_programs_needs_a_repository_or_out(installed, tmp_path, m
     assert r.exit_code == 1, r.output
     assert "regenerating needs a repository or --out DIR" in r.output and "clone of the repository" in r.output
     r = invoke("diff", "HEAD")
-    assert r.exit_code == 1 and "diff (it reads the git history) needs a repository" in r.output, r.output
+    assert r.exit_code == 2 and "diff (it reads the git history) needs a repository" in r.output, r.output
     # Run inside another checkout, the message names it.
     monkeypatch.chdir(ROOT / "tests")
     r = invoke()
@@ -363,6 +363,47 @@ def test_installed_gen_programs_needs_a_repository_or_out(installed, tmp_path, m
     r = invoke("--out", str(tmp_path / "out"))
     assert r.exit_code == 0, r.output
     assert (tmp_path / "out" / "manifest.json").read_bytes() == (ROOT / "generated" / "manifest.json").read_bytes()
+
+
+def _clone(dest: pathlib.Path) -> pathlib.Path:
+    """A checkout of this project elsewhere (what `git clone` gives, less the history)."""
+    for name in ("generator", "moe_ar_common", "templates", "kernels", "generated", "bench_results"):
+        shutil.copytree(ROOT / name, dest / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(ROOT / "pyproject.toml", dest / "pyproject.toml")
+    return dest
+
+
+def test_check_in_a_clone_does_not_answer_for_the_installed_tree(tmp_path, monkeypatch, pyproject):
+    """Installed non-editable and run in a clone whose kernel changed, --check would compare the
+    installed copy with itself and say "up to date": it refuses and says the fix instead; outside
+    any checkout it still checks the installed copy."""
+    site = _fake_site(tmp_path, pyproject)
+    clone = _clone(tmp_path / "clone")
+    lamport = clone / "kernels" / "lamport.cuh"
+    lamport.write_text(lamport.read_text().replace("kSentinelWord = 0x80008000u", "kSentinelWord = 0x80000000u"))
+    monkeypatch.setattr(locations, "checkout_root", lambda: None)
+    monkeypatch.setattr(locations, "installed_root", lambda: site / "moe_ar_data")
+    monkeypatch.chdir(clone / "kernels")
+    r = invoke("--check")
+    assert r.exit_code == 1 and "up to date" not in r.output, r.output
+    assert f"not on the checkout you are in ({clone})" in r.output and "`pip install -e .`" in r.output, r.output
+    monkeypatch.chdir(tmp_path)
+    r = invoke("--check")
+    assert r.exit_code == 0 and "up to date" in r.output, r.output
+
+
+def test_another_checkouts_gen_programs_does_not_work_on_this_one(tmp_path, monkeypatch):
+    """An editable install of one checkout, run in another: regenerating, --check and diff would work
+    on the first; each refuses and names both."""
+    other = _clone(tmp_path / "other")
+    monkeypatch.setattr(locations, "checkout_root", lambda: other)
+    monkeypatch.chdir(ROOT)
+    for args, status in (((), 1), (("--check",), 1), (("diff", "HEAD"), 2)):  # diff: 1 means changes
+        r = invoke(*args)
+        assert r.exit_code == status, (args, r.output)
+        assert f"not on the checkout you are in ({ROOT})" in r.output and f"the checkout at {other}" in r.output, r.output
+    r = invoke("--out", str(tmp_path / "out"))  # an explicit destination is no surprise
+    assert r.exit_code == 0, r.output
 
 
 def test_no_sources_at_all(monkeypatch):
