@@ -681,3 +681,45 @@ def test_example_runs_on_one_gpu():
                        timeout=600)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-8000:]
     assert r.stdout.splitlines() == ["tensor parallel 1: ok", "expert parallel, combined rows: ok"], r.stdout
+
+
+# ---- the cluster layout (few tokens) --------------------------------------------------------------
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkeypatch):
+    """Up to cluster_max_tokens tokens the latency program spreads each row over a cluster of blocks
+    (dispatch picks its second kernel); every output must be the one-block layout's bits (the same
+    loads, additions and sum of squares), with and without PDL, eagerly and replayed in a CUDA graph.
+    The one-block layout: a workspace made while the manifest's cluster_max_tokens reads 0."""
+    from dispatch import registry
+    limits = registry.program_set().limits
+    rnd = random.Random(seed_for("plan"))
+    for H in (7168, 6144):
+        cluster_ws = dispatch.LocalWorkspace(max_tokens=limits["cluster_max_tokens"], hidden=H, dtype=torch.bfloat16)
+        monkeypatch.setitem(limits, "cluster_max_tokens", 0)
+        one_block_ws = dispatch.LocalWorkspace(max_tokens=limits["few_tokens_max"], hidden=H, dtype=torch.bfloat16)
+        monkeypatch.undo()
+        try:
+            for i, T in enumerate((1, 5, limits["cluster_max_tokens"])):
+                case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd, top_k=rnd.choice([1, 6, 8]))
+                got = {}
+                for name, ws in (("cluster", cluster_ws), ("one block", one_block_ws)):
+                    call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1)
+                    got[name] = {k: v.clone() for k, v in out.items()} if isinstance(out, dict) else \
+                        [v.clone() for v in out]
+                    if name == "cluster":  # and replayed in a graph: the cluster launch captures
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
+                        for v in call["provided"][0].values():
+                            v.view(torch.uint8).fill_(ref.POISON_BYTE)
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        _check(call, out, f"cluster in a graph H={H} T={T}")
+                a, b = got["cluster"], got["one block"]
+                pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+                for x, y in pairs:
+                    assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (quant, H, T)
+        finally:
+            cluster_ws.close()
+            one_block_ws.close()
