@@ -806,14 +806,14 @@ def _git(repo, *args):
 
 
 def _with_own_row_at_4096(manifest):
-    """A copy of the manifest whose h200_nvlink bf16 ws1 fp8_group128 cell (none of its own committed) has
+    """A copy of the manifest whose h200_nvlink bf16 ws1 plain cell (none of its own committed) has
     a row of its own at hidden 4096 (the latency layout at every T, measured 8 KiB to 128 MiB), as a fit
     can give (fit.py)."""
     import copy
     new = copy.deepcopy(manifest)
     table_set = next(s for s in new["selection"]["sets"] if s["name"] == "h200_nvlink")
     cell = next(b for b in table_set["boundaries"]
-                if (b["dtype"], b["world_size"], b["profile"]) == ("bf16", 1, "fp8_group128"))
+                if (b["dtype"], b["world_size"], b["profile"]) == ("bf16", 1, "plain"))
     assert not cell.get("by_hidden")
     cell["by_hidden"] = {"4096": {"limits": {field: tuning.ALL_TOKENS for field in cell["limits"]},
                                   "measured": [8192, 134217728]}}
@@ -909,8 +909,9 @@ def test_diff_groups_changed_programs_under_their_cause(tmp_path):
     assert lines[0].startswith(f"~ kernels/lamport.cuh changed: {n_programs} programs (local 8, "), lines
     assert lines[1] == f"summary: {n_programs} programs changed code", lines
 
-    _edit(repo / "templates" / "program.cu.j2", "(const moe_ar::Params p)", "(const moe_ar::Params params)")
-    _edit(repo / "templates" / "program.cu.j2", ">(p);", ">(params);")  # and every program's own text
+    _edit(repo / "templates" / "program.cu.j2", "{{ symbol }}(const moe_ar::Params p)",
+          "{{ symbol }}(const moe_ar::Params params)")
+    _edit(repo / "templates" / "program.cu.j2", "{% endif %}>(p);", "{% endif %}>(params);")  # every program's own text
     assert run_cli([], cwd=repo).returncode == 0
     lines = run_cli(["diff", "HEAD"], cwd=repo).stdout.splitlines()
     assert len(lines) == 2 and lines[0].startswith(
@@ -952,7 +953,7 @@ def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
     fields = [field for _regime, field in manifest["selection"]["ladder"] if field is not None]
     profiles = [profile["name"] for profile in manifest["axes"]["output_profiles"]]
     cli._print_set(table_set, manifest["axes"], profiles, fields)
-    assert "  bf16 ws1 fp8_group128 at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in \
+    assert "  bf16 ws1 plain at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in \
         capsys.readouterr().out
 
 

@@ -186,27 +186,30 @@ def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
     assert at_4096.label != _resolve(user=user, hidden=4096 + 128).label
 
 
-def test_the_committed_world_one_cells_share_one_byte_boundary_and_h4096_returns():
-    """The H200 set fitted world size 1 at H 7168 and 4096 (plain): one joint boundary in bytes a rank,
-    the latency layout up to 1 MiB (73 tokens at 7168), the streaming layout (its row ring) above, for
-    every hidden size but 4096. H 4096 has its own: the latency layout to 1 MiB (128 tokens), the ring to
-    8 MiB (1,024), the latency layout again above, through the exchange rungs' hole fallback
-    (bench_results/world_size_1/small_hidden/, bench_results/tuning/README.md, "World size 1")."""
+def test_the_committed_world_one_cells_share_one_byte_boundary_and_fp8_group_has_its_own_at_h4096():
+    """The H200 set fitted world size 1 at H 7168 and 4096: plain one joint boundary in bytes a rank,
+    the latency layout up to 2 MiB (146 tokens at 7168, 256 at 4096), the streaming layout above, for
+    every hidden size. FP8 group-128 (the streaming program with its row ring) has its own at H 4096:
+    the latency layout to 1 MiB (128 tokens), the ring to 8 MiB (1,024), the latency layout again
+    above, through the exchange rungs' hole fallback (bench_results/tuning/README.md, "World size 1")."""
     cell = _committed_cell(world_size=1)
     local, streaming = FIELDS.index("local_max_tokens"), FIELDS.index("streaming_max_tokens")
-    assert cell.limits[local] == 1 << 20 and cell.limits[streaming] == ALL
-    (own, _measured), = [cell.by_hidden[4096]]
-    assert list(cell.by_hidden) == [4096] and own[:2] == (1 << 20, 8 << 20) and set(own[2:]) == {ALL}
+    assert cell.limits[local] == 2 << 20 and cell.limits[streaming] == ALL and not cell.by_hidden
     at_7168, at_4096 = _resolve(world_size=1).limits("plain"), _resolve(world_size=1, hidden=4096).limits("plain")
-    assert at_7168["local_max_tokens"] == cell.limits[local] // ROW == 73 and at_7168["streaming_max_tokens"] == ALL
-    assert (at_4096["local_max_tokens"], at_4096["streaming_max_tokens"]) == (128, 1024)
-    for hidden, bounds, want in ((7168, at_7168, {1: "lc", 73: "lc", 74: "lcs", 16384: "lcs"}),
-                                 (4096, at_4096, {1: "lc", 128: "lc", 129: "lcs", 1024: "lcs", 1025: "lc",
-                                                  16384: "lc"})):
+    assert at_7168["local_max_tokens"] == cell.limits[local] // ROW == 146 and at_7168["streaming_max_tokens"] == ALL
+    assert (at_4096["local_max_tokens"], at_4096["streaming_max_tokens"]) == (256, ALL)
+    group = _committed_cell("fp8_group128", world_size=1)
+    (own, _measured), = [group.by_hidden[4096]]
+    assert list(group.by_hidden) == [4096] and own[:2] == (1 << 20, 8 << 20) and set(own[2:]) == {ALL}
+    group_4096 = _resolve(world_size=1, hidden=4096).limits("fp8_group128")
+    for hidden, profile, bounds, want in (
+            (7168, "plain", at_7168, {1: "lc", 146: "lc", 147: "lcs", 16384: "lcs"}),
+            (4096, "plain", at_4096, {1: "lc", 256: "lc", 257: "lcs", 16384: "lcs"}),
+            (4096, "fp8_group128", group_4096, {1: "lc", 128: "lc", 129: "lcs", 1024: "lcs", 1025: "lc", 16384: "lc"})):
         for T, code in want.items():
-            family = registry.select_family("bf16", 1, "plain", T, False, 0, bounds=bounds)
-            assert registry.program_for(family, "bf16", 1, "plain") == f"moe_ar_{code}_bf16_ws1_plain", (hidden, T)
-    # a hidden size nobody measured takes the joint boundaries: the ring from 1 MiB up, no return
+            family = registry.select_family("bf16", 1, profile, T, False, 0, bounds=bounds)
+            assert registry.program_for(family, "bf16", 1, profile) == f"moe_ar_{code}_bf16_ws1_{profile}", (hidden, T)
+    # a hidden size nobody measured takes the joint boundaries: the streaming layout from 2 MiB up, no return
     assert _resolve(world_size=1, hidden=5120).limits("plain")["streaming_max_tokens"] == ALL
 
 
@@ -236,7 +239,7 @@ def test_a_world_of_one_takes_its_products_tables_whatever_the_interconnect(tmp_
     lone = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "none")
     alone = _resolve(device=lone, world_size=1)
     assert (alone.set, alone.why) == ("h200_nvlink", "exact product")
-    assert "h200-ws1" in alone.cells["plain"].source and alone.limits("plain")["local_max_tokens"] == 73
+    assert "h200-ws1" in alone.cells["plain"].source and alone.limits("plain")["local_max_tokens"] == 146
     assert alone.device == lone
     assert _resolve(device=lone, world_size=2).set != "h200_nvlink"
     cells = {("bf16", 1, "plain"): ((4 * ROW, ALL) + (ALL,) * (len(FIELDS) - 2), (ROW, 2048 * ROW))}
