@@ -4,7 +4,7 @@ route by route (route-major, the Triton kernel's order) instead of vector by vec
 weights read with the indices instead of after them; bit 4 no epilogue (timing only: norm_out is
 not written, so its check fails by design).
 
-    git apply bench_results/world_size_1/split_rows/split_rows.patch && git apply bench_results/world_size_1/row_blocks/variants.patch && gen-programs && PYTHONPATH=. python bench_results/world_size_1/row_blocks/variants.py --out DIR
+    git apply experiments/world_size_1/split_rows/split_rows.patch && git apply experiments/world_size_1/row_blocks/variants.patch && gen-programs && PYTHONPATH=. python experiments/world_size_1/row_blocks/variants.py --out DIR
 """
 from __future__ import annotations
 

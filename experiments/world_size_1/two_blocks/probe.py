@@ -3,7 +3,7 @@ a register bound that keeps two (or three) blocks a multiprocessor, so one block
 under another's loads: what Nsight Compute showed the Triton kernel does (../ncu/). Against the
 committed programs and the Triton baselines, cold and warm L2, every output checked first.
 
-    PYTHONPATH=. python bench_results/world_size_1/two_blocks/probe.py --out DIR [--budget-s 400]
+    PYTHONPATH=. python experiments/world_size_1/two_blocks/probe.py --out DIR [--budget-s 400]
 """
 from __future__ import annotations
 

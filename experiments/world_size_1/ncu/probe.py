@@ -3,8 +3,8 @@ Triton `fused` (num_warps 8), the committed programs (lc, lcs) and the one-token
 ../row_blocks (2 vectors a thread, 448 threads; with and without its epilogue). One set of inputs
 a size; ncu flushes the caches before each kernel (cold).
 
-    git apply bench_results/world_size_1/split_rows/split_rows.patch && git apply bench_results/world_size_1/row_blocks/variants.patch && gen-programs
-    ncu --clock-control none --cache-control all -k regex:'^(fused|moe_ar|exp_var)' --set full -o DIR/report python bench_results/world_size_1/ncu/probe.py --out DIR
+    git apply experiments/world_size_1/split_rows/split_rows.patch && git apply experiments/world_size_1/row_blocks/variants.patch && gen-programs
+    ncu --clock-control none --cache-control all -k regex:'^(fused|moe_ar|exp_var)' --set full -o DIR/report python experiments/world_size_1/ncu/probe.py --out DIR
 """
 from __future__ import annotations
 

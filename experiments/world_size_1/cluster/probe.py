@@ -4,7 +4,7 @@ cluster_max_tokens set to 0 in this process) and the Triton baselines, with and 
 and warm L2. Every output is checked against the float64 reference, and the two layouts' outputs
 are compared bit for bit.
 
-    PYTHONPATH=. python bench_results/world_size_1/cluster/probe.py --out DIR [--budget-s 200]
+    PYTHONPATH=. python experiments/world_size_1/cluster/probe.py --out DIR [--budget-s 200]
 """
 from __future__ import annotations
 

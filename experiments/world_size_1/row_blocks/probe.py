@@ -5,7 +5,7 @@ run_local_split (../split_rows/split_rows.patch); this probe adds the vector cou
 caps that test the diagnosis there: bytes in flight per multiprocessor, and a second resident block
 whose loads overlap the first one's epilogue.
 
-    git apply bench_results/world_size_1/split_rows/split_rows.patch && gen-programs && PYTHONPATH=. python bench_results/world_size_1/row_blocks/probe.py --out DIR [--budget-s 400]
+    git apply experiments/world_size_1/split_rows/split_rows.patch && gen-programs && PYTHONPATH=. python experiments/world_size_1/row_blocks/probe.py --out DIR [--budget-s 400]
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The committed world-size-1 programs (lc, lcs) against the Triton baselines at the token counts
 where their boundary and the streaming layout's gain are decided. Same harness as probe.py.
 
-    PYTHONPATH=. python bench_results/world_size_1/two_blocks/programs.py --out DIR [--budget-s 200]
+    PYTHONPATH=. python experiments/world_size_1/two_blocks/programs.py --out DIR [--budget-s 200]
 """
 from __future__ import annotations
 

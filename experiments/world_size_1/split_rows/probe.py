@@ -6,7 +6,7 @@ set) L2, with the read-bandwidth floor of the same run. Every system's outputs a
 the float64 reference first (FP8 / NVFP4 bytes exactly the rule on its own norm_out); split variants
 are compared bit for bit with each other.
 
-    git apply bench_results/world_size_1/split_rows/split_rows.patch && gen-programs && PYTHONPATH=. python bench_results/world_size_1/split_rows/probe.py --out DIR [--budget-s 400]
+    git apply experiments/world_size_1/split_rows/split_rows.patch && gen-programs && PYTHONPATH=. python experiments/world_size_1/split_rows/probe.py --out DIR [--budget-s 400]
 
 Writes DIR/probe.json (every point) and prints a summary table.
 """
