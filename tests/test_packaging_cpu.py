@@ -81,6 +81,18 @@ def test_the_wheel_ships_every_file_the_runtime_and_the_generator_read(pyproject
         assert rel in shipped and shipped[rel].relative_to(ROOT).as_posix() == rel, rel
 
 
+def test_the_wheel_ships_no_experiment(pyproject):
+    # experiments/ (one-off probes and patches) is no package; of bench_results/ the wheel ships
+    # only the measurements the committed table sets are fitted to.
+    setuptools = pyproject["tool"]["setuptools"]
+    assert not [p for p in setuptools["packages"] if p.split(".")[0] == "experiments"]
+    sources = {src.relative_to(ROOT).as_posix() for src in _shipped(setuptools).values()}
+    assert not [s for s in sources if s.startswith("experiments/") or s.endswith(".patch")]
+    assert sorted(s for s in sources if s.startswith("bench_results/")) == \
+        sorted(rel.as_posix() for rel in table_sets.input_files(pathlib.Path(".")))
+    assert not [p for p in (ROOT / "bench_results").rglob("*") if p.suffix in (".py", ".patch", ".cu")]
+
+
 def test_every_data_folder_is_a_listed_package(pyproject):
     # A data folder left out of `packages` is skipped by setuptools (or shipped with a warning).
     packages = set(pyproject["tool"]["setuptools"]["packages"])

@@ -12,7 +12,7 @@ import tokenize
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOP = ("dispatch", "generator", "templates", "generated", "kernels", "tests", "moe_ar_tools", "moe_ar_common",
-       "docs", "examples", "bench_results", ".ci")
+       "docs", "examples", "bench_results", "experiments", ".ci")
 PATH = re.compile(r"(?<![\w./$<{:-])((?:" + "|".join(re.escape(t) for t in TOP) + r")/[A-Za-z0-9_./-]*[A-Za-z0-9_/])")
 PLACEHOLDER = set("<{$")
 
