@@ -289,7 +289,8 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
         params=[{"name": n, "ctype": c, "meaning": m} for n, c, _, m in abi.PARAMS],
         max_world_size=abi.MAX_WORLD_SIZE,
         max_vec_per_thread=abi.MAX_VEC_PER_THREAD,
-        max_threads=abi.MAX_THREADS)}
+        max_threads=abi.MAX_THREADS,
+        all_loads_max_tokens=abi.ALL_LOADS_MAX_TOKENS)}
     body_sources = {PARAMS_FILE: f"templates/{PARAMS_TEMPLATE}"}
     for path in sorted((root / KERNEL_DIR).glob("*.cuh")):
         rel = f"{BODY_DIR}/{path.name}"

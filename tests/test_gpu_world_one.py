@@ -705,8 +705,8 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkey
                 got = {}
                 for name, ws in (("cluster", cluster_ws), ("one block", one_block_ws)):
                     call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1)
-                    got[name] = {k: v.clone() for k, v in out.items()} if isinstance(out, dict) else \
-                        [v.clone() for v in out]
+                    # the outputs given (the call returns None for some profiles when they are given)
+                    got[name] = {k: v.clone() for k, v in call["provided"][0].items()}
                     if name == "cluster":  # and replayed in a graph: the cluster launch captures
                         graph = torch.cuda.CUDAGraph()
                         with torch.cuda.graph(graph):
@@ -717,9 +717,55 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkey
                         torch.cuda.synchronize()
                         _check(call, out, f"cluster in a graph H={H} T={T}")
                 a, b = got["cluster"], got["one block"]
-                pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
-                for x, y in pairs:
-                    assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), (quant, H, T)
+                assert a.keys() == b.keys()
+                for k in a:
+                    assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (quant, H, T, k)
         finally:
             cluster_ws.close()
             one_block_ws.close()
+
+
+# ---- a token's bits whatever the batch -------------------------------------------------------------
+
+_PER_TOKEN = ("expanded_idx_to_permuted_idx", "residual_in", "shared_expert_output", "expert_scale_factor")
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+def test_a_tokens_outputs_are_the_same_bits_whatever_the_batch(quant, workspaces, seed_for):
+    """The first tokens of a 300-token call, called again alone in batches of 1 to 160 tokens. A
+    program forced: the same bits in every output, whichever of its paths each batch runs (the
+    latency program's cluster layout, every load of a row at once, four routes at a time with the
+    indices read first, on a grid that strides over the tokens or not). The automatic choice, which
+    moves from the latency to the streaming program (another order of the sum of squares):
+    residual_out the same bits (docs/operation.md, "A token's bits and the batch"). NVFP4's swizzled
+    scales are not sliced per token; its quant_out bytes are compared."""
+    rnd = random.Random(seed_for("plan"))
+    T = 300
+    for H in (7168, 4096):
+        ws = workspaces.get(MAX_TOKENS, H, torch.bfloat16)
+        case = _case(T, H, torch.bfloat16, seed_for(f"case{H}"), rnd, top_k=8, shared=True, drop_frac=0.15)
+        profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
+        programs = [None] + [p for p in PROGRAMS if p.endswith(f"_bf16_ws1_{profile}")]
+        assert len(programs) == 3, programs
+        for program in programs:
+            call, _ = _run_and_check(ws, case, quant, f"{program} H={H} T={T}", program=program)
+            whole = call["provided"][0]
+            for n in (1, 5, 16, 17, 40, 133, 160):
+                kwargs = {k: v for k, v in call["kwargs"].items()
+                          if k not in ("norm_out", "residual_out", "quant_out", "scale_out")}
+                for k in _PER_TOKEN:
+                    if kwargs.get(k) is not None:
+                        kwargs[k] = kwargs[k][:n].contiguous()
+                got = dispatch.moe_finalize_allreduce(ws, **kwargs)
+                torch.cuda.synchronize()
+                pairs = [("residual_out", got.residual_out)]
+                if program is not None:
+                    pairs.append(("norm_out", got.norm_out))
+                if quant is not None and program is not None:
+                    pairs.append(("quant_out", got.quant_out))
+                if quant == "fp8_group128" and program is not None:  # row-major scales
+                    pairs.append(("scale_out", got.scale_out))
+                for name, out in pairs:
+                    want = whole[name].reshape(-1)[:out.numel()] if name == "scale_out" else whole[name][:n]
+                    assert torch.equal(out.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), \
+                        (quant, program, H, n, name)

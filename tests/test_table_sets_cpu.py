@@ -186,26 +186,26 @@ def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
     assert at_4096.label != _resolve(user=user, hidden=4096 + 128).label
 
 
-def test_the_committed_world_one_cells_share_one_byte_boundary_and_fp8_group_has_its_own_at_h4096():
-    """The H200 set fitted world size 1 at H 7168 and 4096: plain one joint boundary in bytes a rank,
-    the latency layout up to 2 MiB (146 tokens at 7168, 256 at 4096), the streaming layout above, for
-    every hidden size. FP8 group-128 (the streaming program with its row ring) has its own at H 4096:
-    the latency layout to 1 MiB (128 tokens), the ring to 8 MiB (1,024), the latency layout again
-    above, through the exchange rungs' hole fallback (bench_results/tuning/README.md, "World size 1")."""
-    cell = _committed_cell(world_size=1)
+def test_the_committed_world_one_cells_share_one_byte_boundary_a_profile():
+    """The H200 set fitted world size 1 at H 7168 and 4096: one boundary in bytes a rank a profile,
+    the same for every hidden size: the latency layout up to 2 MiB (146 tokens at 7168, 256 at 4096)
+    for plain, NVFP4 and FP8-tensor, up to 3.5 MiB for FP8 group-128 (256 tokens at 7168, 448 at
+    4096), the streaming layout above (bench_results/tuning/README.md, "World size 1")."""
     local, streaming = FIELDS.index("local_max_tokens"), FIELDS.index("streaming_max_tokens")
-    assert cell.limits[local] == 2 << 20 and cell.limits[streaming] == ALL and not cell.by_hidden
+    for profile, limit in (("plain", 2 << 20), ("nvfp4", 2 << 20), ("fp8_tensor", 2 << 20),
+                           ("fp8_group128", 3584 << 10)):
+        cell = _committed_cell(profile, world_size=1)
+        assert cell.limits[local] == limit and cell.limits[streaming] == ALL and not cell.by_hidden, profile
     at_7168, at_4096 = _resolve(world_size=1).limits("plain"), _resolve(world_size=1, hidden=4096).limits("plain")
-    assert at_7168["local_max_tokens"] == cell.limits[local] // ROW == 146 and at_7168["streaming_max_tokens"] == ALL
+    assert at_7168["local_max_tokens"] == (2 << 20) // ROW == 146 and at_7168["streaming_max_tokens"] == ALL
     assert (at_4096["local_max_tokens"], at_4096["streaming_max_tokens"]) == (256, ALL)
-    group = _committed_cell("fp8_group128", world_size=1)
-    (own, _measured), = [group.by_hidden[4096]]
-    assert list(group.by_hidden) == [4096] and own[:2] == (1 << 20, 8 << 20) and set(own[2:]) == {ALL}
+    group_7168 = _resolve(world_size=1).limits("fp8_group128")
     group_4096 = _resolve(world_size=1, hidden=4096).limits("fp8_group128")
     for hidden, profile, bounds, want in (
             (7168, "plain", at_7168, {1: "lc", 146: "lc", 147: "lcs", 16384: "lcs"}),
             (4096, "plain", at_4096, {1: "lc", 256: "lc", 257: "lcs", 16384: "lcs"}),
-            (4096, "fp8_group128", group_4096, {1: "lc", 128: "lc", 129: "lcs", 1024: "lcs", 1025: "lc", 16384: "lc"})):
+            (7168, "fp8_group128", group_7168, {1: "lc", 256: "lc", 257: "lcs", 16384: "lcs"}),
+            (4096, "fp8_group128", group_4096, {1: "lc", 448: "lc", 449: "lcs", 16384: "lcs"})):
         for T, code in want.items():
             family = registry.select_family("bf16", 1, profile, T, False, 0, bounds=bounds)
             assert registry.program_for(family, "bf16", 1, profile) == f"moe_ar_{code}_bf16_ws1_{profile}", (hidden, T)

@@ -6,7 +6,8 @@
 // state word used is kBadRows, the count of skipped out-of-range routes (dispatch check() reads it).
 //
 // Two layouts, one program each (generator/spec.py): kLocal for few tokens issues every load of a
-// row before using any (latency); kLocalStreaming for many tokens (bandwidth) keeps two blocks on a
+// row before using any (latency; above kAllLoadsMaxTokens tokens four routes at a time, the indices
+// read first); kLocalStreaming for many tokens (bandwidth) keeps two blocks on a
 // multiprocessor, each loading its rows a few routes at a time (local_row_batched), so that one
 // block's loads are in flight while the other normalizes and quantizes; for FP8 group-128 it reads
 // its rows through a ring in shared memory filled by bulk copies (row_ring.cuh) instead.
@@ -107,19 +108,14 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
   }
 }
 
-// The batched row: kBatch routes at a time, each route's kVec vectors of the thread loaded together
-// (kVec * kBatch loads in flight), then added. Under a register bound of two blocks a multiprocessor
-// one block's epilogue runs under the other's loads. The additions are partial_f32's, in its order,
-// then the residual's: the same bits as the other paths.
-template <typename D, int kVec, int kBatch>
-__device__ __forceinline__ void local_row_batched(const Params& p, int t, unsigned& bad_rows,
-                                                  uint4 (&res)[kMaxVecPerThread]) {
-  static_assert(kVec <= kMaxVecPerThread, "kVec: at most kMaxVecPerThread vectors a thread");
-  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+// The batched rows' pieces. The residual and shared rows of the thread's kVec vectors (zero past the
+// row), acc zeroed.
+template <typename D, int kVec>
+__device__ __forceinline__ void load_residual_and_shared(const Params& p, int t, uint4 (&resid)[kVec],
+                                                         uint4 (&shared_row)[kVec], float (&acc)[kVec][8]) {
+  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
   const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
-  uint4 resid[kVec], shared_row[kVec];
-  float acc[kVec][8];
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
     const int v = r * blockDim.x + threadIdx.x;
@@ -130,48 +126,60 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
   }
-  const int* idx = p.expanded_idx + (long long)t * K;
-  for (int k0 = 0; k0 < K; k0 += kBatch) {
-    int row[kBatch];  // >= 0: the route's row; -1: dropped or past top_k; -2: out of range (skipped, counted)
-    float scale[kBatch];
+}
+
+// Routes k0 .. k0 + kBatch - 1 of token t (given: their expanded_idx entries, -1 past top_k): each
+// route's kVec vectors loaded together, then added to acc in route order (partial_f32's additions).
+template <typename D, int kVec, int kBatch>
+__device__ __forceinline__ void add_routes(const Params& p, int t, int k0, const int (&given)[kBatch],
+                                           float (&acc)[kVec][8], unsigned& bad_rows) {
+  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  int row[kBatch];  // >= 0: the route's row; -1: dropped or past top_k; -2: out of range (skipped, counted)
+  float scale[kBatch];
+#pragma unroll
+  for (int j = 0; j < kBatch; ++j) {
+    const int k = k0 + j;
+    const bool in_range = given[j] >= 0 && given[j] < p.rows;
+    float s = 0.f;
+    if (in_range) {
+      if (p.scale_kind == 0) s = 1.f;
+      else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+      else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
+    }
+    scale[j] = s;
+    row[j] = in_range ? given[j] : given[j] >= p.rows ? -2 : -1;
+  }
+  uint4 rows[kVec][kBatch];
+#pragma unroll
+  for (int r = 0; r < kVec; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    const bool valid = r < vpt && v < nvec;
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      const int k = k0 + j;
-      const int given = k < K ? idx[k] : -1;
-      const bool in_range = given >= 0 && given < p.rows;
-      float s = 0.f;
-      if (in_range) {
-        if (p.scale_kind == 0) s = 1.f;
-        else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
-        else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
-      }
-      scale[j] = s;
-      row[j] = in_range ? given : given >= p.rows ? -2 : -1;
+      rows[r][j] = valid && row[j] >= 0 ? *reinterpret_cast<const uint4*>(static_cast<const D*>(p.allreduce_in) +
+                                                                           (long long)row[j] * H + v * kElemsPerVec)
+                                        : make_uint4(0, 0, 0, 0);
+      if (valid && row[j] == -2) ++bad_rows;
     }
-    uint4 rows[kVec][kBatch];
-#pragma unroll
-    for (int r = 0; r < kVec; ++r) {
-      const int v = r * blockDim.x + threadIdx.x;
-      const bool valid = r < vpt && v < nvec;
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        rows[r][j] = valid && row[j] >= 0 ? *reinterpret_cast<const uint4*>(static_cast<const D*>(p.allreduce_in) +
-                                                                             (long long)row[j] * H + v * kElemsPerVec)
-                                          : make_uint4(0, 0, 0, 0);
-        if (valid && row[j] == -2) ++bad_rows;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kVec; ++r)
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        float x[8];
-        Vec<D>::to_float(rows[r][j], x);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(scale[j], x[i], acc[r][i]);
-      }
   }
-  D* residual_out = static_cast<D*>(p.residual_out) + (long long)t * H;
+#pragma unroll
+  for (int r = 0; r < kVec; ++r)
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      float x[8];
+      Vec<D>::to_float(rows[r][j], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(scale[j], x[i], acc[r][i]);
+    }
+}
+
+// residual_out[t] = (+0.0 + routed_scaling_factor * acc + shared) + residual, stored, and held in res.
+template <typename D, int kVec>
+__device__ __forceinline__ void store_residual_out(const Params& p, int t, const uint4 (&resid)[kVec],
+                                                   const uint4 (&shared_row)[kVec], const float (&acc)[kVec][8],
+                                                   uint4 (&res)[kMaxVecPerThread]) {
+  const int nvec = p.hidden / kElemsPerVec, vpt = p.vec_per_thread;
+  D* residual_out = static_cast<D*>(p.residual_out) + (long long)t * p.hidden;
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     res[r] = make_uint4(0, 0, 0, 0);
@@ -190,6 +198,54 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
     res[r] = Vec<D>::from_float(s);
     reinterpret_cast<uint4*>(residual_out)[v] = res[r];
   }
+}
+
+// The batched row: kBatch routes at a time, each route's kVec vectors of the thread loaded together
+// (kVec * kBatch loads in flight), then added. Under a register bound of two blocks a multiprocessor
+// one block's epilogue runs under the other's loads. The additions are partial_f32's, in its order,
+// then the residual's: the same bits as the other paths.
+template <typename D, int kVec, int kBatch>
+__device__ __forceinline__ void local_row_batched(const Params& p, int t, unsigned& bad_rows,
+                                                  uint4 (&res)[kMaxVecPerThread]) {
+  static_assert(kVec <= kMaxVecPerThread, "kVec: at most kMaxVecPerThread vectors a thread");
+  const int K = p.top_k;
+  uint4 resid[kVec], shared_row[kVec];
+  float acc[kVec][8];
+  load_residual_and_shared<D, kVec>(p, t, resid, shared_row, acc);
+  const int* idx = p.expanded_idx + (long long)t * K;
+  for (int k0 = 0; k0 < K; k0 += kBatch) {
+    int given[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) given[j] = k0 + j < K ? idx[k0 + j] : -1;
+    add_routes<D, kVec, kBatch>(p, t, k0, given, acc, bad_rows);
+  }
+  store_residual_out<D, kVec>(p, t, resid, shared_row, acc, res);
+}
+
+// The expanded_idx entries of token t (-1 past top_k, and for t past the last token); top_k <= 8.
+__device__ __forceinline__ void load_routes(const Params& p, int t, int (&routes)[8]) {
+  const int* idx = p.expanded_idx + (long long)t * p.top_k;
+#pragma unroll
+  for (int k = 0; k < 8; ++k) routes[k] = t < p.tokens && k < p.top_k ? idx[k] : -1;
+}
+
+// The batched row with the token's route indices already read (routes, top_k <= 8): no memory trip
+// for the indices between the batches. The same additions, the same bits.
+template <typename D, int kVec, int kBatch>
+__device__ __forceinline__ void local_row_routes_given(const Params& p, int t, const int (&routes)[8],
+                                                       unsigned& bad_rows, uint4 (&res)[kMaxVecPerThread]) {
+  uint4 resid[kVec], shared_row[kVec];
+  float acc[kVec][8];
+  load_residual_and_shared<D, kVec>(p, t, resid, shared_row, acc);
+#pragma unroll
+  for (int k0 = 0; k0 < 8; k0 += kBatch) {
+    if (k0 >= p.top_k) break;
+    int given[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) given[j] = routes[k0 + j];
+    add_routes<D, kVec, kBatch>(p, t, k0, given, acc, bad_rows);
+  }
+  store_residual_out<D, kVec>(p, t, resid, shared_row, acc, res);
 }
 
 // Any row split and top_k: the vectors one after the other, kRoutes routes of a vector at a time
@@ -256,8 +312,14 @@ __device__ __forceinline__ void run_local(const Params& p) {
   if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's block_sum barriers
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
-  // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8.
-  const bool all_loads = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
+  // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;
+  // every load of a row at once up to kAllLoadsMaxTokens, above four routes at a time, the indices
+  // read first (the next token's during this token's epilogue).
+  const bool fast_path = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
+  const bool all_loads = fast_path && T <= kAllLoadsMaxTokens;
+  const bool routes_first = fast_path && !all_loads;
+  int routes[8];
+  if (routes_first) load_routes(p, blockIdx.x, routes);
   extern __shared__ __align__(128) unsigned char dynamic_smem[];
   RowRing<D, (kRowStages > 0 ? kRowStages : 1), /*kLocal=*/true> ring;  // unused without the ring
   if constexpr (kRowStages > 0) {
@@ -276,6 +338,9 @@ __device__ __forceinline__ void run_local(const Params& p) {
       continue;
     } else if (R == Regime::kLocalStreaming) {
       local_row_batched<D, kMaxVecPerThread, kRoutes>(p, t, bad_rows, res);
+    } else if (routes_first) {
+      local_row_routes_given<D, 2, 4>(p, t, routes, bad_rows, res);
+      load_routes(p, t + gridDim.x, routes);  // its latency under this token's epilogue
     } else if (all_loads) {
       local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
     } else {

@@ -9,6 +9,7 @@ namespace moe_ar {
 constexpr int kMaxWorldSize = 16;
 constexpr int kMaxVecPerThread = 4;  // 16-byte vectors of a row one thread holds
 constexpr int kMaxThreads = 512;              // threads of a block
+constexpr int kAllLoadsMaxTokens = 16;  // world size 1's latency layout: every load at once up to here
 
 // Passed by value; fields ordered by size, so that C and ctypes agree on padding.
 struct Params {

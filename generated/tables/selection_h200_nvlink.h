@@ -5,7 +5,7 @@
 // Table set h200_nvlink: NVIDIA H200, NVLink (2x H200 at world size 2, one H200 at world size 1).
 // For product 'NVIDIA H200', compute capability 9.0, interconnect nvlink (dispatch/table_sets.py picks the set for a device).
 // Measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: NVIDIA H200 x2, peer 388 GB/s, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, commit 529cb84
-// Measured in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: NVIDIA H200 x1, sm 9.0, none, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, nvrtc 13.0, commit fdd8920+cluster2
+// Measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: NVIDIA H200 x1, sm 9.0, none, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, nvrtc 13.0, commit 54fe0ab+lc-routes-first
 // Selection for a call with T tokens:
 // T <= local_max_tokens: local; T <= streaming_max_tokens: local_streaming; T
 // <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
@@ -28,10 +28,10 @@ struct CellBoundaries { BoundaryKey key; long long measured_from, measured_to; l
 static const CellBoundaries kRegimeBoundaries[2][5][4] = {
     {  // fp16
         {  // fp16 ws1
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.002x, mean 1.000x
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.002x, mean 1.000x; own boundaries at hidden 7168
-            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_group128: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.001x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {3670016, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_group128: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.001x
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
         },
         {  // fp16 ws2
             {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // fp16 ws2 plain: measured (bf16 data) in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
@@ -60,10 +60,10 @@ static const CellBoundaries kRegimeBoundaries[2][5][4] = {
     },
     {  // bf16
         {  // bf16 ws1
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.002x, mean 1.000x
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.002x, mean 1.000x; own boundaries at hidden 7168
-            {kBytesPerRank, 8192, 234881024, {1048576, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_group128: measured in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
-            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-02-cluster.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.001x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+            {kBytesPerRank, 8192, 234881024, {3670016, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_group128: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.001x
+            {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
         },
         {  // bf16 ws2
             {kBytesPerRank, 8192, 234881024, {0, 0, 4194304, 4194304, 4194304, 4194304}},  // bf16 ws2 plain: measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.027x, mean 1.001x
@@ -91,13 +91,4 @@ static const CellBoundaries kRegimeBoundaries[2][5][4] = {
         },
     },
 };
-// Boundaries of their own for the hidden sizes measured where one set of boundaries cannot serve
-// every row size ({dtype, world size, profile} indexes as above, hidden, its measured range in the
-// cell's key, its boundaries): a workspace of that hidden size takes these instead of the cell's.
-struct HiddenBoundaries { int dtype, world, profile, hidden; long long measured_from, measured_to, max[6]; };
-static const HiddenBoundaries kHiddenBoundaries[] = {
-    {0, 0, 1, 7168, 14336, 234881024, {917504, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 nvfp4 at hidden 7168
-    {0, 0, 2, 4096, 8192, 134217728, {1048576, 8388608, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // fp16 ws1 fp8_group128 at hidden 4096
-    {1, 0, 1, 7168, 14336, 234881024, {917504, kAllTokens, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 nvfp4 at hidden 7168
-    {1, 0, 2, 4096, 8192, 134217728, {1048576, 8388608, kAllTokens, kAllTokens, kAllTokens, kAllTokens}},  // bf16 ws1 fp8_group128 at hidden 4096
-};
+// No cell has boundaries of its own per hidden size.
