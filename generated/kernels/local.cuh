@@ -313,13 +313,11 @@ __device__ __forceinline__ void run_local(const Params& p) {
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;
-  // every load of a row at once up to kAllLoadsMaxTokens, above four routes at a time, the indices
-  // read first (the next token's during this token's epilogue).
+  // every load of a row at once up to kAllLoadsMaxTokens, above four routes at a time, the token's
+  // indices read first.
   const bool fast_path = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
   const bool all_loads = fast_path && T <= kAllLoadsMaxTokens;
   const bool routes_first = fast_path && !all_loads;
-  int routes[8];
-  if (routes_first) load_routes(p, blockIdx.x, routes);
   extern __shared__ __align__(128) unsigned char dynamic_smem[];
   RowRing<D, (kRowStages > 0 ? kRowStages : 1), /*kLocal=*/true> ring;  // unused without the ring
   if constexpr (kRowStages > 0) {
@@ -339,8 +337,9 @@ __device__ __forceinline__ void run_local(const Params& p) {
     } else if (R == Regime::kLocalStreaming) {
       local_row_batched<D, kMaxVecPerThread, kRoutes>(p, t, bad_rows, res);
     } else if (routes_first) {
+      int routes[8];
+      load_routes(p, t, routes);
       local_row_routes_given<D, 2, 4>(p, t, routes, bad_rows, res);
-      load_routes(p, t + gridDim.x, routes);  // its latency under this token's epilogue
     } else if (all_loads) {
       local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
     } else {
