@@ -17,7 +17,7 @@ _CU_ATTR_HANDLE_TYPE_FABRIC = 128
 _NVML_FABRIC_STATE_COMPLETED = 3
 
 
-def _symm_mem_module():
+def symm_mem_module():
     """torch.distributed._symmetric_memory (behind a function so that tests can replace it)."""
     import torch.distributed._symmetric_memory as symm
     return symm
@@ -49,7 +49,7 @@ def symm_mem_unavailable(group, device_index: int) -> str:
     for cuMem and for exporting memory."""
     version = torch.__version__
     try:
-        symm = _symm_mem_module()
+        symm = symm_mem_module()
     except Exception as e:
         return f"torch {version} cannot import torch.distributed._symmetric_memory ({type(e).__name__}: {e})"
     try:

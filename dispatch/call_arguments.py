@@ -9,7 +9,7 @@ import torch
 
 from . import registry
 from .outputs import FP8_GROUP, MoeFinalizeOutputs, fp8_scale_shape, scale_out_bytes
-from .overlaps import _check_overlaps
+from .overlaps import check_overlaps
 
 MAX_TOP_K = 16
 FP8_SCALE_LAYOUTS = ("row", "column")
@@ -89,7 +89,7 @@ def check_unused(quant, global_scale, fp8_scale, quant_out, scale_out, fp8_scale
                              f"'fp8_group128' does)")
 
 
-def _check_args(ws, a):
+def check_call_arguments(ws, a):
     """Validate one call's keyword arguments (dict) in place; returns (T, K, R, profile)."""
     D = ws.dtype
     H = ws.hidden
@@ -162,7 +162,7 @@ def _check_args(ws, a):
     if quant == "fp8_group128" and s is not None:
         outs.append(_tensor("scale_out", s, ws, (torch.float32,), shape=fp8_scale_shape(T, H, layout), align=4))
     if outs:
-        _check_overlaps(outs, ins)
+        check_overlaps(outs, ins)
     return T, K, R, profile
 
 
@@ -171,18 +171,18 @@ def _check_args(ws, a):
 # torch_op.moe_finalize_allreduce_op spells them out, less the outputs it always allocates, and a test
 # (tests/test_call_plan_cpu.py) holds it and the torch op's schema to this description.
 REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
-_DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
+CALL_DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
                  weight_bias=0, quant=None, global_scale=None, fp8_scale=None, fp8_scale_layout="row",
                  fp8_pow2_scales=False, norm_out=None, residual_out=None, quant_out=None, scale_out=None,
                  launch_with_pdl=False, program=None)
 
 
 def call_signature() -> inspect.Signature:
-    """moe_finalize_allreduce(workspace, *, <REQUIRED>, <each of _DEFAULTS with its default>), as help()
+    """moe_finalize_allreduce(workspace, *, <REQUIRED>, <each of CALL_DEFAULTS with its default>), as help()
     and inspect.signature show it."""
     keyword = inspect.Parameter.KEYWORD_ONLY
     return inspect.Signature(
         [inspect.Parameter("workspace", inspect.Parameter.POSITIONAL_OR_KEYWORD),
          *(inspect.Parameter(name, keyword) for name in REQUIRED),
-         *(inspect.Parameter(name, keyword, default=default) for name, default in _DEFAULTS.items())],
+         *(inspect.Parameter(name, keyword, default=default) for name, default in CALL_DEFAULTS.items())],
         return_annotation=MoeFinalizeOutputs)

@@ -4,7 +4,7 @@ signature checks only what a signature does not fix.
 Everything the checks and the program choice depend on, except the data pointers, is a function
 of the call's signature: each argument's name and, for a tensor, its dtype, shape and device, for
 anything else its type and value (plus the workspace's fault-injection setting). The first call
-of a signature runs every check (call_arguments._check_args) and keeps a _Plan: the program, the
+of a signature runs every check (call_arguments.check_call_arguments) and keeps a CallPlan: the program, the
 grid, the kernel argument with the call's scalars filled in, each tensor's dtype, shape and byte
 size. A later call is first matched against the workspace's most recent plans (an engine repeats
 one signature over all its layers, or alternates between a few), then looked up by signature; a
@@ -42,7 +42,7 @@ def _pointer_order(a) -> tuple:
     return tuple(names)
 
 
-def _signature(ws, kwargs: dict):
+def plan_signature(ws, kwargs: dict):
     """The dictionary key of a call's plan: each argument's name and, for a tensor, dtype, shape and
     device, for anything else type and value. None when an argument has no cheap one."""
     parts = [ws._fault_stop_after_units]
@@ -59,7 +59,7 @@ def _signature(ws, kwargs: dict):
     return signature
 
 
-class _Plan:
+class CallPlan:
     """One call signature on one workspace, checked once (see above)."""
 
     __slots__ = ("names", "fault", "device", "scalars", "tensors", "pairs", "fill", "launcher", "kernel",
@@ -142,7 +142,7 @@ class _Plan:
         return self.outputs(kw)
 
 
-class _Call:
+class PreparedCall:
     """A checked call: its outputs, and the launch."""
 
     __slots__ = ("plan", "pointers", "outputs", "args")

@@ -8,17 +8,17 @@ import torch
 from . import registry, table_sets
 from .op import prepare_call
 from .overlaps import check_rank_overlaps
-from .rank_memory import _RankMemory
-from .workspace import _register, _WorkspaceBase
-from .workspace_arguments import _check_arguments, _check_devices
+from .rank_memory import RankMemory
+from .workspace import WorkspaceBase, register_workspace
+from .workspace_arguments import check_devices, check_workspace_arguments
 
 
-class _EmulatedRank(_WorkspaceBase):
+class _EmulatedRank(WorkspaceBase):
     def __init__(self, world, rank, device_index, ranks_on_device):
         self._init_common(world.world_size, rank, world.max_tokens, world.hidden, world.dtype, device_index,
                           world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread,
                           world.tables, world.boundaries)
-        self._memory = _RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
+        self._memory = RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.world = world
 
@@ -52,7 +52,7 @@ class EmulatedWorld:
                  backend: str | None = None, tables=None, boundaries: dict | None = None):
         import cupy
         from cupy.cuda import runtime
-        _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+        check_workspace_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
         table_sets.check_arguments(tables, boundaries)
         if world_size == 1:
             raise ValueError("world_size: 1 has no peers to emulate; use dispatch.LocalWorkspace(max_tokens, hidden, "
@@ -61,7 +61,7 @@ class EmulatedWorld:
             raise ValueError(f"backend: {backend!r}; EmulatedWorld keeps every rank in this process and reaches the "
                              f"peers' buffers directly (no CUDA IPC, no symmetric memory): pass None or 'ipc'")
         world_size = int(world_size)
-        devices = _check_devices(devices, world_size)  # before any CUDA call
+        devices = check_devices(devices, world_size)  # before any CUDA call
         if torch.cuda.device_count() == 0:
             raise ValueError("devices: no CUDA GPU is visible (torch.cuda.device_count() is 0); EmulatedWorld "
                              "runs every rank on a GPU")
@@ -109,7 +109,7 @@ class EmulatedWorld:
             raise RuntimeError(f"EmulatedWorld: allocating {what} failed ({type(e).__name__}: {e}); every "
                                f"rank's memory was freed") from e
         for w in self.workspaces:
-            _register(w)
+            register_workspace(w)
 
     def _ensure_open(self) -> None:
         if any(w._closed for w in self.workspaces):

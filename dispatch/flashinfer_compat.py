@@ -99,7 +99,7 @@ import torch
 from .call_arguments import check_flag, check_scalar
 from .op import moe_finalize_allreduce
 from .outputs import MoeFinalizeOutputs, scale_out_bytes
-from .torch_op import _as_handle, moe_finalize_allreduce_op, workspace_from_handle
+from .torch_op import as_handle, moe_finalize_allreduce_op, workspace_from_handle
 
 BACKENDS = ("trtllm", "cake")
 
@@ -218,7 +218,7 @@ def trtllm_moe_finalize_allreduce_fusion(
     if compiling:
         # The custom op (no graph break), then its results into the given outputs.
         out = moe_finalize_allreduce_op(
-            _as_handle(workspace_ptrs), allreduce_in=allreduce_in,
+            as_handle(workspace_ptrs), allreduce_in=allreduce_in,
             expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, residual_in=residual_in,
             norm_weight=norm_weight, expert_scale_factor=expert_scale_factor, routed_scaling_factor=rsf,
             shared_expert_output=shared_expert_output, eps=eps, weight_bias=wb, quant=quant,

@@ -256,7 +256,7 @@ def balanced_grid(units: int, max_blocks: int) -> int:
     return -(-units // rounds)
 
 
-def _launcher(ws, name: str) -> _Launcher:
+def launcher_for(ws, name: str) -> _Launcher:
     launcher = ws._launchers.get(name)
     if launcher is None:
         launcher = ws._launchers[name] = _Launcher(ws, name)

@@ -20,8 +20,8 @@ import torch
 
 from . import registry, table_sets
 from .rank_memory import LocalMemory
-from .workspace import _register, _WorkspaceBase
-from .workspace_arguments import _check_arguments, device_entry
+from .workspace import WorkspaceBase, register_workspace
+from .workspace_arguments import check_workspace_arguments, device_entry
 from .workspace_sizes import check_sizes
 
 
@@ -36,7 +36,7 @@ def device_index_of(device) -> int:
     return index
 
 
-class LocalWorkspace(_WorkspaceBase):
+class LocalWorkspace(WorkspaceBase):
     """The workspace of world size 1 (rank 0 of 1), on one GPU, with no process group.
 
     Arguments: `max_tokens` (T of the largest call), `hidden` (H: a multiple of 16, at most 16384),
@@ -56,14 +56,14 @@ class LocalWorkspace(_WorkspaceBase):
                  vec_per_thread: int | None = None, tables=None, boundaries: dict | None = None):
         self._memory = None
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]  # no peers: all null
-        _check_arguments(1, max_tokens, hidden, dtype, 0, None, vec_per_thread)
+        check_workspace_arguments(1, max_tokens, hidden, dtype, 0, None, vec_per_thread)
         table_sets.check_arguments(tables, boundaries)
         check_sizes(1, int(max_tokens), int(hidden), 0)
         device_index = device_index_of(device)
         self._init_common(1, 0, max_tokens, hidden, dtype, device_index, 0, None, ranks_on_device=1,
                           vec_per_thread=vec_per_thread, tables=tables, boundaries=boundaries)
         self._memory = LocalMemory(device_index)
-        _register(self)
+        register_workspace(self)
 
     def reset(self) -> None:
         """Zero the count of skipped routes (synchronizes the device)."""

@@ -12,9 +12,9 @@ call signature: the short path), launcher.py (a program's launch state and cuLau
 from __future__ import annotations
 
 from . import registry
-from .call_arguments import _DEFAULTS, REQUIRED, _check_args, call_signature, profile_for_quant
-from .call_plan import _Call, _Plan, _signature
-from .launcher import _launcher
+from .call_arguments import CALL_DEFAULTS, REQUIRED, call_signature, check_call_arguments, profile_for_quant
+from .call_plan import CallPlan, PreparedCall, plan_signature
+from .launcher import launcher_for
 from .outputs import FP8_GROUP, MoeFinalizeOutputs, allocate_outputs, fp8_scale_shape, scale_out_bytes
 
 # The call's public names, importable from here as before (the package's API, the tools, users).
@@ -81,7 +81,7 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
         recent = workspace._recent_plans
     except AttributeError:  # not a workspace: a check that costs the launch path nothing
         raise ValueError(_not_a_workspace("workspace", workspace)) from None
-    if recent and not recent[0].fill:  # the short path of prepare_call, without a _Call
+    if recent and not recent[0].fill:  # the short path of prepare_call, without a PreparedCall
         workspace._ensure_open()
         workspace._check_error_words()
         plan = recent[0]
@@ -99,10 +99,10 @@ moe_finalize_allreduce.__signature__ = call_signature()
 
 _PLANS_PER_WORKSPACE = 1024  # a workspace drops its plans past this many signatures
 _RECENT_PLANS = 4  # plans matched before any signature is built, most recently used first
-_KNOWN = frozenset(_DEFAULTS) | frozenset(REQUIRED)
+_KNOWN = frozenset(CALL_DEFAULTS) | frozenset(REQUIRED)
 
 
-def prepare_call(workspace, kwargs: dict) -> _Call:
+def prepare_call(workspace, kwargs: dict) -> PreparedCall:
     """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use).
     `kwargs` (the call's keyword arguments) gets the allocated outputs."""
     if not hasattr(workspace, "_recent_plans"):
@@ -123,14 +123,14 @@ def prepare_call(workspace, kwargs: dict) -> _Call:
     if plan.fill:
         allocate_outputs(workspace, kwargs)
         pointers = plan.with_outputs(pointers, kwargs)
-    return _Call(plan, pointers, kwargs)
+    return PreparedCall(plan, pointers, kwargs)
 
 
 def _plan_for(workspace, kwargs: dict):
     """(plan, data pointers) of a call that matched none of the workspace's recent plans: its
     signature's plan, or a new one after the full checks."""
     plans = workspace._plans
-    signature = _signature(workspace, kwargs)
+    signature = plan_signature(workspace, kwargs)
     plan = plans.get(signature) if signature is not None else None
     pointers = plan.match(workspace, kwargs) if plan is not None else None
     if pointers is None:
@@ -145,7 +145,7 @@ def _plan_for(workspace, kwargs: dict):
     return plan, pointers
 
 
-def _full_checks(workspace, kwargs: dict) -> _Plan:
+def _full_checks(workspace, kwargs: dict) -> CallPlan:
     """Every check of a call (ValueError naming the argument), and the plan for its signature."""
     unknown = set(kwargs) - _KNOWN
     if unknown:
@@ -153,18 +153,18 @@ def _full_checks(workspace, kwargs: dict) -> _Plan:
     for name in REQUIRED:
         if name not in kwargs:
             raise ValueError(f"{name}: required")
-    a = dict(_DEFAULTS)
+    a = dict(CALL_DEFAULTS)
     a.update(kwargs)
-    T, K, R, profile = _check_args(workspace, a)
+    T, K, R, profile = check_call_arguments(workspace, a)
     if T == 0:
-        return _Plan(workspace, None, T, a, kwargs)
+        return CallPlan(workspace, None, T, a, kwargs)
     name = a["program"]
     if name is None:
         name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None)
-    launcher = _launcher(workspace, name)
+    launcher = launcher_for(workspace, name)
     if launcher.profile != profile:
         raise ValueError(f"program: {name} writes output profile {launcher.profile}, the call asks for {profile}")
     if launcher.regime == "oneshot" and T > workspace.oneshot_max_tokens:
         raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
                          f"{workspace.oneshot_max_tokens}")
-    return _Plan(workspace, launcher, T, a, kwargs)
+    return CallPlan(workspace, launcher, T, a, kwargs)

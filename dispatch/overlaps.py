@@ -17,7 +17,7 @@ def overlap_pairs(names) -> list:
     """The overlap rule over a call's tensors, by name: (i, j, in_place) for each pair names[i],
     names[j] that must not share a byte: every output with each output before it (i the earlier),
     then with every input (i the output); in_place: names[i] may be names[j] itself, exactly
-    (IN_PLACE). The full checks (_check_overlaps) and a plan's short path both take their pairs from
+    (IN_PLACE). The full checks (check_overlaps) and a plan's short path both take their pairs from
     here; the order is the one the full checks report in."""
     outputs = [k for k, name in enumerate(names) if name in _OUTPUT_NAMES]
     inputs = [k for k, name in enumerate(names) if name not in _OUTPUT_NAMES]
@@ -28,7 +28,7 @@ def overlap_pairs(names) -> list:
     return pairs
 
 
-def _check_overlaps(outputs, inputs):
+def check_overlaps(outputs, inputs):
     """outputs, inputs: lists of (name, tensor, data pointer) of checked (contiguous) tensors, whose
     bytes are exactly [pointer, pointer + nbytes). Raises ValueError naming an output for any pair of
     overlap_pairs that shares a byte, except residual_out exactly over residual_in."""

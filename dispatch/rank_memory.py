@@ -51,7 +51,7 @@ class _CudaMallocBuffers:
             runtime.free(ptr)
 
 
-class _SymmMemBuffers:
+class SymmMemBuffers:
     """Buffers from torch symmetric memory (its CUDA backend): a block of torch's symmetric allocator
     of its own, not one of its implicit pool, which would keep the block past close() and hand it
     back with the peers' mappings torch cached for it (ranks whose pools returned different blocks
@@ -60,7 +60,7 @@ class _SymmMemBuffers:
 
     def __init__(self, device_index: int, nbytes: int):
         os.environ.setdefault(MULTICAST_ENV, "1")
-        self.symm = backend_facts._symm_mem_module()
+        self.symm = backend_facts.symm_mem_module()
         self.nbytes = nbytes
         self.handle = None
         self.ptrs = []
@@ -108,9 +108,9 @@ class _SymmMemBuffers:
         self.ptr = 0
 
 
-class _RankMemory:
+class RankMemory:
     """One rank's buffers, state and error words, on one device. `buffers`: what allocates the
-    buffers (_CudaMallocBuffers or _SymmMemBuffers); the state and error words are the same for every
+    buffers (_CudaMallocBuffers or SymmMemBuffers); the state and error words are the same for every
     backend (local: no peer touches them)."""
 
     def __init__(self, device_index: int, buffer_elems: int, elem_size: int, buffers=_CudaMallocBuffers):
@@ -189,7 +189,7 @@ class _RankMemory:
 class LocalMemory:
     """World size 1's device memory: the state words only. No buffers and no host-mapped error words
     (nothing can time out: error stays zero). What the launcher and check() read of a workspace's
-    memory, as workspace._RankMemory has it."""
+    memory, as workspace.RankMemory has it."""
 
     buffers = 0         # no rotating buffers
     buffer_bytes = 0
@@ -217,7 +217,7 @@ class LocalMemory:
             runtime.memset(self.state, 0, STATE_WORDS * 4)
             runtime.deviceSynchronize()
 
-    read_state = _RankMemory.read_state  # synchronize, copy the state words to the host
+    read_state = RankMemory.read_state  # synchronize, copy the state words to the host
 
     def free(self, quiet: bool = False) -> None:
         """Release the state words once the device's kernels have finished; an error is raised unless `quiet`."""

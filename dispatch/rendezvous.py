@@ -51,7 +51,7 @@ class _Failure:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Ok:
+class RendezvousOk:
     payload: object
 
 
@@ -74,7 +74,7 @@ def host_identity() -> str:
     return socket.gethostname() + (f" boot {boot}" if boot else "")
 
 
-def _gpu_identity(device_index: int) -> str:
+def gpu_identity(device_index: int) -> str:
     uuid = getattr(torch.cuda.get_device_properties(device_index), "uuid", None)
     if uuid is not None:
         return f"GPU-{uuid}" if not str(uuid).startswith("GPU-") else str(uuid)
@@ -82,21 +82,21 @@ def _gpu_identity(device_index: int) -> str:
     return f"PCI {cupy.cuda.Device(device_index).pci_bus_id}"
 
 
-def _gather_status(group, step: str, error: BaseException | None, payload=None) -> list:
-    """Collective on `group`: every rank's _Ok(payload) or _Failure, in group rank order."""
+def gather_status(group, step: str, error: BaseException | None, payload=None) -> list:
+    """Collective on `group`: every rank's RendezvousOk(payload) or _Failure, in group rank order."""
     import torch.distributed as dist
-    mine = _Ok(payload) if error is None else _Failure(step, type(error).__name__, str(error),
+    mine = RendezvousOk(payload) if error is None else _Failure(step, type(error).__name__, str(error),
                                                        isinstance(error, ValueError))
     gathered = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
     return gathered
 
 
-def _raise_failures(gathered: list, error: BaseException | None) -> list:
+def raise_failures(gathered: list, error: BaseException | None) -> list:
     """Every rank's payload if no rank failed; else the same exception on every rank: the ValueError of
     a rank whose arguments were bad (its message starts with the argument's name), else RuntimeError
     naming the step, the rank and its error. `error`: this rank's own, chained."""
-    failed = [(r, g) for r, g in enumerate(gathered) if not isinstance(g, _Ok)]
+    failed = [(r, g) for r, g in enumerate(gathered) if not isinstance(g, RendezvousOk)]
     if not failed:
         return [g.payload for g in gathered]
     r, f = next(((r, f) for r, f in failed if f.value_error), failed[0])
@@ -112,8 +112,8 @@ def _raise_failures(gathered: list, error: BaseException | None) -> list:
 def exchange_status(group, step: str, error: BaseException | None = None, payload=None) -> list:
     """Collective on `group`: every rank reports whether its local `step` succeeded (with `payload`)
     or raised `error`. Returns every rank's payload, in group rank order, when all succeeded; otherwise
-    raises on every rank alike (see _raise_failures)."""
-    return _raise_failures(_gather_status(group, step, error, payload), error)
+    raises on every rank alike (see raise_failures)."""
+    return raise_failures(gather_status(group, step, error, payload), error)
 
 
 def _show(field: str, value) -> str:
@@ -215,7 +215,7 @@ def rendezvous(group, descriptor: RankDescriptor | None, error: BaseException | 
     return descriptors
 
 
-def _attempt(fn) -> BaseException | None:
+def rendezvous_attempt(fn) -> BaseException | None:
     """Run a fallible local step; its exception, to be exchanged, or None."""
     try:
         fn()

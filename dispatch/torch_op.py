@@ -110,7 +110,7 @@ def workspace_from_handle(handle: int):
     return ws
 
 
-def _as_handle(workspace) -> int:
+def as_handle(workspace) -> int:
     if isinstance(workspace, (int, torch.SymInt)) and not isinstance(workspace, bool):
         return workspace
     handle = getattr(workspace, _HANDLE_ATTR, None)  # a plain attribute read: no graph break under dynamo
@@ -328,7 +328,7 @@ def moe_finalize_allreduce_op(workspace, *, allreduce_in, expanded_idx_to_permut
     check_flag("launch_with_pdl", launch_with_pdl)
     check_flag("fp8_pow2_scales", fp8_pow2_scales)
     norm_out, residual_out, quant_out, scale_out = moe_finalize_allreduce_custom_op(
-        _as_handle(workspace), allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
+        as_handle(workspace), allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
         expert_scale_factor, float(routed_scaling_factor), shared_expert_output, float(eps), int(weight_bias),
         quant, global_scale, bool(launch_with_pdl), program, fp8_scale, fp8_scale_layout, bool(fp8_pow2_scales))
     if quant is None:

@@ -1,4 +1,4 @@
-"""Workspaces: what a call needs from a rank (_WorkspaceBase) and one rank of a real process group
+"""Workspaces: what a call needs from a rank (WorkspaceBase) and one rank of a real process group
 (Workspace), with the registry of live workspaces that dispatch.check() reads.
 
     Workspace(group, max_tokens, hidden, dtype)       one process per GPU; peers over CUDA IPC
@@ -23,11 +23,11 @@ import torch
 
 from . import registry, table_sets
 from .backend_facts import nvlink_domain, symm_mem_unavailable
-from .rank_memory import STATE_BAD_ROWS, LocalMemory, _RankMemory, _SymmMemBuffers
-from .rendezvous import (RankDescriptor, _attempt, _gather_status, _gpu_identity, _Ok, _raise_failures,
-                         choose_backend, exchange_status, host_identity, program_set_sha256, rendezvous)
-from .workspace_arguments import DTYPES, _check_arguments, _check_backend, _timeout_ns
-from .workspace_sizes import _ALL_TOKENS, _split, buffer_elems_for, check_sizes
+from .rank_memory import STATE_BAD_ROWS, LocalMemory, RankMemory, SymmMemBuffers
+from .rendezvous import (RankDescriptor, RendezvousOk, choose_backend, exchange_status, gather_status, gpu_identity,
+                         host_identity, program_set_sha256, raise_failures, rendezvous, rendezvous_attempt)
+from .workspace_arguments import DTYPES, check_backend, check_workspace_arguments, timeout_ns_from
+from .workspace_sizes import ALL_TOKENS, buffer_elems_for, check_sizes, row_split
 
 PHASES = {0: "none", 1: "reduce-scatter (waiting for peers' partials)",
           2: "all-gather (waiting for the owners' residual_out rows)", 3: "one-shot (waiting for peers' partials)"}
@@ -38,11 +38,11 @@ LOCAL_STREAMING_REGIME = "local_streaming"  # and its streaming layout
 _live_workspaces = weakref.WeakSet()  # every constructed, not yet closed workspace, for dispatch.check()
 
 
-def _register(workspace) -> None:
+def register_workspace(workspace) -> None:
     _live_workspaces.add(workspace)
 
 
-class _WorkspaceBase:
+class WorkspaceBase:
     """What a call needs from a rank's workspace; see Workspace and EmulatedWorld."""
 
     rank: int
@@ -50,7 +50,7 @@ class _WorkspaceBase:
 
     def _init_common(self, world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
                      oneshot_max_tokens, ranks_on_device, vec_per_thread=None, tables=None, boundaries=None):
-        _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+        check_workspace_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
         limits = registry.program_set().limits
         world_size, max_tokens, hidden = int(world_size), int(max_tokens), int(hidden)
         vec_per_thread = None if vec_per_thread is None else int(vec_per_thread)
@@ -62,7 +62,7 @@ class _WorkspaceBase:
         self.dtype_name = DTYPES[dtype]
         self.device = torch.device("cuda", device_index)
         self.device_index = device_index
-        self.timeout_ns = _timeout_ns(timeout_s)
+        self.timeout_ns = timeout_ns_from(timeout_s)
         # the selection boundaries of every call, chosen here once: the table set for this device, a
         # user's set, the boundaries= override (dispatch/table_sets.py)
         self.selection = table_sets.for_workspace(self.dtype_name, world_size, hidden, dtype.itemsize, device_index,
@@ -88,17 +88,17 @@ class _WorkspaceBase:
         # call instead (the same on every rank; tuning experiments).
         nvec = hidden // 8
         if vec_per_thread is None:
-            wide = _split(nvec, limits["max_vec_per_thread"], _ALL_TOKENS)
-            few = _split(nvec, limits["few_tokens_vec_per_thread"], limits["few_tokens_max"])
+            wide = row_split(nvec, limits["max_vec_per_thread"], ALL_TOKENS)
+            few = row_split(nvec, limits["few_tokens_vec_per_thread"], limits["few_tokens_max"])
             fits = few.threads <= limits["max_threads"] and few.threads != wide.threads
             self.row_splits = (few, wide) if fits else (wide,)
         else:
-            self.row_splits = (_split(nvec, vec_per_thread, _ALL_TOKENS),)
+            self.row_splits = (row_split(nvec, vec_per_thread, ALL_TOKENS),)
         if self.row_splits[-1].threads > limits["max_threads"]:
             raise ValueError(f"vec_per_thread: {vec_per_thread} vectors a thread needs {self.row_splits[-1].threads} "
                              f"threads for hidden {hidden}, more than {limits['max_threads']}")
         self._launchers = {}
-        self._plans = {}  # call signature -> op._Plan
+        self._plans = {}  # call signature -> op.CallPlan
         self._recent_plans = []  # op.prepare_call's most recently used plans, first the last call's
         self._closed = False
         # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
@@ -124,7 +124,7 @@ class _WorkspaceBase:
         every program's."""
         if self.vec_per_thread is None and len(self.row_splits) == 2:
             if regime == LOCAL_LATENCY_REGIME:
-                return (self.row_splits[0]._replace(max_tokens=_ALL_TOKENS),)
+                return (self.row_splits[0]._replace(max_tokens=ALL_TOKENS),)
             if regime == LOCAL_STREAMING_REGIME and not row_stages:
                 return (self.row_splits[1],)
         return self.row_splits
@@ -163,7 +163,7 @@ class _WorkspaceBase:
             raise ValueError("workspace: this workspace was closed")
 
 
-class Workspace(_WorkspaceBase):
+class Workspace(WorkspaceBase):
     """One rank of a real process group (one process per GPU); peers' buffers over CUDA IPC or torch
     symmetric memory (`backend`).
 
@@ -202,27 +202,27 @@ class Workspace(_WorkspaceBase):
         self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.backend = self.backend_reason = None
         if world_size == 1:  # nothing to exchange: LocalWorkspace's memory, no buffers, no rendezvous
-            _check_backend(backend)
+            check_backend(backend)
             table_sets.check_arguments(tables, boundaries)
             self._init_common(1, 0, max_tokens, hidden, dtype, torch.cuda.current_device(), timeout_s,
                               oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread, tables=tables,
                               boundaries=boundaries)
             self.backend, self.backend_reason = "local", "world size 1: nothing is exchanged (dispatch/local.py)"
             self._memory = LocalMemory(self.device_index)
-            _register(self)
+            register_workspace(self)
             return
         # 1. Local checks (no allocation), then the descriptors: a bad argument or a disagreement on
         #    any rank is the same error on every rank, before anything is allocated.
         descriptor, error, asked = None, None, None
         try:
-            _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
+            check_workspace_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread)
             table_sets.check_arguments(tables, boundaries)
-            asked = _check_backend(backend)
+            asked = check_backend(backend)
             device_index = torch.cuda.current_device()
             self._init_common(world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
                               oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread, tables=tables,
                               boundaries=boundaries)
-            gpu = _gpu_identity(device_index)
+            gpu = gpu_identity(device_index)
             unavailable = note = "not checked (backend 'ipc')"
             domain = ""
             if asked != "ipc":
@@ -249,7 +249,7 @@ class Workspace(_WorkspaceBase):
         else:
             self._build_symm_mem(device_index, dtype)
         self._closed = False
-        _register(self)
+        register_workspace(self)
 
     def _build_ipc(self, device_index: int, dtype) -> None:
         import cupy
@@ -258,22 +258,22 @@ class Workspace(_WorkspaceBase):
         try:
             handle = None
             try:
-                self._memory = _RankMemory(device_index, self.buffer_elems, dtype.itemsize)
+                self._memory = RankMemory(device_index, self.buffer_elems, dtype.itemsize)
                 with cupy.cuda.Device(device_index):
                     handle = bytes(runtime.ipcGetMemHandle(self._memory.buffers))
             except Exception as e:
                 error = e
             handles = exchange_status(group, "allocating the buffers", error, handle)  # nothing mapped yet
-            error = _attempt(lambda: self._open_peers(handles))
-            opened = _gather_status(group, "opening the peers' buffers over CUDA IPC", error)
+            error = rendezvous_attempt(lambda: self._open_peers(handles))
+            opened = gather_status(group, "opening the peers' buffers over CUDA IPC", error)
         except BaseException:
             self._release(quiet=True)  # a failed allocation, or the group itself failing
             raise
-        if any(not isinstance(g, _Ok) for g in opened):
+        if any(not isinstance(g, RendezvousOk) for g in opened):
             # peers may map this rank's buffers: freeing exported memory that another process still
             # maps is undefined, so every rank closes its mappings before any rank frees
             self._unmap_then_free("the constructor", quiet=True)
-            _raise_failures(opened, error)
+            raise_failures(opened, error)
 
     def _build_symm_mem(self, device_index: int, dtype) -> None:
         """The buffers from torch symmetric memory, mapped by torch's rendezvous on the group (a
@@ -283,7 +283,7 @@ class Workspace(_WorkspaceBase):
         group, error, offset = self.group, None, None
         try:
             try:
-                self._memory = _RankMemory(device_index, self.buffer_elems, dtype.itemsize, buffers=_SymmMemBuffers)
+                self._memory = RankMemory(device_index, self.buffer_elems, dtype.itemsize, buffers=SymmMemBuffers)
             except Exception as e:
                 error = e
             exchange_status(group, "allocating the buffers (torch symmetric memory)", error)
@@ -354,12 +354,12 @@ class Workspace(_WorkspaceBase):
         """Collective: close the mappings of the peers' buffers, and free this rank's memory once every
         rank has closed its own. If a rank could not, the memory stays allocated (freeing it while a
         peer maps it is undefined) and every rank raises RuntimeError naming that rank (unless quiet)."""
-        error = _attempt(self._close_mappings)
-        closed = _gather_status(self.group, f"{during}: closing the peers' mappings", error)
-        if all(isinstance(g, _Ok) for g in closed):
+        error = rendezvous_attempt(self._close_mappings)
+        closed = gather_status(self.group, f"{during}: closing the peers' mappings", error)
+        if all(isinstance(g, RendezvousOk) for g in closed):
             self._memory.free(quiet)
         elif not quiet:
-            _raise_failures(closed, error)
+            raise_failures(closed, error)
 
     def reset(self) -> None:
         """Collective: bring the group back to a clean state after a timeout."""
@@ -368,8 +368,8 @@ class Workspace(_WorkspaceBase):
             # every rank's kernels have finished before any rank refills its buffers, and every rank
             # has refilled before any returns; a rank that fails makes every rank raise
             exchange_status(self.group, "reset: finishing this rank's kernels",
-                            _attempt(lambda: torch.cuda.synchronize(self.device)))
-            exchange_status(self.group, "reset: refilling the buffers", _attempt(self._memory.reset))
+                            rendezvous_attempt(lambda: torch.cuda.synchronize(self.device)))
+            exchange_status(self.group, "reset: refilling the buffers", rendezvous_attempt(self._memory.reset))
 
     def check(self) -> None:
         self._ensure_open()
@@ -385,7 +385,7 @@ class Workspace(_WorkspaceBase):
         with torch.cuda.device(self.device_index):
             # no peer may still write into this rank's buffers: every rank's kernels have finished
             exchange_status(self.group, "close: finishing this rank's kernels",
-                            _attempt(lambda: torch.cuda.synchronize(self.device)))
+                            rendezvous_attempt(lambda: torch.cuda.synchronize(self.device)))
             self._forget()
             self._unmap_then_free("close")
 

@@ -30,12 +30,12 @@ def _int_arg(name: str, value, lo: int, hi: int | None = None, what: str = "") -
     return v
 
 
-def _timeout_ns(timeout_s) -> int:
+def timeout_ns_from(timeout_s) -> int:
     """The deadline in ns; a positive timeout is at least 1 ns (0 means no deadline)."""
     return max(1, round(float(timeout_s) * 1e9)) if timeout_s else 0
 
 
-def _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread) -> None:
+def check_workspace_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_max_tokens, vec_per_thread) -> None:
     """Every argument check that needs no GPU (and no collective): types, ranges, the manifest's limits.
     ValueError naming the argument."""
     ps = registry.program_set()
@@ -61,7 +61,7 @@ def _check_arguments(world_size, max_tokens, hidden, dtype, timeout_s, oneshot_m
         _int_arg("vec_per_thread", vec_per_thread, 1, limits["max_vec_per_thread"], " (or None)")
 
 
-def _check_backend(backend) -> str:
+def check_backend(backend) -> str:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r}, expected 'ipc', 'symm_mem' or 'auto'")
     return backend
@@ -91,7 +91,7 @@ def device_entry(device, name: str) -> int | None:
     return index
 
 
-def _check_devices(devices, world_size) -> list:
+def check_devices(devices, world_size) -> list:
     """EmulatedWorld's `devices`: W GPU indices (ints, "cuda:i" or torch.device("cuda", i)); None entries
     stand for the current device (resolved later). Needs no GPU."""
     if devices is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-_ALL_TOKENS = 2**31 - 1  # the last row split covers every call
+ALL_TOKENS = 2**31 - 1  # the last row split covers every call
 
 
 class RowSplit(NamedTuple):
@@ -15,7 +15,7 @@ class RowSplit(NamedTuple):
     vec_per_thread: int
 
 
-def _split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
+def row_split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
     threads = 32 * -(-nvec // (32 * vec_per_thread))  # whole warps
     return RowSplit(max_tokens, threads, -(-nvec // threads))
 

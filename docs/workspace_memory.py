@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python docs/workspace_memory.py      # from the repository root; prints the doc's tables
 
-Per rank (dispatch/rank_memory.py, _RankMemory): 3 rotating buffers of buffer_elems_for(...) elements,
+Per rank (dispatch/rank_memory.py, RankMemory): 3 rotating buffers of buffer_elems_for(...) elements,
 STATE_WORDS uint32 of device state and ERROR_WORDS uint32 of host-mapped error words. The buffer
 is the larger of the one-shot layout (W * oneshot_max_tokens * H) and the two-shot layout
 (W * ceil(T / W) * H + T * H, about 2 * T * H). Sizes as requested; the driver's own rounding

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatch import call_plan, launcher, op
-from dispatch.call_arguments import _DEFAULTS
+from dispatch.call_arguments import CALL_DEFAULTS
 from dispatch.overlaps import _INPUT_NAMES, _OUTPUT_NAMES, overlap_pairs
 
 H, T, K, MAX_T = 128, 5, 3, 16
@@ -45,7 +45,7 @@ def _workspace():
 
 @pytest.fixture(autouse=True)
 def fake_launcher(monkeypatch):
-    monkeypatch.setattr(op, "_launcher", lambda ws, name: _FakeLauncher(ws, name))
+    monkeypatch.setattr(op, "launcher_for", lambda ws, name: _FakeLauncher(ws, name))
     monkeypatch.setattr(op, "select_program", lambda ws, T, quant, shared: "moe_ar_ts_bf16_ws2_nvfp4")
 
 
@@ -86,7 +86,7 @@ def test_the_last_plan_is_matched_before_any_signature(full_checks, monkeypatch)
     ws = _workspace()
     op.moe_finalize_allreduce(ws, **_valid())
     plan = ws._recent_plans[0]
-    monkeypatch.setattr(op, "_signature", lambda *a: pytest.fail("looked up by signature"))
+    monkeypatch.setattr(op, "plan_signature", lambda *a: pytest.fail("looked up by signature"))
     for _ in range(3):
         out = op.moe_finalize_allreduce(ws, **_valid())
         assert ws._recent_plans == [plan] and out.quant_out is not None and out.scale_out is not None
@@ -107,16 +107,16 @@ def test_recent_plans_serve_alternating_signatures(full_checks, monkeypatch):
     for eps in epss[:-1]:
         call(eps)
     assert full_checks[0] == op._RECENT_PLANS and len(ws._recent_plans) == op._RECENT_PLANS
-    real_signature = op._signature
-    monkeypatch.setattr(op, "_signature", lambda *a: pytest.fail("looked up by signature"))
+    real_signature = op.plan_signature
+    monkeypatch.setattr(op, "plan_signature", lambda *a: pytest.fail("looked up by signature"))
     for _ in range(3):
         for eps in epss[:-1]:
             call(eps)
-    monkeypatch.setattr(op, "_signature", real_signature)
+    monkeypatch.setattr(op, "plan_signature", real_signature)
     call(epss[-1])  # a new signature: the least recent (epss[0]) leaves the recent plans
     assert full_checks[0] == op._RECENT_PLANS + 1 and len(ws._recent_plans) == op._RECENT_PLANS
     looked_up = []
-    monkeypatch.setattr(op, "_signature", lambda *a: looked_up.append(1) or real_signature(*a))
+    monkeypatch.setattr(op, "plan_signature", lambda *a: looked_up.append(1) or real_signature(*a))
     call(epss[0])
     assert looked_up == [1] and full_checks[0] == op._RECENT_PLANS + 1  # found by its signature
 
@@ -128,7 +128,7 @@ def test_each_pointer_reaches_its_kernel_field(quant, optional):
     """The plan's packer writes the i-th pointer of its order to that argument's Params field and
     leaves every other pointer field 0 (the kernel reads a null pointer as "not given")."""
     from dispatch import registry
-    a = dict(_DEFAULTS, quant=quant, **{name: object() for name in optional})
+    a = dict(CALL_DEFAULTS, quant=quant, **{name: object() for name in optional})
     order = call_plan._pointer_order(a)
     params = registry.params_struct()()
     ctypes_fill = bytes(range(256)) * (ctypes.sizeof(params) // 256 + 1)
@@ -292,7 +292,7 @@ def test_outputs_not_given_are_allocated_on_the_short_path(full_checks):
             del a[name]
         call = op.prepare_call(ws, a)
         assert call.outputs.norm_out.shape == (T, H) and call.outputs.scale_out.numel() == op.scale_out_bytes(T, H)
-        order = call_plan._pointer_order(dict(_DEFAULTS, **a))
+        order = call_plan._pointer_order(dict(CALL_DEFAULTS, **a))
         assert [a[name].data_ptr() for name in order] == call.pointers
     assert full_checks[0] == 1
 
@@ -330,7 +330,7 @@ def test_the_pointer_order_writes_what_each_program_writes():
     quant_of = {profile: quant for quant, profile in registry.program_set().profile_of_quant.items()}
     for name in registry.programs():
         info = registry.program_info(name)
-        order = call_plan._pointer_order(dict(_DEFAULTS, quant=quant_of[info["profile"]]))
+        order = call_plan._pointer_order(dict(CALL_DEFAULTS, quant=quant_of[info["profile"]]))
         assert [n for n in order if n in _OUTPUT_NAMES] == list(info["outputs"]), name
         scale_inputs = {n for n in order if n in ("global_scale", "fp8_scale")}
         assert scale_inputs == {"nvfp4": {"global_scale"}, "fp8_tensor": {"fp8_scale"}}.get(info["profile"], set())
@@ -346,17 +346,17 @@ def _keywords(fn) -> dict:
 
 def test_the_call_shows_every_argument_with_its_default():
     """help(dispatch.moe_finalize_allreduce) and an IDE see every keyword and its default, and they
-    are call_arguments' description (REQUIRED, then _DEFAULTS)."""
+    are call_arguments' description (REQUIRED, then CALL_DEFAULTS)."""
     import inspect
 
     from dispatch import torch_op
     from dispatch.call_arguments import REQUIRED
-    described = {**dict.fromkeys(REQUIRED, inspect.Parameter.empty), **_DEFAULTS}
+    described = {**dict.fromkeys(REQUIRED, inspect.Parameter.empty), **CALL_DEFAULTS}
     assert _keywords(op.moe_finalize_allreduce) == described
     outputs = ("norm_out", "residual_out", "quant_out", "scale_out")  # the op always allocates them
     assert _keywords(torch_op.moe_finalize_allreduce_op) == {n: d for n, d in described.items() if n not in outputs}
     schema = {a.name: a.default_value for a in torch_op.moe_finalize_allreduce_custom_op.default._schema.arguments}
-    for name, default in _DEFAULTS.items():
+    for name, default in CALL_DEFAULTS.items():
         if name not in outputs:
             assert name in schema and schema[name] == default, (name, schema.get(name))
 
@@ -373,7 +373,7 @@ def test_every_keyword_reaches_the_call(monkeypatch):
     seen = []
     monkeypatch.setattr(op, "prepare_call", lambda ws, kwargs: seen.append(kwargs) or types.SimpleNamespace(
         launch=lambda: None))
-    given = {name: object() for name in [*REQUIRED, *_DEFAULTS]}
+    given = {name: object() for name in [*REQUIRED, *CALL_DEFAULTS]}
     op.moe_finalize_allreduce(ws, **given)
     assert seen[0] == given and all(seen[0][name] is given[name] for name in given)
     shown = pydoc.render_doc(op.moe_finalize_allreduce, renderer=pydoc.plaintext)

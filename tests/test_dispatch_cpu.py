@@ -192,16 +192,16 @@ def test_profiles_are_named_by_their_quant_value():
 def test_row_split_follows_tokens(hidden):
     """Default geometry: 2 vectors a thread up to few_tokens_max tokens where the row fits in
     max_threads, 4 above; every vector of the row has a thread, every block is whole warps."""
-    from dispatch.workspace import _WorkspaceBase
-    from dispatch.workspace_sizes import _ALL_TOKENS
+    from dispatch.workspace import WorkspaceBase
+    from dispatch.workspace_sizes import ALL_TOKENS
     limits = registry.program_set().limits
-    ws = _WorkspaceBase()
+    ws = WorkspaceBase()
     ws._init_common(2, 0, 4096, hidden, torch.bfloat16, 0, 1.0, None, ranks_on_device=1)
     nvec = hidden // 8
     for s in ws.row_splits:
         assert s.threads % 32 == 0 and s.threads <= limits["max_threads"]
         assert s.threads * s.vec_per_thread >= nvec > s.threads * (s.vec_per_thread - 1)
-    assert ws.row_splits[-1].max_tokens == _ALL_TOKENS
+    assert ws.row_splits[-1].max_tokens == ALL_TOKENS
     assert ws.row_splits[-1].vec_per_thread == -(-nvec // ws.row_splits[-1].threads)
     few = limits["few_tokens_max"]
     two_splits = 32 * -(-nvec // (32 * limits["few_tokens_vec_per_thread"])) <= limits["max_threads"]
@@ -210,7 +210,7 @@ def test_row_split_follows_tokens(hidden):
         chosen = ws.row_splits[ws.row_split_index(T)]
         assert chosen.threads == (ws.row_splits[0].threads if expect_few else ws.row_splits[-1].threads)
     # a fixed split is one split for every call
-    fixed = _WorkspaceBase()
+    fixed = WorkspaceBase()
     fixed._init_common(2, 0, 4096, hidden, torch.bfloat16, 0, 1.0, None, ranks_on_device=1, vec_per_thread=4)
     assert len(fixed.row_splits) == 1 and fixed.row_split_index(1) == fixed.row_split_index(4096) == 0
 

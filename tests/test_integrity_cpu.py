@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dispatch import op, registry
-from dispatch.call_arguments import _DEFAULTS, MAX_TOP_K, _check_args
+from dispatch.call_arguments import CALL_DEFAULTS, MAX_TOP_K, check_call_arguments
 from dispatch.overlaps import check_rank_overlaps
 
 from moe_ar_common import manifest_reader
@@ -103,7 +103,7 @@ def _workspace():
 
 def _valid():
     R = T * K + 2
-    return dict(_DEFAULTS, allreduce_in=torch.randn(R, H).to(D),
+    return dict(CALL_DEFAULTS, allreduce_in=torch.randn(R, H).to(D),
                 expanded_idx_to_permuted_idx=torch.randperm(R)[:T * K].view(T, K).int(),
                 expert_scale_factor=torch.rand(T, K), shared_expert_output=torch.randn(T, H).to(D),
                 residual_in=torch.randn(T, H).to(D), norm_weight=torch.randn(H).to(D), eps=1e-6,
@@ -144,7 +144,7 @@ MUTATIONS = {
 
 
 def test_valid_call_passes_the_checks():
-    assert _check_args(_workspace(), _valid()) == (T, K, T * K + 2, "nvfp4")
+    assert check_call_arguments(_workspace(), _valid()) == (T, K, T * K + 2, "nvfp4")
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -157,7 +157,7 @@ def test_a_bad_tensor_is_named(name, how):
         return  # the mutation did not change anything checkable (e.g. a 1-element tensor)
     a[name] = bad
     with pytest.raises(ValueError) as e:
-        _check_args(_workspace(), a)
+        check_call_arguments(_workspace(), a)
     # An index tensor that is not 2-D cannot say how many tokens there are: it is named too.
     assert str(e.value).startswith(name + ":"), (name, how, str(e.value))
 
@@ -185,7 +185,7 @@ def test_a_bad_value_is_named(case, seed):
     a = _valid()
     mutate(a)
     with pytest.raises(ValueError) as e:
-        _check_args(_workspace(), a)
+        check_call_arguments(_workspace(), a)
     assert str(e.value).startswith(name + ":"), (name, str(e.value))
 
 
@@ -206,7 +206,7 @@ def _call(quant, seed=0):
     """A valid call with every argument `quant` uses given (outputs included), and nothing else."""
     g = torch.Generator().manual_seed(seed)
     R = T * K + 2
-    a = dict(_DEFAULTS, allreduce_in=torch.randn(R, H2, generator=g).to(D),
+    a = dict(CALL_DEFAULTS, allreduce_in=torch.randn(R, H2, generator=g).to(D),
              expanded_idx_to_permuted_idx=torch.randperm(R, generator=g)[:T * K].view(T, K).int(),
              expert_scale_factor=torch.rand(T, K, generator=g), shared_expert_output=torch.randn(T, H2).to(D),
              residual_in=torch.randn(T, H2, generator=g).to(D), norm_weight=torch.randn(H2, generator=g).to(D),
@@ -264,10 +264,10 @@ def test_an_output_overlapping_an_input_is_named(quant, out, inp, mode, order):
     first, second = (out, inp) if order == "output first" else (inp, out)
     _share(a, first, second, OVERLAP_MODES[mode](_nbytes(a[first])))
     if (out, inp) == ("residual_out", "residual_in") and mode == "same start":
-        assert _check_args(_ws2(), a)[0] == T  # exactly residual_in: in place, allowed
+        assert check_call_arguments(_ws2(), a)[0] == T  # exactly residual_in: in place, allowed
         return
     with pytest.raises(ValueError) as e:
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
     msg = str(e.value)
     assert msg.startswith(out + ":") and inp in msg, msg
 
@@ -290,7 +290,7 @@ def test_two_overlapping_outputs_are_named(quant, o1, o2, mode, order):
     first, second = (o1, o2) if order == "in order" else (o2, o1)
     _share(a, first, second, OVERLAP_MODES[mode](_nbytes(a[first])))
     with pytest.raises(ValueError) as e:
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
     msg = str(e.value)
     assert msg.startswith(o1 + ":") and o2 in msg, msg  # the first of norm_out, residual_out, quant_out, scale_out
 
@@ -309,36 +309,36 @@ def test_adjacent_tensors_do_not_overlap(quant):
     for n, off in zip(names, offsets):
         t = a[n]
         a[n] = buf[off:off + _nbytes(t)].view(t.dtype).view(t.shape)
-    assert _check_args(_ws2(), a)[0] == T
+    assert check_call_arguments(_ws2(), a)[0] == T
 
 
 def test_natural_memory_reuse_is_refused():
     a = _call(None)
     a["norm_out"] = a["allreduce_in"][:T]  # R >= T * K rows: a tempting buffer to reuse
     with pytest.raises(ValueError, match=r"^norm_out: .*allreduce_in"):
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
     a = _call("nvfp4")
     a["residual_out"] = a["norm_out"]
     with pytest.raises(ValueError, match=r"^norm_out: .*residual_out"):
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
     a = _call(None)
     a["norm_out"] = a["residual_in"]
     with pytest.raises(ValueError, match=r"^norm_out: .*residual_in"):
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
     a = _call(None)
     a["residual_out"] = a["residual_in"]  # in place: allowed
     a["shared_expert_output"] = a["residual_in"]  # but then residual_out overwrites what the kernel reads
     with pytest.raises(ValueError, match=r"^residual_out: .*shared_expert_output"):
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
 
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_residual_out_may_be_residual_in_itself(quant):
     a = _call(quant)
     a["residual_out"] = a["residual_in"]
-    assert _check_args(_ws2(), a)[0] == T
+    assert check_call_arguments(_ws2(), a)[0] == T
     a["residual_out"] = a["residual_in"].view(T, H2)  # another tensor object, the same memory
-    assert _check_args(_ws2(), a)[0] == T
+    assert check_call_arguments(_ws2(), a)[0] == T
 
 
 @pytest.mark.parametrize("shift_bytes", [16, -16, 2 * H2])
@@ -350,7 +350,7 @@ def test_residual_out_partly_over_residual_in_is_refused(shift_bytes):
     a["residual_in"] = buf[base:base + n].view(D).view(T, H2)
     a["residual_out"] = buf[base + shift_bytes:base + shift_bytes + n].view(D).view(T, H2)
     with pytest.raises(ValueError, match=r"^residual_out: .*residual_in"):
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
 
 
 def test_empty_tensors_overlap_nothing():
@@ -361,14 +361,14 @@ def test_empty_tensors_overlap_nothing():
              shared_expert_output=None, residual_in=torch.empty(T0, H2, dtype=D),
              norm_out=a["allreduce_in"][:0], residual_out=a["allreduce_in"][:0],
              quant_out=torch.empty(T0, H2 // 2, dtype=torch.uint8), scale_out=torch.empty(0, dtype=torch.uint8))
-    assert _check_args(_ws2(), a)[0] == 0
+    assert check_call_arguments(_ws2(), a)[0] == 0
 
 
 # -- EmulatedWorld.run: a rank's outputs against every other rank's tensors --
 
 def _prepared(quant, seed):
     a = _call(quant, seed)
-    _check_args(_ws2(), a)
+    check_call_arguments(_ws2(), a)
     return a
 
 
@@ -421,7 +421,7 @@ def test_a_bad_scalar_is_named(name, value):
     a = _call(None)
     a[name] = value
     with pytest.raises(ValueError) as e:
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
     assert str(e.value).startswith(name + ":"), str(e.value)
 
 
@@ -435,7 +435,7 @@ GOOD_SCALARS = [("eps", v) for v in (1e-6, 1, 1e-45, 3e38, 2.0 ** -149)] + \
 def test_a_good_scalar_passes(name, value):
     a = _call(None)
     a[name] = value
-    assert _check_args(_ws2(), a)[0] == T
+    assert check_call_arguments(_ws2(), a)[0] == T
 
 
 # -- arguments the quant does not use --
@@ -462,7 +462,7 @@ def test_an_argument_the_quant_does_not_use_is_named(name, make, quant):
     a = _call(quant)
     a[name] = make()
     with pytest.raises(ValueError) as e:
-        _check_args(_ws2(), a)
+        check_call_arguments(_ws2(), a)
     assert str(e.value).startswith(name + ":") and repr(quant) in str(e.value), str(e.value)
 
 
@@ -470,7 +470,7 @@ def test_an_argument_the_quant_does_not_use_is_named(name, make, quant):
 def test_defaults_of_the_fp8_options_pass_with_any_quant(quant):
     a = _call(quant)
     a.update(fp8_scale_layout="row", fp8_pow2_scales=False)
-    assert _check_args(_ws2(), a)[0] == T
+    assert check_call_arguments(_ws2(), a)[0] == T
 
 
 # -- the torch op and the FlashInfer entry pass scalars through unconverted --

@@ -334,7 +334,7 @@ def fake_cuda(rank):
                (torch.cuda, "current_device", lambda: 0), (torch.cuda, "synchronize", synchronize),
                (torch.cuda, "get_device_properties", lambda d=None: Props()),
                (torch.cuda, "device", lambda d: contextlib.nullcontext()),
-               (rank_memory._RankMemory, "reset", memory_reset)]
+               (rank_memory.RankMemory, "reset", memory_reset)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, value in patches:
         setattr(obj, name, value)
@@ -544,14 +544,14 @@ def test_workspace_group_is_checked_first(no_cuda):
 
 
 def test_timeout_limits():
-    from dispatch.workspace_arguments import MAX_TIMEOUT_S, _timeout_ns
+    from dispatch.workspace_arguments import MAX_TIMEOUT_S, timeout_ns_from
     assert MAX_TIMEOUT_S == 86400
-    assert _timeout_ns(0) == 0 and _timeout_ns(0.0) == 0
-    assert _timeout_ns(1e-12) == 1  # a positive deadline never rounds to 0, which means "none"
-    assert _timeout_ns(2.5) == 2_500_000_000
-    assert _timeout_ns(MAX_TIMEOUT_S) == MAX_TIMEOUT_S * 10**9
+    assert timeout_ns_from(0) == 0 and timeout_ns_from(0.0) == 0
+    assert timeout_ns_from(1e-12) == 1  # a positive deadline never rounds to 0, which means "none"
+    assert timeout_ns_from(2.5) == 2_500_000_000
+    assert timeout_ns_from(MAX_TIMEOUT_S) == MAX_TIMEOUT_S * 10**9
     # the deadline is %globaltimer (ns since 1970 on current drivers) + timeout_ns as a uint64
-    assert time.time_ns() * 2 + _timeout_ns(MAX_TIMEOUT_S) < 2**64
+    assert time.time_ns() * 2 + timeout_ns_from(MAX_TIMEOUT_S) < 2**64
 
 
 def test_program_set_hash_is_computed_once_and_covers_the_manifest(monkeypatch):
@@ -591,8 +591,8 @@ def test_live_workspaces_are_held_weakly_and_checked():
     from dispatch import workspace as wsm
     n0 = len(wsm._live_workspaces)
     a, b = _Fake(), _Fake()
-    wsm._register(a)
-    wsm._register(b)
+    wsm.register_workspace(a)
+    wsm.register_workspace(b)
     assert len(wsm._live_workspaces) == n0 + 2
     dispatch.check()
     assert a.checked == b.checked == 1
@@ -602,7 +602,7 @@ def test_live_workspaces_are_held_weakly_and_checked():
     assert ref() is None, "the bookkeeping kept a dropped workspace alive"
     assert len(wsm._live_workspaces) == n0 + 1
     bad = _Fake(fail=True)
-    wsm._register(bad)
+    wsm.register_workspace(bad)
     with pytest.raises(RuntimeError, match="fake timed out"):
         dispatch.check()
     wsm._live_workspaces.discard(bad)
@@ -612,7 +612,7 @@ def test_live_workspaces_are_held_weakly_and_checked():
 
 
 def test_rank_memory_frees_what_it_took_when_a_step_fails(monkeypatch):
-    """_RankMemory: an allocation failing part-way frees the allocations before it."""
+    """RankMemory: an allocation failing part-way frees the allocations before it."""
     import cupy
     from cupy.cuda import runtime
     from dispatch import rank_memory
@@ -642,9 +642,9 @@ def test_rank_memory_frees_what_it_took_when_a_step_fails(monkeypatch):
         monkeypatch.setattr(runtime, "freeHost", lambda p: live.pop(p))
         monkeypatch.setattr(runtime, "deviceSynchronize", lambda: None)
         monkeypatch.setattr(cupy.cuda, "Device", lambda i: contextlib.nullcontext())
-        monkeypatch.setattr(rank_memory._RankMemory, "reset", reset)
+        monkeypatch.setattr(rank_memory.RankMemory, "reset", reset)
         with pytest.raises((MemoryError, RuntimeError)):
-            rank_memory._RankMemory(0, 1024, 2)
+            rank_memory.RankMemory(0, 1024, 2)
         assert live == {}, (fail_at, live)
 
 
@@ -664,7 +664,7 @@ def test_emulated_world_frees_every_rank_when_one_rank_fails(monkeypatch):
         def free(self, quiet=False):
             freed.append(self)
 
-    monkeypatch.setattr(emulated_world, "_RankMemory", FakeMemory)
+    monkeypatch.setattr(emulated_world, "RankMemory", FakeMemory)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     n0 = len(wsm._live_workspaces)

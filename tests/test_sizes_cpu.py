@@ -61,7 +61,7 @@ def test_check_sizes_refuses_just_past_each_bound(world_size, max_tokens, hidden
 
 def test_a_workspace_of_unsafe_sizes_is_refused_before_it_allocates():
     before = list(workspace._live_workspaces)
-    ws = workspace._WorkspaceBase()
+    ws = workspace.WorkspaceBase()
     with pytest.raises(ValueError, match=r"^max_tokens: "):
         ws._init_common(world_size=2, rank=0, max_tokens=2 ** 20, hidden=16384, dtype=torch.bfloat16,
                         device_index=0, timeout_s=10.0, oneshot_max_tokens=None, ranks_on_device=1)
@@ -123,7 +123,7 @@ def test_workspace_default_capacity_uses_the_boundary(monkeypatch):
     field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
     seen = {}
 
-    class Probe(workspace._WorkspaceBase):
+    class Probe(workspace.WorkspaceBase):
         pass
 
     for W, max_tokens, given, want in ((8, 1024, None, 16), (8, 10, None, 10), (4, 1024, 1024, 1024),

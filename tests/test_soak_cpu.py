@@ -14,7 +14,7 @@ import torch
 
 from moe_ar_tools import reference as ref
 from dispatch import op
-from dispatch.call_arguments import _DEFAULTS, _check_args
+from dispatch.call_arguments import CALL_DEFAULTS, check_call_arguments
 from moe_ar_tools.soak import cli, result, runner, sampling
 
 # ---- arguments ------------------------------------------------------------------------------------
@@ -285,11 +285,11 @@ class FakeWorld:
         assert len(per_rank) == len(self.workspaces)
         required = {"allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight"}
         for ws, kw in zip(self.workspaces, per_rank):
-            unknown = set(kw) - set(_DEFAULTS) - required
+            unknown = set(kw) - set(CALL_DEFAULTS) - required
             assert not unknown, unknown
-            a = dict(_DEFAULTS)
+            a = dict(CALL_DEFAULTS)
             a.update(kw)
-            _check_args(ws, a)
+            check_call_arguments(ws, a)
         kw0 = per_rank[0]
         r = ref.reference(per_rank, kw0["eps"], kw0["weight_bias"], kw0["routed_scaling_factor"], self.dtype)
         quant = kw0.get("quant")

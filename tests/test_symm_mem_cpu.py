@@ -108,7 +108,7 @@ class FakeSymm:
 def fake_symm(fake):
     from dispatch import backend_facts, workspace
     symm = FakeSymm(fake)
-    patches = [(backend_facts, "_symm_mem_module", symm.module),
+    patches = [(backend_facts, "symm_mem_module", symm.module),
                (backend_facts, "_cu_device_attribute", lambda device_index, attribute: symm.attrs.get(attribute, 1)),
                (backend_facts, "_nvml_fabric", symm.nvml), (workspace, "host_identity", lambda: symm.host)]
     saved = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
@@ -496,7 +496,7 @@ def test_symm_mem_availability_is_local_and_says_why(monkeypatch, name, module, 
         if isinstance(v, Exception):
             raise v
         return v
-    monkeypatch.setattr(facts, "_symm_mem_module", mod)
+    monkeypatch.setattr(facts, "symm_mem_module", mod)
     monkeypatch.setattr(facts, "_cu_device_attribute", attr)
     got = facts.symm_mem_unavailable(group, 0)
     assert (got == "") if not why else (why in got), got
@@ -560,13 +560,13 @@ def test_the_multicast_variable_is_set_before_the_first_allocation(monkeypatch, 
     def p2p(size, stride, dtype, device):
         seen.append(os.environ.get(rank_memory.MULTICAST_ENV))
         return _FakeTensor(0x7000, size[0])
-    monkeypatch.setattr(backend_facts, "_symm_mem_module", lambda: _module(
+    monkeypatch.setattr(backend_facts, "symm_mem_module", lambda: _module(
         _SymmetricMemory=types.SimpleNamespace(empty_strided_p2p=p2p)))
     if preset is None:
         monkeypatch.delenv(rank_memory.MULTICAST_ENV, raising=False)
     else:
         monkeypatch.setenv(rank_memory.MULTICAST_ENV, preset)
-    block = rank_memory._SymmMemBuffers(0, 4096)
+    block = rank_memory.SymmMemBuffers(0, 4096)
     assert seen == [expected] and os.environ[rank_memory.MULTICAST_ENV] == expected and block.ptr == 0x7000
     block.release()
     assert block.ptr == 0 and block.tensor is None and block.handle is None
@@ -574,10 +574,10 @@ def test_the_multicast_variable_is_set_before_the_first_allocation(monkeypatch, 
 
 def test_a_misaligned_symmetric_buffer_is_refused(monkeypatch):
     from dispatch import backend_facts, rank_memory
-    monkeypatch.setattr(backend_facts, "_symm_mem_module", lambda: _module(
+    monkeypatch.setattr(backend_facts, "symm_mem_module", lambda: _module(
         _SymmetricMemory=types.SimpleNamespace(empty_strided_p2p=lambda size, *a: _FakeTensor(0x7008, size[0]))))
     with pytest.raises(RuntimeError, match="not 16-byte aligned"):
-        rank_memory._SymmMemBuffers(0, 4096)
+        rank_memory.SymmMemBuffers(0, 4096)
 
 
 def test_backend_cost_arguments_and_table():
@@ -601,10 +601,10 @@ def test_backend_cost_arguments_and_table():
 def test_symm_mem_rendezvous_checks_what_torch_returns(monkeypatch):
     from dispatch import backend_facts, rank_memory
     handles = []
-    monkeypatch.setattr(backend_facts, "_symm_mem_module", lambda: _module(
+    monkeypatch.setattr(backend_facts, "symm_mem_module", lambda: _module(
         _SymmetricMemory=types.SimpleNamespace(empty_strided_p2p=lambda size, *a: _FakeTensor(0x9000, size[0])),
         rendezvous=lambda tensor, group: handles.pop(0)))
-    block = rank_memory._SymmMemBuffers(0, 4096)
+    block = rank_memory.SymmMemBuffers(0, 4096)
     handles.append(_FakeHandle([0x9000, 0x5000], 0, 2, 4096))
     assert block.rendezvous(GROUP, 0, 2) == 0 and block.peer_pointers([0, 0x40]) == [0x9000, 0x5040]
     for h, what in ((None, "returned no handle"), (_FakeHandle([0x9000, 0], 0, 2, 4096), "mapped no buffers of rank 1"),

@@ -319,7 +319,7 @@ def test_the_override_pins_its_fields_and_clamps_the_others():
 
 # ---- the workspace: chosen once, when it is built ---------------------------------------------------------
 
-class Probe(workspace._WorkspaceBase):
+class Probe(workspace.WorkspaceBase):
     pass
 
 

@@ -27,8 +27,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dispatch
 from dispatch import op as dop
-from dispatch.call_arguments import _DEFAULTS
-from dispatch.call_plan import _Plan
+from dispatch.call_arguments import CALL_DEFAULTS
+from dispatch.call_plan import CallPlan
 from dispatch.outputs import allocate_outputs
 from dispatch import table_sets, torch_op
 from dispatch.flashinfer_compat import trtllm_moe_finalize_allreduce_fusion
@@ -275,7 +275,7 @@ class CpuLauncher:
         """In place of the kernel launch: what the kernel would write, computed on the CPU."""
         ws, k = self.ws, plan.kernel
         ws.launched.append(dict(program=self.name, T=k["T"], K=k["K"], R=k["R"], pdl=k["pdl"], quant=a.get("quant")))
-        res, norm = cpu_math(dict(_DEFAULTS, **a), k["T"], k["K"], ws.hidden, ws.world_size)
+        res, norm = cpu_math(dict(CALL_DEFAULTS, **a), k["T"], k["K"], ws.hidden, ws.world_size)
         a["residual_out"].copy_(res)
         a["norm_out"].copy_(norm)
         if self.profile == "nvfp4":
@@ -293,8 +293,8 @@ def _cpu_run(plan, pointers, kw):
 @pytest.fixture
 def cpu_runtime(monkeypatch):
     """A CPU stub workspace whose calls run dispatch.op for real up to the kernel launch."""
-    monkeypatch.setattr(dop, "_launcher", lambda ws, name: ws._launchers.setdefault(name, CpuLauncher(ws, name)))
-    monkeypatch.setattr(_Plan, "run", _cpu_run)
+    monkeypatch.setattr(dop, "launcher_for", lambda ws, name: ws._launchers.setdefault(name, CpuLauncher(ws, name)))
+    monkeypatch.setattr(CallPlan, "run", _cpu_run)
     return StubWorkspace("cpu", hidden=256)
 
 

@@ -186,7 +186,7 @@ def test_world_size_one_keeps_no_buffers_and_splits_rows_as_the_others():
     assert workspace.buffer_elems_for(1, 2 ** 24, 16384, 2 ** 24) == 0
     workspace.check_sizes(1, 2 ** 24, 16384, 0)  # the largest sizes hold: nothing is exchanged
     for hidden in (7168, 384, 16384):
-        one, two = workspace._WorkspaceBase(), workspace._WorkspaceBase()
+        one, two = workspace.WorkspaceBase(), workspace.WorkspaceBase()
         one._init_common(world_size=1, rank=0, max_tokens=2 ** 24, hidden=hidden, dtype=BF16, device_index=0,
                          timeout_s=0, oneshot_max_tokens=None, ranks_on_device=1)
         two._init_common(world_size=2, rank=0, max_tokens=1024, hidden=hidden, dtype=BF16, device_index=0,
@@ -201,26 +201,26 @@ def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
     split at every T (two blocks a multiprocessor), with its ring and every exchange follow T; a split
     fixed by vec_per_thread is every program's."""
     from dispatch import workspace
-    from dispatch.workspace_sizes import _ALL_TOKENS
+    from dispatch.workspace_sizes import ALL_TOKENS
     from dispatch import registry
     limits = registry.program_set().limits
     for hidden in (7168, 4096, 384, 16384):
-        ws = workspace._WorkspaceBase()
+        ws = workspace.WorkspaceBase()
         ws._init_common(world_size=1, rank=0, max_tokens=2 ** 20, hidden=hidden, dtype=BF16, device_index=0,
                         timeout_s=0, oneshot_max_tokens=None, ranks_on_device=1)
         local = ws.row_splits_for("local")
         assert ws.row_splits_for("local_streaming", row_stages=3) == ws.row_splits
         assert ws.row_splits_for("local_streaming") == ws.row_splits[-1:]
         if len(ws.row_splits) == 2:  # the few-tokens split fits a block
-            assert local == (ws.row_splits[0]._replace(max_tokens=_ALL_TOKENS),), hidden
+            assert local == (ws.row_splits[0]._replace(max_tokens=ALL_TOKENS),), hidden
             assert local[0].vec_per_thread <= limits["few_tokens_vec_per_thread"]
         else:
             assert local == ws.row_splits, hidden
-        fixed = workspace._WorkspaceBase()
+        fixed = workspace.WorkspaceBase()
         fixed._init_common(world_size=1, rank=0, max_tokens=64, hidden=hidden, dtype=BF16, device_index=0,
                            timeout_s=0, oneshot_max_tokens=None, ranks_on_device=1, vec_per_thread=4)
         assert fixed.row_splits_for("local") == fixed.row_splits
-    two = workspace._WorkspaceBase()
+    two = workspace.WorkspaceBase()
     two._init_common(world_size=2, rank=0, max_tokens=1024, hidden=7168, dtype=BF16, device_index=0, timeout_s=0,
                      oneshot_max_tokens=None, ranks_on_device=1)
     assert all(two.row_splits_for(regime) == two.row_splits for regime in ("oneshot", "twoshot", "twoshot_pipelined"))
@@ -232,12 +232,12 @@ def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
 def test_a_bad_device_is_named_as_the_argument_it_came_in(bad, says):
     """One parser for a LocalWorkspace's `device` and an EmulatedWorld's `devices` entries."""
     from dispatch.local import device_index_of
-    from dispatch.workspace_arguments import _check_devices
+    from dispatch.workspace_arguments import check_devices
     with pytest.raises(ValueError, match=f"^device: .*{says}"):
         device_index_of(bad)
     with pytest.raises(ValueError, match=f"^devices: .*{says}"):
-        _check_devices(["cuda", bad], 2)
-    assert _check_devices(["cuda", "cuda"], 2) == [None, None]  # the current device, resolved later
+        check_devices(["cuda", bad], 2)
+    assert check_devices(["cuda", "cuda"], 2) == [None, None]  # the current device, resolved later
 
 
 def test_emulated_world_of_one_rank_is_refused_naming_world_size():

@@ -14,7 +14,7 @@ import pytest
 
 from dispatch import launcher, registry
 from dispatch.workspace import LOCAL_STREAMING_REGIME
-from dispatch.workspace_sizes import _split
+from dispatch.workspace_sizes import row_split
 from generator import abi, render, spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -48,18 +48,18 @@ def test_latency_programs_have_a_cluster_kernel_and_no_other_program_has(rendere
                                             (5120, 1), (256, 1), (16384, 8)])
 def test_cluster_blocks_divide_the_rows_warps(hidden, blocks):
     """The few-tokens split's warps over the largest divisor <= 8, for rows of 12 warps or more."""
-    split = _split(hidden // 8, 2, 256)
+    split = row_split(hidden // 8, 2, 256)
     assert launcher.cluster_blocks_for("local", (split,)) == blocks
     if blocks > 1:
         assert split.threads % (32 * blocks) == 0
 
 
 def test_no_cluster_outside_the_latency_layout_or_with_more_vectors_a_thread():
-    few = _split(7168 // 8, 2, 256)
+    few = row_split(7168 // 8, 2, 256)
     assert launcher.cluster_blocks_for(LOCAL_STREAMING_REGIME, (few,)) == 1
     assert launcher.cluster_blocks_for("oneshot", (few,)) == 1
-    assert launcher.cluster_blocks_for("local", (_split(7168 // 8, 4, 256),)) == 1  # not the all-loads row
-    assert launcher.cluster_blocks_for("local", (few, _split(7168 // 8, 4, 1 << 30))) == 1  # not one split
+    assert launcher.cluster_blocks_for("local", (row_split(7168 // 8, 4, 256),)) == 1  # not the all-loads row
+    assert launcher.cluster_blocks_for("local", (few, row_split(7168 // 8, 4, 1 << 30))) == 1  # not one split
     odd = few._replace(threads=440)  # not whole warps (the splits round to warps: defensive)
     assert launcher.cluster_blocks_for("local", (odd,)) == 1
     assert launcher.cluster_blocks_for("local", (few._replace(threads=10 * 32),)) == 1  # under 12 warps
@@ -88,7 +88,7 @@ class _FakeLauncher(launcher._Launcher):
         self.cluster_max_tokens = registry.program_set().limits["cluster_max_tokens"] if cluster_blocks > 1 else 0
         self.cluster_attrs = (launcher._cluster_attributes(cluster_blocks, False),
                               launcher._cluster_attributes(cluster_blocks, True))
-        self.row_splits = (_split(7168 // 8, 2, 1 << 30),)
+        self.row_splits = (row_split(7168 // 8, 2, 1 << 30),)
         self.sliced_units = self.column_units = False
         self.max_blocks = [132]
         self.dynamic_smem = 0
