@@ -208,18 +208,81 @@ template <typename D, int kVec, int kBatch>
 __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsigned& bad_rows,
                                                   uint4 (&res)[kMaxVecPerThread]) {
   static_assert(kVec <= kMaxVecPerThread, "kVec: at most kMaxVecPerThread vectors a thread");
-  const int K = p.top_k;
+  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
+  const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
   uint4 resid[kVec], shared_row[kVec];
   float acc[kVec][8];
-  load_residual_and_shared<D, kVec>(p, t, resid, shared_row, acc);
+#pragma unroll
+  for (int r = 0; r < kVec; ++r) {
+    const int v = r * blockDim.x + threadIdx.x;
+    const bool valid = r < vpt && v < nvec;
+    resid[r] = valid ? *reinterpret_cast<const uint4*>(residual + v * kElemsPerVec) : make_uint4(0, 0, 0, 0);
+    shared_row[r] = valid && p.shared_in != nullptr ? *reinterpret_cast<const uint4*>(shared + v * kElemsPerVec)
+                                                    : make_uint4(0, 0, 0, 0);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[r][i] = 0.f;
+  }
   const int* idx = p.expanded_idx + (long long)t * K;
   for (int k0 = 0; k0 < K; k0 += kBatch) {
-    int given[kBatch];
+    int row[kBatch];  // >= 0: the route's row; -1: dropped or past top_k; -2: out of range (skipped, counted)
+    float scale[kBatch];
 #pragma unroll
-    for (int j = 0; j < kBatch; ++j) given[j] = k0 + j < K ? idx[k0 + j] : -1;
-    add_routes<D, kVec, kBatch>(p, t, k0, given, acc, bad_rows);
+    for (int j = 0; j < kBatch; ++j) {
+      const int k = k0 + j;
+      const int given = k < K ? idx[k] : -1;
+      const bool in_range = given >= 0 && given < p.rows;
+      float s = 0.f;
+      if (in_range) {
+        if (p.scale_kind == 0) s = 1.f;
+        else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+        else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
+      }
+      scale[j] = s;
+      row[j] = in_range ? given : given >= p.rows ? -2 : -1;
+    }
+    uint4 rows[kVec][kBatch];
+#pragma unroll
+    for (int r = 0; r < kVec; ++r) {
+      const int v = r * blockDim.x + threadIdx.x;
+      const bool valid = r < vpt && v < nvec;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        rows[r][j] = valid && row[j] >= 0 ? *reinterpret_cast<const uint4*>(static_cast<const D*>(p.allreduce_in) +
+                                                                             (long long)row[j] * H + v * kElemsPerVec)
+                                          : make_uint4(0, 0, 0, 0);
+        if (valid && row[j] == -2) ++bad_rows;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < kVec; ++r)
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        float x[8];
+        Vec<D>::to_float(rows[r][j], x);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[r][i] = fmaf(scale[j], x[i], acc[r][i]);
+      }
   }
-  store_residual_out<D, kVec>(p, t, resid, shared_row, acc, res);
+  D* residual_out = static_cast<D*>(p.residual_out) + (long long)t * H;
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    res[r] = make_uint4(0, 0, 0, 0);
+    const int v = r * blockDim.x + threadIdx.x;
+    if (r >= kVec || r >= vpt || v >= nvec) continue;
+    float s[8], x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s[i] = acc[r][i] * p.routed_scaling_factor;
+    if (p.shared_in != nullptr) {
+      Vec<D>::to_float(shared_row[r], x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s[i] += x[i];
+    }
+    Vec<D>::to_float(resid[r], x);
+    add_residual_from_zero(s, x);
+    res[r] = Vec<D>::from_float(s);
+    reinterpret_cast<uint4*>(residual_out)[v] = res[r];
+  }
 }
 
 // The expanded_idx entries of token t (-1 past top_k, and for t past the last token); top_k <= 8.
