@@ -147,7 +147,8 @@ _SHARED_MEANING = "+ shared-expert row prefetched into L2 before the exchange an
 FAMILY_BY_NAME = _by_name(
     Family("local", code="lc", title="local, world size 1",
            meaning="world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the "
-                   "residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)",
+                   "residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 "
+                   "tokens, four routes at a time above, the token's indices read first (few T)",
            base="local", protocol="local", regime="local", shared_prefetch=False, cpp_name="Local"),
     Family("local_streaming", code="lcs", title="local, world size 1, streaming",
            meaning="the local program for many tokens: two blocks a multiprocessor, each loading its row a few "

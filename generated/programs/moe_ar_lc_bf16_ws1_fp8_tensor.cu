@@ -1,6 +1,6 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
 // To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_lc_bf16_ws1_fp8_tensor: world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)
+// moe_ar_lc_bf16_ws1_fp8_tensor: world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 tokens, four routes at a time above, the token's indices read first (few T)
 // dtype bf16, world size 1, output profile fp8_tensor (quant="fp8_tensor"): norm_out + residual_out + FP8 E4M3 quant_out with a per-tensor scale given on the device
 #include "moe_finalize_allreduce.cuh"
 

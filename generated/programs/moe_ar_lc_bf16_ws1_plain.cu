@@ -1,6 +1,6 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
 // To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_lc_bf16_ws1_plain: world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)
+// moe_ar_lc_bf16_ws1_plain: world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 tokens, four routes at a time above, the token's indices read first (few T)
 // dtype bf16, world size 1, output profile plain (quant=None): norm_out + residual_out (input dtype)
 #include "moe_finalize_allreduce.cuh"
 

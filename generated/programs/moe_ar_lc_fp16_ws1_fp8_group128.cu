@@ -1,6 +1,6 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
 // To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_lc_fp16_ws1_fp8_group128: world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)
+// moe_ar_lc_fp16_ws1_fp8_group128: world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 tokens, four routes at a time above, the token's indices read first (few T)
 // dtype fp16, world size 1, output profile fp8_group128 (quant="fp8_group128"): norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two)
 #include "moe_finalize_allreduce.cuh"
 

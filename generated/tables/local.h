@@ -3,7 +3,7 @@
 #pragma once
 
 // Kernel table of family local (protocol local, base family local):
-//   world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used (few T)
+//   world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 tokens, four routes at a time above, the token's indices read first (few T)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
 // [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
