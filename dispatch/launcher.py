@@ -9,9 +9,7 @@ import struct
 import torch
 
 from . import registry
-from .workspace import LOCAL_LATENCY_REGIME
 
-_QUANT_FLAG_COLUMN_MAJOR, _QUANT_FLAG_POW2 = 1, 2  # Params.quant_flags bits (the template's QuantFlag)
 _POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
                    "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
 # The kernel argument fields each call argument's data pointer goes to.
@@ -96,8 +94,9 @@ class _Launcher:
         ctypes.memmove(ctypes.addressof(params), ctypes.addressof(self.template), ctypes.sizeof(params))
         scale = a["expert_scale_factor"]
         params.scale_kind = 0 if scale is None else (1 if scale.dtype == torch.float32 else 2)
-        params.quant_flags = ((_QUANT_FLAG_COLUMN_MAJOR if a["fp8_scale_layout"] == "column" else 0)
-                              | (_QUANT_FLAG_POW2 if a["fp8_pow2_scales"] else 0))
+        flags = registry.program_set().constants["QuantFlag"]  # Params.quant_flags bits (generator/abi.py)
+        params.quant_flags = ((flags["kScalesColumnMajor"] if a["fp8_scale_layout"] == "column" else 0)
+                              | (flags["kScalesPow2"] if a["fp8_pow2_scales"] else 0))
         params.fault_stop_after = ws._fault_stop_after_units
         params.tokens, params.top_k, params.rows = T, a["expanded_idx_to_permuted_idx"].shape[1], \
             a["allreduce_in"].shape[0]
@@ -156,7 +155,7 @@ def cluster_blocks_for(regime: str, row_splits) -> int:
     the largest C <= cluster_max_blocks that divides the warps of its one row split, where C >= 2, the
     row has cluster_min_warps warps or more and the split is the all-loads one (2 vectors a thread or
     fewer, whole warps)."""
-    if regime != LOCAL_LATENCY_REGIME or len(row_splits) != 1:
+    if regime != registry.LOCAL_LATENCY_REGIME or len(row_splits) != 1:
         return 1
     split = row_splits[0]
     limits = registry.program_set().limits

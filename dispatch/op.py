@@ -164,7 +164,7 @@ def _full_checks(workspace, kwargs: dict) -> CallPlan:
     launcher = launcher_for(workspace, name)
     if launcher.profile != profile:
         raise ValueError(f"program: {name} writes output profile {launcher.profile}, the call asks for {profile}")
-    if launcher.regime == "oneshot" and T > workspace.oneshot_max_tokens:
+    if launcher.regime == registry.ONESHOT_REGIME and T > workspace.oneshot_max_tokens:
         raise ValueError(f"program: one-shot {name} at {T} tokens exceeds the workspace's oneshot_max_tokens "
                          f"{workspace.oneshot_max_tokens}")
     return CallPlan(workspace, launcher, T, a, kwargs)

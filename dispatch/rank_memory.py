@@ -23,13 +23,31 @@ import os
 import numpy as np
 import torch
 
-from . import backend_facts
+from . import backend_facts, registry
 
 SENTINEL_WORD = 0x80008000  # two -0.0 halves
-STATE_WORDS = 8
-STATE_POISONED = 5  # nonzero after a wait timed out: kernels write the poisoned output until reset()
-STATE_BAD_ROWS = 6  # 64-bit: words 6 (low) and 7 (high)
-ERROR_WORDS = 4
+
+
+def state_word(name: str) -> int:
+    """A device state word's index, or kStateWords (their number): the manifest's StateWord
+    (generator/abi.py SHARED_ENUMS, which params.cuh renders for the kernels)."""
+    return registry.program_set().constants["StateWord"][name]
+
+
+def error_word(name: str) -> int:
+    """A host-mapped error word's index, or kErrorWords (their number): the manifest's ErrorWord."""
+    return registry.program_set().constants["ErrorWord"][name]
+
+
+_LAZY = {"STATE_WORDS": (state_word, "kStateWords"), "STATE_BAD_ROWS": (state_word, "kBadRows"),
+         "ERROR_WORDS": (error_word, "kErrorWords")}
+
+
+def __getattr__(name):  # the names of _LAZY, for importers: read from the manifest at first use
+    if name in _LAZY:
+        fn, word = _LAZY[name]
+        return fn(word)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _CUDA_HOST_ALLOC_PORTABLE_MAPPED = 0x01 | 0x02
 # Torch's CUDA symmetric memory builds an NVLink multicast object at rendezvous unless this is set;
 # our kernels use none, and multicast can take a shared host's GPUs down.
@@ -124,10 +142,10 @@ class RankMemory:
             with cupy.cuda.Device(device_index):
                 self.block = buffers(device_index, self.buffer_bytes)
                 self.buffers = self.block.ptr
-                self.state = runtime.malloc(STATE_WORDS * 4)
-            self.error_host = runtime.hostAlloc(ERROR_WORDS * 4, _CUDA_HOST_ALLOC_PORTABLE_MAPPED)
+                self.state = runtime.malloc(state_word("kStateWords") * 4)
+            self.error_host = runtime.hostAlloc(error_word("kErrorWords") * 4, _CUDA_HOST_ALLOC_PORTABLE_MAPPED)
             # With unified addressing a mapped host allocation has the same address on the device.
-            self.error = np.ctypeslib.as_array((ctypes.c_uint32 * ERROR_WORDS).from_address(self.error_host))
+            self.error = np.ctypeslib.as_array((ctypes.c_uint32 * error_word("kErrorWords")).from_address(self.error_host))
             self.reset()
         except BaseException:
             self.free(quiet=True)  # what was taken before the step that failed
@@ -141,17 +159,17 @@ class RankMemory:
             mem = cupy.cuda.UnownedMemory(self.buffers, self.buffer_bytes, self, self.device_index)
             words = cupy.ndarray((self.buffer_bytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(mem, 0))
             words.fill(SENTINEL_WORD)
-            runtime.memset(self.state, 0, STATE_WORDS * 4)
+            runtime.memset(self.state, 0, state_word("kStateWords") * 4)
             runtime.deviceSynchronize()
         self.error[:] = 0
 
     def read_state(self) -> np.ndarray:
         import cupy
         from cupy.cuda import runtime
-        out = np.zeros(STATE_WORDS, np.uint32)
+        out = np.zeros(state_word("kStateWords"), np.uint32)
         with cupy.cuda.Device(self.device_index):
             runtime.deviceSynchronize()
-            runtime.memcpy(out.ctypes.data, self.state, STATE_WORDS * 4, runtime.memcpyDeviceToHost)
+            runtime.memcpy(out.ctypes.data, self.state, state_word("kStateWords") * 4, runtime.memcpyDeviceToHost)
         return out
 
     def free(self, quiet: bool = False) -> None:
@@ -199,10 +217,10 @@ class LocalMemory:
         import cupy
         from cupy.cuda import runtime
         self.device_index = device_index
-        self.error = np.zeros(ERROR_WORDS, np.uint32)
+        self.error = np.zeros(error_word("kErrorWords"), np.uint32)
         self.state = 0
         with cupy.cuda.Device(device_index):
-            self.state = runtime.malloc(STATE_WORDS * 4)
+            self.state = runtime.malloc(state_word("kStateWords") * 4)
         try:
             self.reset()
         except BaseException:
@@ -214,7 +232,7 @@ class LocalMemory:
         import cupy
         from cupy.cuda import runtime
         with cupy.cuda.Device(self.device_index):
-            runtime.memset(self.state, 0, STATE_WORDS * 4)
+            runtime.memset(self.state, 0, state_word("kStateWords") * 4)
             runtime.deviceSynchronize()
 
     read_state = RankMemory.read_state  # synchronize, copy the state words to the host

@@ -63,6 +63,10 @@ class _ProgramSet:
                       for p in self.manifest["programs"]}
         self.params = [tuple(x) for x in self.manifest["param_plan"]]
         self.limits = self.manifest["limits"]
+        # the words and bits the kernels share with the runtime: enum -> {C++ name: value}, and meanings
+        self.constants = {e["name"]: {x["name"]: x["value"] for x in e["entries"]} for e in self.manifest["constants"]}
+        self.constant_meanings = {e["name"]: {x["value"]: x["meaning"] for x in e["entries"]}
+                                  for e in self.manifest["constants"]}
         selection = self.manifest["selection"]
         # The regime ladder: (regime, the boundary field that ends its range, or None for the last).
         self.ladder = [tuple(rung) for rung in selection["ladder"]]
@@ -123,8 +127,12 @@ def params_struct() -> type:
 
 # ---- selection --------------------------------------------------------------------------
 
-# The regime whose range a workspace's one-shot buffer caps (its oneshot_max_tokens).
+# The regimes the runtime treats apart, by their manifest names (generator/spec.py; the manifest's
+# ladder must list them, test_abi_constants_cpu.py): the one whose range a workspace's one-shot buffer
+# caps (its oneshot_max_tokens), and world size 1's latency and streaming layouts.
 ONESHOT_REGIME = "oneshot"
+LOCAL_LATENCY_REGIME = "local"
+LOCAL_STREAMING_REGIME = "local_streaming"
 
 
 def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool,

@@ -36,10 +36,18 @@ import warnings
 from . import registry
 
 ENV_VAR = "MOE_AR_TABLES"
-# What `gen-programs tune` writes (generator/table_sets.py holds the generator's copy of these two).
-TUNE_FORMAT = "moe_ar_table_set"
-TUNE_VERSION = 1
-KEYS = ("tokens", "bytes_per_rank")
+
+
+def tune_format() -> tuple:
+    """(format, version) of the file `gen-programs tune` writes: the manifest's (generator/table_sets.py)."""
+    tune_file = registry.program_set().manifest["selection"]["tune_file"]
+    return tune_file["format"], tune_file["version"]
+
+
+def keys() -> frozenset:
+    """What a cell's boundaries may count (tokens, or bytes a rank): the manifest's selection keys."""
+    return frozenset(registry.program_set().manifest["selection"]["keys"])
+
 
 log = logging.getLogger("moe_ar.tables")
 _said = set()       # log lines and warnings already given in this process
@@ -222,7 +230,7 @@ def _cells(rows, fields: tuple, all_tokens: int, where: str) -> dict:
             measured = None if row["measured"] is None else tuple(row["measured"])
             by_hidden = {int(hidden): (tuple(own["limits"][field] for field in fields), tuple(own["measured"]))
                          for hidden, own in row.get("by_hidden", {}).items()}
-            ok = (row["key"] in KEYS and _ladder(limits, all_tokens) and (measured is None or _range(measured))
+            ok = (row["key"] in keys() and _ladder(limits, all_tokens) and (measured is None or _range(measured))
                   and all(hidden > 0 and _ladder(own, all_tokens) and _range(own_measured)
                           for hidden, (own, own_measured) in by_hidden.items()))
             if not ok:
@@ -288,9 +296,10 @@ def read_user_set(path, argument: str) -> UserSet:
         doc = json.loads(pathlib.Path(path).read_text())
     except (OSError, ValueError) as e:
         raise ValueError(f"{argument}: cannot read a table set from {str(path)!r} ({type(e).__name__}: {e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != TUNE_FORMAT or doc.get("version") != TUNE_VERSION:
-        raise ValueError(f"{argument}: {str(path)!r} is not a table set of format {TUNE_FORMAT!r} version "
-                         f"{TUNE_VERSION} (written by `gen-programs tune`)")
+    tune_format_name, tune_version = tune_format()
+    if not isinstance(doc, dict) or doc.get("format") != tune_format_name or doc.get("version") != tune_version:
+        raise ValueError(f"{argument}: {str(path)!r} is not a table set of format {tune_format_name!r} version "
+                         f"{tune_version} (written by `gen-programs tune`)")
     try:
         found = doc["set"]
         match, name, sha = found["match"], str(found["name"]), str(found["program_set_sha256"])

@@ -23,18 +23,20 @@ import torch
 
 from . import registry, table_sets
 from .backend_facts import nvlink_domain, symm_mem_unavailable
-from .rank_memory import STATE_BAD_ROWS, LocalMemory, RankMemory, SymmMemBuffers
+from .rank_memory import LocalMemory, RankMemory, SymmMemBuffers, error_word, state_word
 from .rendezvous import (RankDescriptor, RendezvousOk, choose_backend, exchange_status, gather_status, gpu_identity,
                          host_identity, program_set_sha256, raise_failures, rendezvous, rendezvous_attempt)
 from .workspace_arguments import DTYPES, check_backend, check_workspace_arguments, timeout_ns_from
 from .workspace_sizes import ALL_TOKENS, buffer_elems_for, check_sizes, row_split
 
-PHASES = {0: "none", 1: "reduce-scatter (waiting for peers' partials)",
-          2: "all-gather (waiting for the owners' residual_out rows)", 3: "one-shot (waiting for peers' partials)"}
+
+def phase_meaning(phase: int) -> str:
+    """What a call waited for in the phase it timed out in (the manifest's Phase, generator/abi.py)."""
+    return registry.program_set().constant_meanings["Phase"].get(phase, str(phase))
+
+
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
 
-LOCAL_LATENCY_REGIME = "local"  # world size 1's latency layout (generator/spec.py)
-LOCAL_STREAMING_REGIME = "local_streaming"  # and its streaming layout
 _live_workspaces = weakref.WeakSet()  # every constructed, not yet closed workspace, for dispatch.check()
 
 
@@ -123,9 +125,9 @@ class WorkspaceBase:
         a multiprocessor (bench_results/world_size_1/two_blocks/). A split fixed by vec_per_thread is
         every program's."""
         if self.vec_per_thread is None and len(self.row_splits) == 2:
-            if regime == LOCAL_LATENCY_REGIME:
+            if regime == registry.LOCAL_LATENCY_REGIME:
                 return (self.row_splits[0]._replace(max_tokens=ALL_TOKENS),)
-            if regime == LOCAL_STREAMING_REGIME and not row_stages:
+            if regime == registry.LOCAL_STREAMING_REGIME and not row_stages:
                 return (self.row_splits[1],)
         return self.row_splits
 
@@ -138,9 +140,10 @@ class WorkspaceBase:
 
     def _check_error_words(self) -> None:
         err = self._memory.error
-        if err[0]:
+        if err[0]:  # kErrCode is word 0 (test_abi_constants_cpu.py keeps it there): the launch path's check
+            rank, phase = int(err[error_word("kErrRank")]), int(err[error_word("kErrPhase")])
             raise RuntimeError(
-                f"moe_finalize_allreduce: rank {int(err[2])} timed out in phase {PHASES.get(int(err[1]), err[1])} "
+                f"moe_finalize_allreduce: rank {rank} timed out in phase {phase_meaning(phase)} "
                 f"(a peer did not take part in a call within {self.timeout_ns / 1e9:g} s). The workspace's buffers "
                 f"are now inconsistent: call reset() on every rank's workspace (or rebuild them) before the next call.")
 
@@ -148,7 +151,8 @@ class WorkspaceBase:
         """Raise RuntimeError if a kernel of this rank timed out; report skipped out-of-range rows."""
         self._check_error_words()
         state = self._memory.read_state()
-        bad_rows = int(state[STATE_BAD_ROWS]) | int(state[STATE_BAD_ROWS + 1]) << 32
+        low = state_word("kBadRows")  # 64-bit: this word and the next
+        bad_rows = int(state[low]) | int(state[low + 1]) << 32
         if bad_rows:
             raise RuntimeError(f"moe_finalize_allreduce: rank {self.rank}: routes had an expanded_idx_to_permuted_idx "
                                f"entry >= allreduce_in.shape[0]; they were skipped ({bad_rows} "

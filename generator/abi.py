@@ -41,6 +41,42 @@ PARAMS = (
     ("weight_bias", "float", "c_float", "0, or 1 for (1 + gamma)"),
 )
 
+# Words and bits the kernels and the runtime share, rendered into params.cuh as C++ enums and into
+# the manifest's "constants", from which the runtime reads them: (enum, what it numbers, entries of
+# (C++ name, value, meaning)).
+SHARED_ENUMS = (
+    ("StateWord", "a rank's device state words (Params.state), 32-bit each", (
+        ("kCallCounter", 0, "the call counter (buffers rotate by call % 3)"),
+        ("kExtent0", 1, "kExtent0 + b: the extent the last call wrote into buffer b, in 16-byte vectors"),
+        ("kDoneBlocks", 4, "blocks of this call done (the last one ends the call)"),
+        ("kPoisoned", 5, "0, or 1 + the call counter of the call in which a wait timed out"),
+        ("kBadRows", 6, "skipped out-of-range route loads, 64-bit: words 6 (low) and 7 (high)"),
+        ("kStateWords", 8, "the number of state words"))),
+    ("ErrorWord", "the host-mapped error words (Params.error)", (
+        ("kErrCode", 0, "an ErrorCode"),
+        ("kErrPhase", 1, "the Phase the wait timed out in"),
+        ("kErrRank", 2, "the rank that timed out"),
+        ("kErrorWords", 4, "the number of error words (one spare)"))),
+    ("ErrorCode", "what the error words report", (
+        ("kErrNone", 0, "no error"),
+        ("kErrTimeout", 1, "a wait for a peer timed out"))),
+    ("Phase", "where a call waits for its peers", (
+        ("kPhaseNone", 0, "none"),
+        ("kPhaseReduceScatter", 1, "reduce-scatter (waiting for peers' partials)"),
+        ("kPhaseAllGather", 2, "all-gather (waiting for the owners' residual_out rows)"),
+        ("kPhaseOneShot", 3, "one-shot (waiting for peers' partials)"))),
+    ("QuantFlag", "bits of Params.quant_flags (profile fp8_group128)", (
+        ("kScalesColumnMajor", 1, "scale_out column-major"),
+        ("kScalesPow2", 2, "power-of-two scales"))),
+)
+
+
+def shared_enums() -> list[dict]:
+    """SHARED_ENUMS as the template and the manifest take them."""
+    return [{"name": name, "what": what, "entries": [{"name": n, "value": v, "meaning": m} for n, v, m in entries]}
+            for name, what, entries in SHARED_ENUMS]
+
+
 # Launch limits shared by the template (rendered in) and the runtime (through the manifest):
 # a row of H elements is held by at most MAX_THREADS threads x MAX_VEC_PER_THREAD 16-byte vectors,
 # so H <= MAX_THREADS * MAX_VEC_PER_THREAD * 8 = 16384.

@@ -12,7 +12,7 @@ from moe_ar_common.manifest_reader import FORMAT, sha256_bytes
 
 from . import abi, spec
 from .enumeration import Enumeration
-from .table_sets import TableSet
+from .table_sets import TUNE_FORMAT, TUNE_VERSION, TableSet
 from .tuning import ALL_TOKENS
 
 # How a program is launched; the runtime computes the numbers from H, T and the
@@ -133,6 +133,8 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
             "code_sha256": code_sha256[body["entry"]],
         },
         "param_plan": [[name, ctype, ctypes] for name, ctype, ctypes, _ in abi.PARAMS],
+        # Words and bits the kernels and the runtime share (params.cuh renders the same enums).
+        "constants": abi.shared_enums(),
         "limits": {
             "max_world_size": abi.MAX_WORLD_SIZE,
             "max_threads": abi.MAX_THREADS,
@@ -153,6 +155,8 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
             "ladder": [[regime.name, regime.max_tokens_field] for regime in spec.LADDER],
             "all_tokens": ALL_TOKENS,
             "keys": KEY_MEANINGS,
+            # what `gen-programs tune` writes, which the runtime reads (a user's table set)
+            "tune_file": {"format": TUNE_FORMAT, "version": TUNE_VERSION},
             # The committed sets, then the written model (match null): the runtime takes the set for
             # its device (dispatch/table_sets.py), and the model where none matches.
             "sets": [selection_set(table_set) for table_set in sets],

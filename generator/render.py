@@ -290,7 +290,8 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
         max_world_size=abi.MAX_WORLD_SIZE,
         max_vec_per_thread=abi.MAX_VEC_PER_THREAD,
         max_threads=abi.MAX_THREADS,
-        all_loads_max_tokens=abi.ALL_LOADS_MAX_TOKENS)}
+        all_loads_max_tokens=abi.ALL_LOADS_MAX_TOKENS,
+        enums=abi.shared_enums())}
     body_sources = {PARAMS_FILE: f"templates/{PARAMS_TEMPLATE}"}
     for path in sorted((root / KERNEL_DIR).glob("*.cuh")):
         rel = f"{BODY_DIR}/{path.name}"

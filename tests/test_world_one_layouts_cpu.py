@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 from dispatch import launcher, registry
-from dispatch.workspace import LOCAL_STREAMING_REGIME
+from dispatch.registry import LOCAL_STREAMING_REGIME
 from dispatch.workspace_sizes import row_split
 from generator import abi, render, spec
 

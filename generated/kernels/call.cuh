@@ -12,18 +12,15 @@ enum class Profile { kPlain, kNvfp4, kFp8Group128, kFp8Tensor };
 // kLocal, kLocalStreaming: world size 1 (local.cuh)
 enum class Regime { kOneShot, kTwoShot, kTwoShotEarly, kTwoShotPipelined, kLocal, kLocalStreaming };
 
-// Device state words of one rank (Params.state).
+// Device state words of one rank (Params.state), the host-mapped error words (Params.error, read by the
+// host without a synchronization), error codes and phases: enums StateWord, ErrorWord, ErrorCode and
+// Phase of params.cuh (generator/abi.py SHARED_ENUMS, which the runtime reads from the manifest).
 // kExtent0 + b: the extent the last call wrote into buffer b, in 16-byte vectors (H % 16 == 0 makes
 // it exact; 2^32 vectors are 64 GiB a buffer, and dispatch/workspace.py check_sizes refuses more).
 // kPoisoned: 0, or 1 + the call counter of the call in which a wait of this rank timed out (that
 // call's own reads of it then do not count as poisoned, so the word is block-uniform without a barrier).
 // kBadRows (64-bit, words 6 and 7) counts 16-byte loads of routes skipped because their row was >= R
 // (read by dispatch.check()).
-enum StateWord { kCallCounter = 0, kExtent0 = 1, kDoneBlocks = 4, kPoisoned = 5, kBadRows = 6, kStateWords = 8 };
-// Host-mapped error words (Params.error), read by the host without a synchronization.
-enum ErrorWord { kErrCode = 0, kErrPhase = 1, kErrRank = 2 };
-enum ErrorCode { kErrNone = 0, kErrTimeout = 1 };
-enum Phase { kPhaseNone = 0, kPhaseReduceScatter = 1, kPhaseAllGather = 2, kPhaseOneShot = 3 };
 
 // The state words are written by the previous call's last block, on some other SM, and with PDL this
 // kernel starts while that call still runs: read them from L2, never from a possibly stale L1 line.

@@ -11,8 +11,7 @@ namespace moe_ar {
 constexpr float kE4m3Max = 448.f;       // largest finite FP8 E4M3 value
 constexpr int kFp8Group = 128;          // elements per FP8 scale group: 16 vectors
 constexpr float kFp8GroupEps = 1e-10f;  // floor of a group's amax
-// Params.quant_flags (profile fp8_group128)
-enum QuantFlag { kScalesColumnMajor = 1, kScalesPow2 = 2 };
+// Params.quant_flags (profile fp8_group128): enum QuantFlag of params.cuh (generator/abi.py)
 
 // 2^ceil(log2(s)) for a normal s > 0, from the bits: a power of two stays, anything else moves up to
 // the next exponent. (s >= 1e-10 / 448 is always normal.)

@@ -11,6 +11,40 @@ constexpr int kMaxVecPerThread = 4;  // 16-byte vectors of a row one thread hold
 constexpr int kMaxThreads = 512;              // threads of a block
 constexpr int kAllLoadsMaxTokens = 16;  // world size 1's latency layout: every load at once up to here
 
+// a rank's device state words (Params.state), 32-bit each
+enum StateWord {
+  kCallCounter = 0,  // the call counter (buffers rotate by call % 3)
+  kExtent0 = 1,  // kExtent0 + b: the extent the last call wrote into buffer b, in 16-byte vectors
+  kDoneBlocks = 4,  // blocks of this call done (the last one ends the call)
+  kPoisoned = 5,  // 0, or 1 + the call counter of the call in which a wait timed out
+  kBadRows = 6,  // skipped out-of-range route loads, 64-bit: words 6 (low) and 7 (high)
+  kStateWords = 8,  // the number of state words
+};
+// the host-mapped error words (Params.error)
+enum ErrorWord {
+  kErrCode = 0,  // an ErrorCode
+  kErrPhase = 1,  // the Phase the wait timed out in
+  kErrRank = 2,  // the rank that timed out
+  kErrorWords = 4,  // the number of error words (one spare)
+};
+// what the error words report
+enum ErrorCode {
+  kErrNone = 0,  // no error
+  kErrTimeout = 1,  // a wait for a peer timed out
+};
+// where a call waits for its peers
+enum Phase {
+  kPhaseNone = 0,  // none
+  kPhaseReduceScatter = 1,  // reduce-scatter (waiting for peers' partials)
+  kPhaseAllGather = 2,  // all-gather (waiting for the owners' residual_out rows)
+  kPhaseOneShot = 3,  // one-shot (waiting for peers' partials)
+};
+// bits of Params.quant_flags (profile fp8_group128)
+enum QuantFlag {
+  kScalesColumnMajor = 1,  // scale_out column-major
+  kScalesPow2 = 2,  // power-of-two scales
+};
+
 // Passed by value; fields ordered by size, so that C and ctypes agree on padding.
 struct Params {
   const void* allreduce_in;  // [R, H] dtype, permuted expert rows (this rank's partials)
