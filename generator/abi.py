@@ -97,10 +97,10 @@ FEW_TOKENS_VEC_PER_THREAD = 2
 # few-tokens split): the row's warps over the largest C <= CLUSTER_MAX_BLOCKS blocks that divides
 # them. Faster than one block at H 7168, slower at H 4096 and 2048 (bench_results/world_size_1/cluster/).
 CLUSTER_MAX_TOKENS = 16
-# Its one-block layout issues every load of a row at once (one memory latency) up to
-# ALL_LOADS_MAX_TOKENS tokens; above, with a block on nearly every multiprocessor, all the rows'
-# loads at once measured slower than four routes at a time with the indices read first
-# (bench_results/world_size_1/mid_tokens/).
-ALL_LOADS_MAX_TOKENS = 16
 CLUSTER_MAX_BLOCKS = 8
 CLUSTER_MIN_WARPS = 12
+# Its one-block layout issues every load of a row at once (one memory latency) up to
+# ALL_LOADS_MAX_TOKENS tokens; above, with a block on nearly every multiprocessor, every load at once
+# measured slower than four routes at a time with the token's indices read first
+# (bench_results/world_size_1/mid_tokens/).
+ALL_LOADS_MAX_TOKENS = 16

@@ -108,8 +108,9 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
   }
 }
 
-// The batched rows' pieces. The residual and shared rows of the thread's kVec vectors (zero past the
-// row), acc zeroed.
+// The pieces of the latency layout's four-routes path (local_row_routes_given; local_row_batched
+// below is the streaming layout's own copy, kept as its SASS was measured). The residual and shared
+// rows of the thread's kVec vectors (zero past the row), acc zeroed.
 template <typename D, int kVec>
 __device__ __forceinline__ void load_residual_and_shared(const Params& p, int t, uint4 (&resid)[kVec],
                                                          uint4 (&shared_row)[kVec], float (&acc)[kVec][8]) {
