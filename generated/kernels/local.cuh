@@ -24,20 +24,6 @@
 
 namespace moe_ar {
 
-struct NoWork {
-  __device__ void operator()() const {}
-};
-
-// What a call writes once besides its rows: the NVFP4 reciprocal table of the block (read after the
-// first row's block_sum barriers) and the scale padding, a share of it each block (the grid's
-// stride). The latency layout does it under its first row's loads, whose latency hides it.
-template <Profile P>
-__device__ __forceinline__ void call_setup(const Params& p) {
-  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);
-  if (P == Profile::kNvfp4) zero_scale_padding(p);
-  if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
-}
-
 // s = (+0.0 + partial) + residual, the residual-add of both layouts: the sum starts from +0.0, as the
 // exchanges' does (a zero sum is +0.0). Correctly rounded adds, never contracted or folded.
 __device__ __forceinline__ void add_residual_from_zero(float (&s)[8], const float (&residual)[8]) {
@@ -49,12 +35,10 @@ __device__ __forceinline__ void add_residual_from_zero(float (&s)[8], const floa
 // (the residual and shared rows, then the routes' indices and weights, then every route's row of each
 // of its kVec vectors): one memory latency after the indices, not one per batch of routes and vector.
 // The additions are partial_f32's, in its order. For top_k <= kMaxRoutes and vec_per_thread <= kVec.
-// under_loads runs once every load is issued, before any is used (the call's setup, call_setup).
-template <typename D, int kVec, int kMaxRoutes, typename UnderLoads = NoWork>
+template <typename D, int kVec, int kMaxRoutes>
 __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsigned& bad_rows,
                                                     uint4 (&res)[kMaxVecPerThread],
-                                                    RowPlace place = block_row_place(),
-                                                    UnderLoads under_loads = {}) {
+                                                    RowPlace place = block_row_place()) {
   const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
   const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
@@ -96,7 +80,6 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
       if (valid && row[k] == -2) ++bad_rows;
     }
   }
-  under_loads();
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
     const int v = r * place.threads + place.thread;
@@ -148,10 +131,9 @@ __device__ __forceinline__ void load_residual_and_shared(const Params& p, int t,
 
 // Routes k0 .. k0 + kBatch - 1 of token t (given: their expanded_idx entries, -1 past top_k): each
 // route's kVec vectors loaded together, then added to acc in route order (partial_f32's additions).
-// under_loads runs once the batch's loads are issued, before any is used.
-template <typename D, int kVec, int kBatch, typename UnderLoads = NoWork>
+template <typename D, int kVec, int kBatch>
 __device__ __forceinline__ void add_routes(const Params& p, int t, int k0, const int (&given)[kBatch],
-                                           float (&acc)[kVec][8], unsigned& bad_rows, UnderLoads under_loads = {}) {
+                                           float (&acc)[kVec][8], unsigned& bad_rows) {
   const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
   int row[kBatch];  // >= 0: the route's row; -1: dropped or past top_k; -2: out of range (skipped, counted)
   float scale[kBatch];
@@ -181,7 +163,6 @@ __device__ __forceinline__ void add_routes(const Params& p, int t, int k0, const
       if (valid && row[j] == -2) ++bad_rows;
     }
   }
-  under_loads();
 #pragma unroll
   for (int r = 0; r < kVec; ++r)
 #pragma unroll
@@ -313,12 +294,10 @@ __device__ __forceinline__ void load_routes(const Params& p, int t, int (&routes
 }
 
 // The batched row with the token's route indices already read (routes, top_k <= 8): no memory trip
-// for the indices between the batches. The same additions, the same bits. under_loads runs under the
-// first batch's loads.
-template <typename D, int kVec, int kBatch, typename UnderLoads = NoWork>
+// for the indices between the batches. The same additions, the same bits.
+template <typename D, int kVec, int kBatch>
 __device__ __forceinline__ void local_row_routes_given(const Params& p, int t, const int (&routes)[8],
-                                                       unsigned& bad_rows, uint4 (&res)[kMaxVecPerThread],
-                                                       UnderLoads under_loads = {}) {
+                                                       unsigned& bad_rows, uint4 (&res)[kMaxVecPerThread]) {
   uint4 resid[kVec], shared_row[kVec];
   float acc[kVec][8];
   load_residual_and_shared<D, kVec>(p, t, resid, shared_row, acc);
@@ -328,9 +307,7 @@ __device__ __forceinline__ void local_row_routes_given(const Params& p, int t, c
     int given[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) given[j] = routes[k0 + j];
-    add_routes<D, kVec, kBatch>(p, t, k0, given, acc, bad_rows, [&] {
-      if (k0 == 0) under_loads();
-    });
+    add_routes<D, kVec, kBatch>(p, t, k0, given, acc, bad_rows);
   }
   store_residual_out<D, kVec>(p, t, resid, shared_row, acc, res);
 }
@@ -396,18 +373,15 @@ __device__ __forceinline__ void run_local(const Params& p) {
   allow_next_kernel();
   const int T = p.tokens;
   unsigned bad_rows = 0;
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's block_sum barriers
+  if (P == Profile::kNvfp4) zero_scale_padding(p);
+  if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;
   // every load of a row at once up to kAllLoadsMaxTokens, above four routes at a time, the token's
-  // indices read first. It does the call's setup under its first row's loads; the others first.
+  // indices read first.
   const bool fast_path = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
   const bool all_loads = fast_path && T <= kAllLoadsMaxTokens;
   const bool routes_first = fast_path && !all_loads;
-  if (!routes_first) call_setup<P>(p);
-  bool setup_pending = routes_first;
-  const auto setup_under_loads = [&] {
-    if (setup_pending) call_setup<P>(p);
-    setup_pending = false;
-  };
   extern __shared__ __align__(128) unsigned char dynamic_smem[];
   RowRing<D, (kRowStages > 0 ? kRowStages : 1), /*kLocal=*/true> ring;  // unused without the ring
   if constexpr (kRowStages > 0) {
@@ -429,7 +403,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
     } else if (routes_first) {
       int routes[8];
       load_routes(p, t, routes);
-      local_row_routes_given<D, 2, 4>(p, t, routes, bad_rows, res, setup_under_loads);
+      local_row_routes_given<D, 2, 4>(p, t, routes, bad_rows, res);
     } else if (all_loads) {
       local_row_all_loads<D, 2, 8>(p, t, bad_rows, res);
     } else {
@@ -437,7 +411,6 @@ __device__ __forceinline__ void run_local(const Params& p) {
     }
     norm_row<D, P>(p, t, res);
   }
-  if (setup_pending) call_setup<P>(p);  // a block without rows still zeroes its share of the padding
   // kBadRows counts a skipped route once a 16-byte vector; the ring counts it once a row
   const unsigned long long per_count = kRowStages > 0 ? p.hidden / kElemsPerVec : 1;
   if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), bad_rows * per_count);
@@ -453,11 +426,14 @@ __device__ __forceinline__ void run_local_cluster(const Params& p) {
   wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
   allow_next_kernel();  // as run_local: the grid is all resident at once
   unsigned bad_rows = 0;
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the sum of squares' barriers
+  if (P == Profile::kNvfp4) zero_scale_padding(p);
+  if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   const unsigned C = cluster_blocks();
   const RowPlace place{(int)(block_in_cluster() * blockDim.x + threadIdx.x), (int)(C * blockDim.x)};
   const int t = (int)(blockIdx.x / C);
   uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
-  local_row_all_loads<D, 2, 8>(p, t, bad_rows, res, place, [&] { call_setup<P>(p); });
+  local_row_all_loads<D, 2, 8>(p, t, bad_rows, res, place);
   norm_row<D, P, false, true, false, /*kClusterRow=*/true>(p, t, res, place);
   if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
 }
