@@ -31,7 +31,7 @@ from dispatch import op as dop
 from dispatch.call_arguments import CALL_DEFAULTS
 from dispatch.call_plan import CallPlan
 from dispatch.outputs import allocate_outputs
-from dispatch import table_sets, torch_op
+from dispatch import gpu_facts, table_sets, torch_op
 from dispatch.flashinfer_compat import trtllm_moe_finalize_allreduce_fusion
 from dispatch.workspace_state import WorkspaceState
 
@@ -48,7 +48,7 @@ class StubWorkspace:
         self.world_size, self.rank, self.max_tokens = world_size, rank, max_tokens
         self.oneshot_max_tokens = min(max_tokens, 1024)
         self.selection = table_sets.resolve(dtype=self.dtype_name, world_size=world_size, hidden=hidden,
-                                            elem_bytes=dtype.itemsize, device=table_sets.UNKNOWN_DEVICE, user=None,
+                                            elem_bytes=dtype.itemsize, device=gpu_facts.UNKNOWN_DEVICE, user=None,
                                             program_set_sha256="")
         self._moe_ar_state = WorkspaceState()
         self._moe_ar_state.memory = types.SimpleNamespace(error=[0])  # no timeout recorded
