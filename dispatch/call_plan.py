@@ -3,10 +3,11 @@ signature checks only what a signature does not fix.
 
 Everything the checks and the program choice depend on, except the data pointers, is a function
 of the call's signature: each argument's name and, for a tensor, its dtype, shape and device, for
-anything else its type and value (plus the workspace's fault-injection setting). The first call
-of a signature runs every check (call_arguments.check_call_arguments) and keeps a CallPlan: the program, the
-grid, the kernel argument with the call's scalars filled in, each tensor's dtype, shape and byte
-size. A later call is first matched against the workspace's most recent plans (an engine repeats
+anything else its type and value. (The workspace's test-only fault setting goes into a plan when it
+is built, and setting it drops the workspace's plans: no call checks it; workspace_state.py.) The
+first call of a signature runs every check (call_arguments.check_call_arguments) and keeps a
+CallPlan: the program, the grid, the kernel argument with the call's scalars filled in, each
+tensor's dtype, shape and byte size. A later call is first matched against the workspace's most recent plans (an engine repeats
 one signature over all its layers, or alternates between a few), then looked up by signature; a
 plan's match compares the signature directly, stopping at the first difference, and makes the
 checks a signature does not fix (contiguity, alignment, overlap) in one pass over the tensors.
@@ -42,10 +43,10 @@ def _pointer_order(a) -> tuple:
     return tuple(names)
 
 
-def plan_signature(ws, kwargs: dict):
+def plan_signature(kwargs: dict):
     """The dictionary key of a call's plan: each argument's name and, for a tensor, dtype, shape and
     device, for anything else type and value. None when an argument has no cheap one."""
-    parts = [ws._fault_stop_after_units]
+    parts = []
     try:
         for name, value in kwargs.items():
             if isinstance(value, torch.Tensor):
@@ -62,7 +63,7 @@ def plan_signature(ws, kwargs: dict):
 class CallPlan:
     """One call signature on one workspace, checked once (see above)."""
 
-    __slots__ = ("names", "fault", "device", "scalars", "tensors", "pairs", "fill", "launcher", "kernel",
+    __slots__ = ("names", "device", "scalars", "tensors", "pairs", "fill", "launcher", "kernel",
                  "writes_quant", "writes_scales")
 
     def __init__(self, ws, launcher, T, a: dict, given: dict):
@@ -73,7 +74,6 @@ class CallPlan:
             raise RuntimeError("moe_finalize_allreduce: internal error: a checked call has a tensor the kernel "
                                "does not take")
         self.names = frozenset(given)
-        self.fault = ws._fault_stop_after_units
         self.device = ws.device
         self.scalars = tuple((name, type(v), v) for name, v in given.items() if not isinstance(v, torch.Tensor))
         # (name, dtype, shape, alignment mask) of each tensor given, in kernel order
@@ -92,11 +92,11 @@ class CallPlan:
         self.writes_quant = a["quant"] is not None
         self.writes_scales = a["quant"] in ("nvfp4", "fp8_group128")
 
-    def match(self, ws, kw: dict):
+    def match(self, kw: dict):
         """The data pointers of the call's tensors, in kernel order, when `kw` has this plan's signature
         and passes the checks a signature does not fix (contiguity, alignment, overlap); else None
         (the caller looks further, and the full checks name what is wrong)."""
-        if kw.keys() != self.names or ws._fault_stop_after_units != self.fault:
+        if kw.keys() != self.names:
             return None
         for name, kind, value in self.scalars:
             v = kw[name]

@@ -15,21 +15,21 @@ from .workspace_arguments import check_devices, check_workspace_arguments
 
 class _EmulatedRank(WorkspaceBase):
     def __init__(self, world, rank, device_index, ranks_on_device):
+        super().__init__()
         self._init_common(world.world_size, rank, world.max_tokens, world.hidden, world.dtype, device_index,
                           world.timeout_s, world.oneshot_max_tokens, ranks_on_device, world.vec_per_thread,
                           world.tables, world.boundaries)
-        self._memory = RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
-        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
+        self._moe_ar_state.memory = RankMemory(device_index, self.buffer_elems, world.dtype.itemsize)
         self.world = world
 
     def check(self) -> None:
-        self._ensure_open()
+        self._moe_ar_state.ensure_open()
         super().check()
 
     def close(self) -> None:
-        if not self._closed:
+        if not self._moe_ar_state.closed:
             self._forget()
-            self._memory.free()
+            self._moe_ar_state.memory.free()
 
 
 class EmulatedWorld:
@@ -95,14 +95,15 @@ class EmulatedWorld:
             if len(labels) > 1:  # every rank must run the same regime for the same T
                 raise ValueError(f"devices: the ranks' GPUs select different tables ({', '.join(sorted(labels))}); "
                                  f"pass tables= or boundaries= so that they agree, or use GPUs of one kind")
-            ptrs = [w._memory.buffers for w in self.workspaces]
+            ptrs = [w._moe_ar_state.memory.buffers for w in self.workspaces]
+            ptrs += [0] * (registry.program_set().limits["max_world_size"] - world_size)
             for w in self.workspaces:
-                w._peer_buffers = ptrs + [0] * (registry.program_set().limits["max_world_size"] - world_size)
+                w._moe_ar_state.peer_buffers = list(ptrs)
             self.streams = [torch.cuda.Stream(device=d) for d in devices]
         except Exception as e:
             for w in self.workspaces:  # every rank built so far
-                w._memory.free(quiet=True)
-                w._closed = True
+                w._moe_ar_state.memory.free(quiet=True)
+                w._moe_ar_state.closed = True
             self.workspaces = []
             if isinstance(e, ValueError):
                 raise
@@ -112,7 +113,7 @@ class EmulatedWorld:
             register_workspace(w)
 
     def _ensure_open(self) -> None:
-        if any(w._closed for w in self.workspaces):
+        if any(w._moe_ar_state.closed for w in self.workspaces):
             raise ValueError("workspace: this world was closed")
 
     def run(self, per_rank_kwargs: list[dict]) -> list:
@@ -143,7 +144,7 @@ class EmulatedWorld:
         for d in set(self.devices):
             torch.cuda.synchronize(d)
         for w in self.workspaces:
-            w._memory.reset()
+            w._moe_ar_state.memory.reset()
 
     def check(self) -> None:
         """Workspace.check() for every rank."""

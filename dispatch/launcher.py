@@ -72,8 +72,9 @@ class _Launcher:
         template = self.template = registry.params_struct()()
         for r, ptr in enumerate(ws.peer_buffer_ptrs):
             template.peer_buffers[r] = ptr or None
-        template.state = ws._memory.state
-        template.error = ws._memory.error_host
+        memory = ws._moe_ar_state.memory
+        template.state = memory.state
+        template.error = memory.error_host
         template.buffer_elems = ws.buffer_elems
         template.timeout_ns = ws.timeout_ns
         template.hidden = ws.hidden
@@ -97,7 +98,7 @@ class _Launcher:
         flags = registry.program_set().constants["QuantFlag"]  # Params.quant_flags bits (generator/abi.py)
         params.quant_flags = ((flags["kScalesColumnMajor"] if a["fp8_scale_layout"] == "column" else 0)
                               | (flags["kScalesPow2"] if a["fp8_pow2_scales"] else 0))
-        params.fault_stop_after = ws._fault_stop_after_units
+        params.fault_stop_after = ws._moe_ar_state.fault_stop_after_units  # tests only; 0 in real use
         params.tokens, params.top_k, params.rows = T, a["expanded_idx_to_permuted_idx"].shape[1], \
             a["allreduce_in"].shape[0]
         params.routed_scaling_factor = a["routed_scaling_factor"]
@@ -256,7 +257,9 @@ def balanced_grid(units: int, max_blocks: int) -> int:
 
 
 def launcher_for(ws, name: str) -> _Launcher:
-    launcher = ws._launchers.get(name)
+    """The launcher of program `name` on workspace `ws`, built at its first use."""
+    launchers = ws._moe_ar_state.launchers
+    launcher = launchers.get(name)
     if launcher is None:
-        launcher = ws._launchers[name] = _Launcher(ws, name)
+        launcher = launchers[name] = _Launcher(ws, name)
     return launcher

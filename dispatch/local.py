@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import registry, table_sets
+from . import table_sets
 from .rank_memory import LocalMemory
 from .workspace import WorkspaceBase, register_workspace
 from .workspace_arguments import check_workspace_arguments, device_entry
@@ -54,32 +54,31 @@ class LocalWorkspace(WorkspaceBase):
 
     def __init__(self, max_tokens: int, hidden: int, dtype: torch.dtype, *, device=None,
                  vec_per_thread: int | None = None, tables=None, boundaries: dict | None = None):
-        self._memory = None
-        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]  # no peers: all null
+        super().__init__()  # no peers: every peer buffer null
         check_workspace_arguments(1, max_tokens, hidden, dtype, 0, None, vec_per_thread)
         table_sets.check_arguments(tables, boundaries)
         check_sizes(1, int(max_tokens), int(hidden), 0)
         device_index = device_index_of(device)
         self._init_common(1, 0, max_tokens, hidden, dtype, device_index, 0, None, ranks_on_device=1,
                           vec_per_thread=vec_per_thread, tables=tables, boundaries=boundaries)
-        self._memory = LocalMemory(device_index)
+        self._moe_ar_state.memory = LocalMemory(device_index)
         register_workspace(self)
 
     def reset(self) -> None:
         """Zero the count of skipped routes (synchronizes the device)."""
-        self._ensure_open()
-        self._memory.reset()
+        self._moe_ar_state.ensure_open()
+        self._moe_ar_state.memory.reset()
 
     def check(self) -> None:
-        self._ensure_open()
+        self._moe_ar_state.ensure_open()
         super().check()
 
     def close(self) -> None:
         """Release the state words (after this device's kernels have finished); idempotent."""
-        if self._closed:
+        if self._moe_ar_state.closed:
             return
         self._forget()
-        self._memory.free()
+        self._moe_ar_state.memory.free()
 
     def __enter__(self) -> "LocalWorkspace":
         return self

@@ -78,14 +78,14 @@ def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_
     kwargs["residual_in"] = residual_in
     kwargs["norm_weight"] = norm_weight
     try:
-        recent = workspace._recent_plans
+        state = workspace._moe_ar_state  # the package's state of the workspace (workspace_state.py)
+        recent = state.recent_plans
     except AttributeError:  # not a workspace: a check that costs the launch path nothing
         raise ValueError(_not_a_workspace("workspace", workspace)) from None
     if recent and not recent[0].fill:  # the short path of prepare_call, without a PreparedCall
-        workspace._ensure_open()
-        workspace._check_error_words()
+        state.ensure_callable()
         plan = recent[0]
-        pointers = plan.match(workspace, kwargs)
+        pointers = plan.match(kwargs)
         if pointers is not None:
             return plan.run(pointers, kwargs)
     return prepare_call(workspace, kwargs).launch()
@@ -105,19 +105,20 @@ _KNOWN = frozenset(CALL_DEFAULTS) | frozenset(REQUIRED)
 def prepare_call(workspace, kwargs: dict) -> PreparedCall:
     """Everything of a call but the launch: checks, outputs, program choice (compiling it at first use).
     `kwargs` (the call's keyword arguments) gets the allocated outputs."""
-    if not hasattr(workspace, "_recent_plans"):
-        raise ValueError(_not_a_workspace("workspace", workspace))
-    workspace._ensure_open()
-    workspace._check_error_words()
-    recent = workspace._recent_plans
+    try:
+        state = workspace._moe_ar_state
+        recent = state.recent_plans
+    except AttributeError:
+        raise ValueError(_not_a_workspace("workspace", workspace)) from None
+    state.ensure_callable()
     for i, plan in enumerate(recent):
-        pointers = plan.match(workspace, kwargs)
+        pointers = plan.match(kwargs)
         if pointers is not None:
             if i:
                 recent.insert(0, recent.pop(i))
             break
     else:
-        plan, pointers = _plan_for(workspace, kwargs)
+        plan, pointers = _plan_for(workspace, state.plans, kwargs)
         recent.insert(0, plan)
         del recent[_RECENT_PLANS:]
     if plan.fill:
@@ -126,16 +127,15 @@ def prepare_call(workspace, kwargs: dict) -> PreparedCall:
     return PreparedCall(plan, pointers, kwargs)
 
 
-def _plan_for(workspace, kwargs: dict):
+def _plan_for(workspace, plans: dict, kwargs: dict):
     """(plan, data pointers) of a call that matched none of the workspace's recent plans: its
-    signature's plan, or a new one after the full checks."""
-    plans = workspace._plans
-    signature = plan_signature(workspace, kwargs)
+    signature's plan in `plans` (the workspace's), or a new one after the full checks."""
+    signature = plan_signature(kwargs)
     plan = plans.get(signature) if signature is not None else None
-    pointers = plan.match(workspace, kwargs) if plan is not None else None
+    pointers = plan.match(kwargs) if plan is not None else None
     if pointers is None:
         plan = _full_checks(workspace, kwargs)
-        pointers = plan.match(workspace, kwargs)
+        pointers = plan.match(kwargs)
         if pointers is None:  # cannot happen after the full checks passed
             raise RuntimeError("moe_finalize_allreduce: internal error: a checked call failed its plan's checks")
         if signature is not None:

@@ -18,11 +18,11 @@ below it a call runs no later rung than the range's first, above it no earlier t
 otherwise what the next set of the chain runs; a table is never stretched past what it measured.
 `boundaries=` then pins fields by hand (tokens, every output profile), the others clamped to keep
 the ladder in order. The choice is logged once (logger "moe_ar.tables", INFO) and
-`selection_info(workspace)` answers with the set and each cell's source.
+`selection_info(workspace)` answers with the set and each cell's source. The device's key (product,
+capability, SM count, interconnect) comes from gpu_facts.py, which probes the machine.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import functools
 import hashlib
@@ -33,7 +33,8 @@ import pathlib
 import threading
 import warnings
 
-from . import registry
+from . import gpu_facts, registry
+from .gpu_facts import DeviceKey
 
 ENV_VAR = "MOE_AR_TABLES"
 
@@ -64,129 +65,6 @@ def _once(kind: str, text: str) -> None:
         log.info(text)
     else:
         warnings.warn(text, RuntimeWarning, stacklevel=4)
-
-
-# ---- the device -----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class DeviceKey:
-    """What a table set is matched against."""
-    product: str | None         # torch's device name, "NVIDIA H200"
-    capability: str | None      # "9.0"
-    sm_count: int | None
-    interconnect: str           # "nvlink" (an active NVLink), "none", or "unknown" (no NVML to ask)
-
-    def describe(self) -> str:
-        return (f"{self.product or 'an unknown GPU'} (compute capability {self.capability}, {self.sm_count} SMs, "
-                f"interconnect {self.interconnect})")
-
-
-UNKNOWN_DEVICE = DeviceKey(None, None, None, "unknown")
-
-
-class NvmlLibrary:
-    """The few NVML calls used here, on the driver's libnvidia-ml.so.1 through ctypes (as torch.cuda
-    loads it; no Python package), under pynvml's names, so that pynvml or a fake can stand in."""
-    NVML_NVLINK_MAX_LINKS = 18
-    NVML_FEATURE_ENABLED = 1
-
-    def __init__(self):
-        self._lib = ctypes.CDLL("libnvidia-ml.so.1")
-
-    def _call(self, name: str, *args) -> None:
-        code = getattr(self._lib, name)(*args)
-        if code:
-            raise RuntimeError(f"{name} returned {code}")
-
-    def nvmlInit(self) -> None:
-        self._call("nvmlInit_v2")
-
-    def nvmlShutdown(self) -> None:
-        self._call("nvmlShutdown")
-
-    def nvmlDeviceGetHandleByUUID(self, uuid: str):
-        handle = ctypes.c_void_p()
-        self._call("nvmlDeviceGetHandleByUUID", str(uuid).encode(), ctypes.byref(handle))
-        return handle
-
-    def nvmlDeviceGetNvLinkState(self, handle, link: int) -> int:
-        value = ctypes.c_uint()
-        self._call("nvmlDeviceGetNvLinkState", handle, ctypes.c_uint(link), ctypes.byref(value))
-        return value.value
-
-    def nvmlDeviceGetNvLinkVersion(self, handle, link: int) -> int:
-        value = ctypes.c_uint()
-        self._call("nvmlDeviceGetNvLinkVersion", handle, ctypes.c_uint(link), ctypes.byref(value))
-        return value.value
-
-    def nvmlSystemGetDriverVersion(self) -> str:
-        text = ctypes.create_string_buffer(96)
-        self._call("nvmlSystemGetDriverVersion", text, ctypes.c_uint(96))
-        return text.value.decode()
-
-
-def nvml_library():
-    """NVML of the driver (NvmlLibrary), None where the driver's library is not there."""
-    try:
-        return NvmlLibrary()
-    except OSError:
-        return None
-
-
-def nvlink_state(uuid: str | None, nvml=None) -> dict:
-    """{kind, links, generation} of a GPU's NVLinks through NVML (`nvml`: pynvml's interface, default
-    the driver's library): kind "nvlink" where a link is active, "none" where NVML knows of none,
-    "unknown" without NVML or the GPU's UUID."""
-    nvml = nvml if nvml is not None else nvml_library()
-    if nvml is None or not uuid:
-        return {"kind": "unknown", "links": None, "generation": None}
-    try:
-        nvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver library: nothing to ask
-        return {"kind": "unknown", "links": None, "generation": None}
-    try:
-        handle = nvml.nvmlDeviceGetHandleByUUID(uuid if str(uuid).startswith("GPU-") else f"GPU-{uuid}")
-        links, generation = 0, None
-        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-            try:
-                if nvml.nvmlDeviceGetNvLinkState(handle, link) == nvml.NVML_FEATURE_ENABLED:
-                    links += 1
-                    generation = generation or nvml.nvmlDeviceGetNvLinkVersion(handle, link)
-            except Exception:  # noqa: BLE001 - a link the GPU does not have, or no NVLink at all
-                continue
-        return {"kind": "nvlink" if links else "none", "links": links, "generation": generation}
-    except Exception:  # noqa: BLE001 - NVML present but the GPU not found through it
-        return {"kind": "unknown", "links": None, "generation": None}
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
-
-
-def describe_device(device_index: int, cuda=None, nvml=None) -> DeviceKey:
-    """The key of a CUDA device (torch's properties, NVML for the interconnect); UNKNOWN_DEVICE where
-    CUDA is not available. `cuda` (torch.cuda's interface) and `nvml` (NvmlLibrary's) may be fakes."""
-    if cuda is None and nvml is None:
-        return _described(device_index)
-    return _describe(device_index, cuda, nvml)
-
-
-@functools.lru_cache(maxsize=None)
-def _described(device_index: int) -> DeviceKey:
-    return _describe(device_index, None, None)
-
-
-def _describe(device_index: int, cuda, nvml) -> DeviceKey:
-    if cuda is None:
-        import torch
-        cuda = torch.cuda
-    if not cuda.is_available():
-        return UNKNOWN_DEVICE
-    props = cuda.get_device_properties(device_index)
-    uuid = getattr(props, "uuid", None)
-    return DeviceKey(props.name, f"{props.major}.{props.minor}", int(props.multi_processor_count),
-                     nvlink_state(None if uuid is None else str(uuid), nvml)["kind"])
 
 
 # ---- sets -----------------------------------------------------------------------------------
@@ -513,8 +391,8 @@ def for_workspace(dtype: str, world_size: int, hidden: int, elem_bytes: int, dev
     override; the choice logged once per process."""
     user, where = _user_set(tables)
     selection = resolve(dtype=dtype, world_size=world_size, hidden=hidden, elem_bytes=elem_bytes,
-                        device=describe_device(device_index), user=user, program_set_sha256=_program_set_sha256(),
-                        boundaries=boundaries, where=where)
+                        device=gpu_facts.describe_device(device_index), user=user,
+                        program_set_sha256=_program_set_sha256(), boundaries=boundaries, where=where)
     pinned = f", boundaries pinned: {selection.pinned}" if selection.pinned else ""
     _once("log", f"moe_ar tables: {selection.device.describe()}: set {selection.set} ({selection.why}) for "
                  f"{dtype} world size {world_size}{pinned}")

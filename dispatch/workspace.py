@@ -12,7 +12,9 @@ sizes, the kernel's 32-bit limits, the row split), backend_facts.py (whether tor
 is usable, the GPU's NVLink domain), rendezvous.py (the ranks exchange and compare what they must
 agree on before anything is allocated; every later fallible step ends in an exchange of its status,
 so a rank that fails makes every rank raise at once), rank_memory.py (one rank's buffers, state and
-error words, and the two buffer backends: cudaMalloc with CUDA IPC, torch symmetric memory).
+error words, and the two buffer backends: cudaMalloc with CUDA IPC, torch symmetric memory),
+workspace_state.py (what the package's modules keep and read of a workspace: its plans, launchers,
+memory, peers' buffers, open or closed).
 """
 from __future__ import annotations
 
@@ -23,17 +25,12 @@ import torch
 
 from . import registry, table_sets
 from .backend_facts import nvlink_domain, symm_mem_unavailable
-from .rank_memory import LocalMemory, RankMemory, SymmMemBuffers, error_word, state_word
+from .rank_memory import LocalMemory, RankMemory, SymmMemBuffers, state_word
 from .rendezvous import (RankDescriptor, RendezvousOk, choose_backend, exchange_status, gather_status, gpu_identity,
                          host_identity, program_set_sha256, raise_failures, rendezvous, rendezvous_attempt)
 from .workspace_arguments import DTYPES, check_backend, check_workspace_arguments, timeout_ns_from
 from .workspace_sizes import ALL_TOKENS, buffer_elems_for, check_sizes, row_split
-
-
-def phase_meaning(phase: int) -> str:
-    """What a call waited for in the phase it timed out in (the manifest's Phase, generator/abi.py)."""
-    return registry.program_set().constant_meanings["Phase"].get(phase, str(phase))
-
+from .workspace_state import WorkspaceState
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
 
@@ -49,6 +46,10 @@ class WorkspaceBase:
 
     rank: int
     world_size: int
+
+    def __init__(self):
+        # the package's state of this workspace (dispatch/workspace_state.py): its one door for other modules
+        self._moe_ar_state = WorkspaceState()
 
     def _init_common(self, world_size, rank, max_tokens, hidden, dtype, device_index, timeout_s,
                      oneshot_max_tokens, ranks_on_device, vec_per_thread=None, tables=None, boundaries=None):
@@ -99,21 +100,12 @@ class WorkspaceBase:
         if self.row_splits[-1].threads > limits["max_threads"]:
             raise ValueError(f"vec_per_thread: {vec_per_thread} vectors a thread needs {self.row_splits[-1].threads} "
                              f"threads for hidden {hidden}, more than {limits['max_threads']}")
-        self._launchers = {}
-        self._plans = {}  # call signature -> op.CallPlan
-        self._recent_plans = []  # op.prepare_call's most recently used plans, first the last call's
-        self._closed = False
-        # Fault injection for tests only: > 0 makes this rank's kernels send that many phase-1 work
-        # units and stop (tests/test_gpu_reliability.py). Never set it in real use.
-        self._fault_stop_after_units = 0
+        self._moe_ar_state.timeout_ns = self.timeout_ns  # for its timeout message
 
     def _forget(self) -> None:
         """Closed: no plan, launcher or dispatch.check() entry refers to this workspace any more
         (its memory is released by the caller)."""
-        self._closed = True
-        self._launchers.clear()
-        self._plans.clear()
-        self._recent_plans.clear()
+        self._moe_ar_state.forget()
         _live_workspaces.discard(self)
 
     def row_splits_for(self, regime: str, row_stages: int = 0) -> tuple:
@@ -138,19 +130,10 @@ class WorkspaceBase:
             i += 1
         return i
 
-    def _check_error_words(self) -> None:
-        err = self._memory.error
-        if err[0]:  # kErrCode is word 0 (test_abi_constants_cpu.py keeps it there): the launch path's check
-            rank, phase = int(err[error_word("kErrRank")]), int(err[error_word("kErrPhase")])
-            raise RuntimeError(
-                f"moe_finalize_allreduce: rank {rank} timed out in phase {phase_meaning(phase)} "
-                f"(a peer did not take part in a call within {self.timeout_ns / 1e9:g} s). The workspace's buffers "
-                f"are now inconsistent: call reset() on every rank's workspace (or rebuild them) before the next call.")
-
     def check(self) -> None:
         """Raise RuntimeError if a kernel of this rank timed out; report skipped out-of-range rows."""
-        self._check_error_words()
-        state = self._memory.read_state()
+        self._moe_ar_state.check_error_words()
+        state = self._moe_ar_state.memory.read_state()
         low = state_word("kBadRows")  # 64-bit: this word and the next
         bad_rows = int(state[low]) | int(state[low + 1]) << 32
         if bad_rows:
@@ -160,11 +143,7 @@ class WorkspaceBase:
 
     @property
     def peer_buffer_ptrs(self) -> list[int]:
-        return self._peer_buffers
-
-    def _ensure_open(self):
-        if self._closed:
-            raise ValueError("workspace: this workspace was closed")
+        return self._moe_ar_state.peer_buffers
 
 
 class Workspace(WorkspaceBase):
@@ -200,10 +179,9 @@ class Workspace(WorkspaceBase):
                  oneshot_max_tokens: int | None = None, vec_per_thread: int | None = None, backend: str = "ipc",
                  tables=None, boundaries: dict | None = None):
         rank, world_size = self._group_rank(group)
+        super().__init__()
         self.group = group
-        self._memory = None
         self._opened = []
-        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         self.backend = self.backend_reason = None
         if world_size == 1:  # nothing to exchange: LocalWorkspace's memory, no buffers, no rendezvous
             check_backend(backend)
@@ -212,7 +190,7 @@ class Workspace(WorkspaceBase):
                               oneshot_max_tokens, ranks_on_device=1, vec_per_thread=vec_per_thread, tables=tables,
                               boundaries=boundaries)
             self.backend, self.backend_reason = "local", "world size 1: nothing is exchanged (dispatch/local.py)"
-            self._memory = LocalMemory(self.device_index)
+            self._moe_ar_state.memory = LocalMemory(self.device_index)
             register_workspace(self)
             return
         # 1. Local checks (no allocation), then the descriptors: a bad argument or a disagreement on
@@ -241,7 +219,7 @@ class Workspace(WorkspaceBase):
                 selection=self.selection.label)
         except Exception as e:
             error = e
-        self._closed = True  # until every rank has built it
+        self._moe_ar_state.closed = True  # until every rank has built it
         descriptors = rendezvous(group, descriptor, error)
         self.backend, self.backend_reason = choose_backend(descriptors)  # the same on every rank
         if asked == "auto" and self.backend == "ipc":
@@ -252,19 +230,19 @@ class Workspace(WorkspaceBase):
             self._build_ipc(device_index, dtype)
         else:
             self._build_symm_mem(device_index, dtype)
-        self._closed = False
+        self._moe_ar_state.closed = False
         register_workspace(self)
 
     def _build_ipc(self, device_index: int, dtype) -> None:
         import cupy
         from cupy.cuda import runtime
-        group, error = self.group, None
+        group, error, state = self.group, None, self._moe_ar_state
         try:
             handle = None
             try:
-                self._memory = RankMemory(device_index, self.buffer_elems, dtype.itemsize)
+                state.memory = RankMemory(device_index, self.buffer_elems, dtype.itemsize)
                 with cupy.cuda.Device(device_index):
-                    handle = bytes(runtime.ipcGetMemHandle(self._memory.buffers))
+                    handle = bytes(runtime.ipcGetMemHandle(state.memory.buffers))
             except Exception as e:
                 error = e
             handles = exchange_status(group, "allocating the buffers", error, handle)  # nothing mapped yet
@@ -284,20 +262,21 @@ class Workspace(WorkspaceBase):
         collective of torch's, over the group's store, entered by every rank or by none). cuMem
         keeps a block alive while a peer maps it, so a rank that fails after the rendezvous may
         release its memory at once."""
-        group, error, offset = self.group, None, None
+        group, error, offset, state = self.group, None, None, self._moe_ar_state
         try:
             try:
-                self._memory = RankMemory(device_index, self.buffer_elems, dtype.itemsize, buffers=SymmMemBuffers)
+                state.memory = RankMemory(device_index, self.buffer_elems, dtype.itemsize, buffers=SymmMemBuffers)
             except Exception as e:
                 error = e
             exchange_status(group, "allocating the buffers (torch symmetric memory)", error)
             try:
-                offset = self._memory.block.rendezvous(group, self.rank, self.world_size)
+                offset = state.memory.block.rendezvous(group, self.rank, self.world_size)
             except Exception as e:
                 error = e
             offsets = exchange_status(group, "mapping the peers' buffers (torch symmetric memory rendezvous)",
                                       error, offset)
-            self._peer_buffers = self._memory.block.peer_pointers(offsets) + [0] * (registry.program_set().limits["max_world_size"] - self.world_size)
+            state.peer_buffers = state.memory.block.peer_pointers(offsets) + [0] * (
+                registry.program_set().limits["max_world_size"] - self.world_size)
         except BaseException:
             self._release(quiet=True)
             raise
@@ -321,21 +300,22 @@ class Workspace(WorkspaceBase):
     def _open_peers(self, handles: list) -> None:
         import cupy
         from cupy.cuda import runtime
+        state = self._moe_ar_state
         with cupy.cuda.Device(self.device_index):
             for r, h in enumerate(handles):
                 if r == self.rank:
-                    self._peer_buffers[r] = self._memory.buffers
+                    state.peer_buffers[r] = state.memory.buffers
                 else:
                     ptr = runtime.ipcOpenMemHandle(h, _IPC_LAZY_ENABLE_PEER_ACCESS)
                     self._opened.append(ptr)
-                    self._peer_buffers[r] = ptr
+                    state.peer_buffers[r] = ptr
 
     def _close_mappings(self, quiet: bool = False) -> None:
         """Close every mapping of a peer's buffers; the first error is raised at the end unless quiet."""
         import cupy
         from cupy.cuda import runtime
         errors = []
-        self._peer_buffers = [0] * registry.program_set().limits["max_world_size"]
+        self._moe_ar_state.peer_buffers = [0] * registry.program_set().limits["max_world_size"]
         with cupy.cuda.Device(self.device_index):
             while self._opened:
                 try:
@@ -351,8 +331,8 @@ class Workspace(WorkspaceBase):
         try:
             self._close_mappings(quiet)
         finally:
-            if self._memory is not None:
-                self._memory.free(quiet)
+            if self._moe_ar_state.memory is not None:
+                self._moe_ar_state.memory.free(quiet)
 
     def _unmap_then_free(self, during: str, quiet: bool = False) -> None:
         """Collective: close the mappings of the peers' buffers, and free this rank's memory once every
@@ -361,22 +341,23 @@ class Workspace(WorkspaceBase):
         error = rendezvous_attempt(self._close_mappings)
         closed = gather_status(self.group, f"{during}: closing the peers' mappings", error)
         if all(isinstance(g, RendezvousOk) for g in closed):
-            self._memory.free(quiet)
+            self._moe_ar_state.memory.free(quiet)
         elif not quiet:
             raise_failures(closed, error)
 
     def reset(self) -> None:
         """Collective: bring the group back to a clean state after a timeout."""
-        self._ensure_open()
+        self._moe_ar_state.ensure_open()
         with torch.cuda.device(self.device_index):
             # every rank's kernels have finished before any rank refills its buffers, and every rank
             # has refilled before any returns; a rank that fails makes every rank raise
             exchange_status(self.group, "reset: finishing this rank's kernels",
                             rendezvous_attempt(lambda: torch.cuda.synchronize(self.device)))
-            exchange_status(self.group, "reset: refilling the buffers", rendezvous_attempt(self._memory.reset))
+            exchange_status(self.group, "reset: refilling the buffers",
+                            rendezvous_attempt(self._moe_ar_state.memory.reset))
 
     def check(self) -> None:
-        self._ensure_open()
+        self._moe_ar_state.ensure_open()
         super().check()
 
     def close(self) -> None:
@@ -384,7 +365,7 @@ class Workspace(WorkspaceBase):
         every rank has closed its own; symmetric memory: the tensor and torch's handle dropped once
         every rank has finished its kernels and exchanged once more). If a rank cannot finish its
         kernels, every rank raises and keeps its workspace (a peer may still write into it)."""
-        if self._closed:
+        if self._moe_ar_state.closed:
             return
         with torch.cuda.device(self.device_index):
             # no peer may still write into this rank's buffers: every rank's kernels have finished

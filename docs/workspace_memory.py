@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from dispatch import registry, table_sets
+from dispatch import gpu_facts, registry, table_sets
 from dispatch.rank_memory import ERROR_WORDS, STATE_WORDS
 from dispatch.workspace_sizes import buffer_elems_for
 
@@ -21,7 +21,7 @@ ELEM_BYTES = 2  # bf16
 WORLD_SIZES = (2, 4, 8, 16)
 MAX_TOKENS = (1, 128, 1024, 8192, 16384, 65536)
 FORCED_CAP = 1024  # the capacity the benchmark's sweeps ask for (and the default before the tables sized it)
-DEVICE = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")  # the device whose tables size the default
+DEVICE = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")  # the device whose tables size the default
 
 
 def oneshot_boundary(W: int) -> int:

@@ -114,7 +114,7 @@ class Run:
             ws, error, s, used = self.build(b)
             out[b].update(construct_first_s=s, device_bytes_first=used, error=error)
             if ws is not None:
-                out[b]["buffer_bytes"] = ws._memory.buffer_bytes
+                out[b]["buffer_bytes"] = ws._moe_ar_state.memory.buffer_bytes
                 out[b]["chosen"] = ws.backend
                 ws.close()
         live = [b for b in BACKENDS if out[b]["error"] is None]

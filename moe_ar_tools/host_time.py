@@ -97,7 +97,7 @@ def measure(tokens=16, hidden=7168, top_k=8, rounds=2000, quant=None, seed=0) ->
         dispatch.moe_finalize_allreduce(alt_world.workspaces[r], **(kws[r] if turn[r] else kws_half[r]))
 
     def call_by_signature(r):
-        ranks[r]._recent_plans.clear()
+        ranks[r]._moe_ar_state.recent_plans.clear()
         dispatch.moe_finalize_allreduce(ranks[r], **kws[r])
 
     def checks(r):

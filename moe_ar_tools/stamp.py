@@ -7,7 +7,7 @@ gpu: product, count, SM count, compute capability (torch's device properties); i
 measured (None at one GPU); driver (NVML); CUDA and torch (torch's build); NVRTC (the one the
 runtime compiles with); the program set's sha256 (dispatch.workspace.program_set_sha256); the
 commit; the date. NVML comes from pynvml (nvidia-ml-py) where it is installed, else the driver's
-library through ctypes (dispatch.table_sets.NvmlLibrary); without either the interconnect and the
+library through ctypes (dispatch.gpu_facts.NvmlLibrary); without either the interconnect and the
 driver are "unknown". `match(stamp)` is the key a table set made from the stamped measurements is
 matched on (dispatch/table_sets.py).
 """
@@ -22,8 +22,8 @@ def nvml_module():
         import pynvml
         return pynvml
     except ImportError:
-        from dispatch import table_sets
-        return table_sets.nvml_library()
+        from dispatch import gpu_facts
+        return gpu_facts.nvml_library()
 
 
 def _driver_version(nvml) -> str:
@@ -65,7 +65,7 @@ def collect(devices=None, *, peer_bandwidth_GBps: float | None = None, cuda=None
     ValueError naming `devices` where they are not all of one kind (a table set describes one).
     `cuda` (torch.cuda's interface), `nvml` (pynvml's; None: no NVML) and `versions` (software()'s
     dict) may be given in place of the machine's."""
-    from dispatch import table_sets
+    from dispatch import gpu_facts
     if cuda is None:
         import torch
         cuda = torch.cuda
@@ -77,13 +77,13 @@ def collect(devices=None, *, peer_bandwidth_GBps: float | None = None, cuda=None
     if not devices:
         raise ValueError("devices: no GPU given")
     probe = nvml if nvml is not None else _NoNvml()
-    keys = [table_sets.describe_device(d, cuda=cuda, nvml=probe) for d in devices]
+    keys = [gpu_facts.describe_device(d, cuda=cuda, nvml=probe) for d in devices]
     for d, key in zip(devices[1:], keys[1:]):
         if key != keys[0]:
             raise ValueError(f"devices: GPU {devices[0]} is {keys[0].describe()}, GPU {d} is {key.describe()}; "
                              f"measure GPUs of one kind (CUDA_VISIBLE_DEVICES) for one table set")
     uuid = getattr(cuda.get_device_properties(devices[0]), "uuid", None)
-    links = table_sets.nvlink_state(None if uuid is None else str(uuid), probe)
+    links = gpu_facts.nvlink_state(None if uuid is None else str(uuid), probe)
     key = keys[0]
     return {
         "gpu": {"product": key.product, "count": len(devices), "sm_count": key.sm_count,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pathlib
 import re
 
-from dispatch import rank_memory, registry, workspace
+from dispatch import rank_memory, registry, workspace_state
 from generator import abi
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -36,8 +36,8 @@ def test_the_runtime_reads_them_from_the_manifest():
     assert rank_memory.ERROR_WORDS == words["ErrorWord"]["kErrorWords"]
     # the launch path checks word 0 without a lookup: kErrCode must stay there
     assert words["ErrorWord"]["kErrCode"] == 0
-    assert workspace.phase_meaning(words["Phase"]["kPhaseAllGather"]).startswith("all-gather")
-    assert workspace.phase_meaning(99) == "99"
+    assert workspace_state.phase_meaning(words["Phase"]["kPhaseAllGather"]).startswith("all-gather")
+    assert workspace_state.phase_meaning(99) == "99"
 
 
 def test_the_regimes_the_runtime_names_are_the_manifests():

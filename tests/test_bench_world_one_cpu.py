@@ -559,11 +559,11 @@ def _op_writing(skip_norm_for=None):
 
 class _Workspace:
     def __init__(self, *, max_tokens, hidden, dtype):
-        from dispatch import table_sets
+        from dispatch import gpu_facts, table_sets
         from dispatch.rendezvous import program_set_sha256
         self.closed = False
         self.selection = table_sets.resolve(dtype="bf16", world_size=1, hidden=hidden, elem_bytes=2,
-                                            device=table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "none"),
+                                            device=gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "none"),
                                             user=None, program_set_sha256=program_set_sha256())
 
     def close(self):
@@ -695,7 +695,7 @@ def test_the_summary_names_the_tables_ours_selected_with():
     """Which selection tables chose `ours`' programs, per hidden size (a run on a machine no set matches
     runs the written model, and the summary says so); table.md prints it under its first line."""
     from types import SimpleNamespace
-    from dispatch import table_sets
+    from dispatch import gpu_facts, table_sets
     from dispatch.rendezvous import program_set_sha256
     from moe_ar_tools.bench_one.runner import tables_used
 
@@ -703,8 +703,8 @@ def test_the_summary_names_the_tables_ours_selected_with():
         return SimpleNamespace(selection=table_sets.resolve(dtype="bf16", world_size=1, hidden=hidden, elem_bytes=2,
                                                             device=device, user=None,
                                                             program_set_sha256=program_set_sha256()))
-    h200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "none")
-    other = table_sets.DeviceKey("NVIDIA L40S", "8.9", 142, "none")
+    h200 = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "none")
+    other = gpu_facts.DeviceKey("NVIDIA L40S", "8.9", 142, "none")
     used = tables_used({7168: ws(h200, 7168), 4096: ws(other, 4096)})
     assert used == {"4096": {"set": "model", "why": "no committed set matches"},
                     "7168": {"set": "h200_nvlink", "why": "exact product"}}

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from dispatch import call_plan, launcher, op
 from dispatch.call_arguments import CALL_DEFAULTS
 from dispatch.overlaps import _INPUT_NAMES, _OUTPUT_NAMES, overlap_pairs
+from dispatch.workspace_state import WorkspaceState
 
 H, T, K, MAX_T = 128, 5, 3, 16
 D = torch.bfloat16
@@ -36,10 +37,9 @@ class _FakeLauncher:
 
 def _workspace():
     ws = types.SimpleNamespace(dtype=D, dtype_name="bf16", hidden=H, device=torch.device("cpu"), device_index=-1,
-                               max_tokens=MAX_T, world_size=2, oneshot_max_tokens=MAX_T, _plans={},
-                               _fault_stop_after_units=0, _launchers={}, _recent_plans=[])
-    ws._ensure_open = lambda: None
-    ws._check_error_words = lambda: None
+                               max_tokens=MAX_T, world_size=2, oneshot_max_tokens=MAX_T,
+                               _moe_ar_state=WorkspaceState())
+    ws._moe_ar_state.memory = types.SimpleNamespace(error=[0])  # no timeout recorded
     return ws
 
 
@@ -72,24 +72,24 @@ def _valid():
 def test_a_repeated_signature_takes_the_short_path(full_checks):
     ws = _workspace()
     op.prepare_call(ws, _valid())
-    assert full_checks[0] == 1 and len(ws._plans) == 1
+    assert full_checks[0] == 1 and len(ws._moe_ar_state.plans) == 1
     for _ in range(3):
         op.prepare_call(ws, _valid())  # new tensors, same dtypes and shapes
     assert full_checks[0] == 1
     a = _valid()
     a["eps"] = 1e-5  # another value: another signature
     op.prepare_call(ws, a)
-    assert full_checks[0] == 2 and len(ws._plans) == 2
+    assert full_checks[0] == 2 and len(ws._moe_ar_state.plans) == 2
 
 
 def test_the_last_plan_is_matched_before_any_signature(full_checks, monkeypatch):
     ws = _workspace()
     op.moe_finalize_allreduce(ws, **_valid())
-    plan = ws._recent_plans[0]
+    plan = ws._moe_ar_state.recent_plans[0]
     monkeypatch.setattr(op, "plan_signature", lambda *a: pytest.fail("looked up by signature"))
     for _ in range(3):
         out = op.moe_finalize_allreduce(ws, **_valid())
-        assert ws._recent_plans == [plan] and out.quant_out is not None and out.scale_out is not None
+        assert ws._moe_ar_state.recent_plans == [plan] and out.quant_out is not None and out.scale_out is not None
     assert full_checks[0] == 1
 
 
@@ -106,7 +106,7 @@ def test_recent_plans_serve_alternating_signatures(full_checks, monkeypatch):
     epss = [1e-6 * (i + 1) for i in range(op._RECENT_PLANS + 1)]
     for eps in epss[:-1]:
         call(eps)
-    assert full_checks[0] == op._RECENT_PLANS and len(ws._recent_plans) == op._RECENT_PLANS
+    assert full_checks[0] == op._RECENT_PLANS and len(ws._moe_ar_state.recent_plans) == op._RECENT_PLANS
     real_signature = op.plan_signature
     monkeypatch.setattr(op, "plan_signature", lambda *a: pytest.fail("looked up by signature"))
     for _ in range(3):
@@ -114,7 +114,7 @@ def test_recent_plans_serve_alternating_signatures(full_checks, monkeypatch):
             call(eps)
     monkeypatch.setattr(op, "plan_signature", real_signature)
     call(epss[-1])  # a new signature: the least recent (epss[0]) leaves the recent plans
-    assert full_checks[0] == op._RECENT_PLANS + 1 and len(ws._recent_plans) == op._RECENT_PLANS
+    assert full_checks[0] == op._RECENT_PLANS + 1 and len(ws._moe_ar_state.recent_plans) == op._RECENT_PLANS
     looked_up = []
     monkeypatch.setattr(op, "plan_signature", lambda *a: looked_up.append(1) or real_signature(*a))
     call(epss[0])
@@ -168,9 +168,9 @@ def _expect_same_error(mutate, must_raise=True):
     for entry in (op.prepare_call, op.moe_finalize_allreduce):
         ws = _workspace()
         _outcome(ws, _valid(), entry)
-        assert ws._recent_plans
+        assert ws._moe_ar_state.recent_plans
         assert _outcome(ws, a, entry) == fresh
-        ws._recent_plans.clear()  # the plan found by its signature
+        ws._moe_ar_state.recent_plans.clear()  # the plan found by its signature
         assert _outcome(ws, a, entry) == fresh
 
 
@@ -304,7 +304,45 @@ def test_plans_are_bounded(monkeypatch):
         a = _valid()
         a["eps"] = 1e-6 * (i + 1)
         op.prepare_call(ws, a)
-        assert len(ws._plans) <= 4
+        assert len(ws._moe_ar_state.plans) <= 4
+
+
+def _cpu_launcher(launched):
+    """A real launcher._Launcher's kernel_call without a GPU: one row split, no cluster; its launch
+    records the kernel argument's fault_stop_after instead of launching."""
+    from dispatch import registry
+    lau = object.__new__(launcher._Launcher)
+    lau.template = registry.params_struct()()
+    lau.row_splits = (types.SimpleNamespace(threads=32, vec_per_thread=1, max_tokens=MAX_T),)
+    lau.threads, lau.max_blocks, lau.dynamic_smem = [32], [8], 0
+    lau.cluster_max_tokens, lau.function_ptr, lau.cluster_function_ptr = 0, 0, 0
+    lau.sliced_units = lau.column_units = False
+    lau.profile, lau.regime = _FakeLauncher.profile, _FakeLauncher.regime
+    lau.launch = lambda kernel, pointers: launched.append(kernel.params.fault_stop_after)
+    return lau
+
+
+def test_the_test_only_fault_setting_costs_a_call_nothing(full_checks, monkeypatch):
+    """The workspace's fault injection (tests/test_gpu_reliability.py) goes into a plan's kernel
+    argument when the plan is built; setting it drops the plans, so no call compares it."""
+    launched = []
+    lau = _cpu_launcher(launched)
+    monkeypatch.setattr(op, "launcher_for", lambda ws, name: lau)
+    ws = _workspace()
+    state = ws._moe_ar_state
+    op.moe_finalize_allreduce(ws, **_valid())
+    assert full_checks[0] == 1 and state.plans and state.recent_plans
+    state.fault_stop_after_units = 3
+    assert not state.plans and not state.recent_plans
+    op.moe_finalize_allreduce(ws, **_valid())
+    op.moe_finalize_allreduce(ws, **_valid())  # the short path: the plan carries it
+    state.fault_stop_after_units = 0
+    op.moe_finalize_allreduce(ws, **_valid())
+    assert launched == [0, 3, 3, 0] and full_checks[0] == 3
+    for bad in (-1, 1.5, True, 2 ** 31, None):
+        with pytest.raises(ValueError, match="^fault_stop_after_units: "):
+            state.fault_stop_after_units = bad
+    assert state.fault_stop_after_units == 0 and state.plans
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dispatch import registry, table_sets
+from dispatch import gpu_facts, registry, table_sets
 
 
 def test_the_ladder_and_all_tokens_are_the_generators():
@@ -15,7 +15,7 @@ def test_the_ladder_and_all_tokens_are_the_generators():
     assert not hasattr(registry, "ALL_TOKENS")
 
 
-H200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+H200 = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
 
 
 def _bounds(dtype, ws, profile, hidden=7168):

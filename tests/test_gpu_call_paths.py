@@ -38,7 +38,7 @@ def _call(world, streams, route, kwargs):
     for ws, s, kw in zip(world.workspaces, streams, kwargs):
         with torch.cuda.stream(s):
             if route == "by_signature":
-                ws._recent_plans.clear()
+                ws._moe_ar_state.recent_plans.clear()
             if route == "out_op":
                 inputs = [kw[n] for n in ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")]
                 outputs = [kw.get(n) for n in ("norm_out", "residual_out", "quant_out", "scale_out")]

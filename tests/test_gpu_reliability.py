@@ -7,10 +7,10 @@ the float64 reference (moe_ar_tools/reference/), in the same process:
   its kernel; with a 10 s deadline every rank is correct; with a 20 ms deadline every rank either
   raises "timed out in phase" or is correct (never silently wrong), and at least one raises.
   World size 2 and 4 on one GPU, 2 over GPUs 0 and 1; one-shot and two-shot.
-* a rank that stops mid-exchange (the workspace's `_fault_stop_after_units` test hook: its kernels
-  send their first n phase-1 work units and return): every other rank raises within a few deadlines
-  of wall time, the faulty one does not; after reset three fresh calls (a full rotation of the three
-  buffers) are correct. n = 1 and half the units; one-shot and two-shot; world sizes 2 and 4.
+* a rank that stops mid-exchange (the test hook fault_stop_after_units of dispatch/workspace_state.py:
+  its kernels send their first n phase-1 work units and return): every other rank raises within a few
+  deadlines of wall time, the faulty one does not; after reset three fresh calls (a full rotation of
+  the three buffers) are correct. n = 1 and half the units; one-shot and two-shot; world sizes 2 and 4.
   (The one-rank-never-launches fault is tests/test_gpu_faults.py's.)
 
 Hostile input: hypothesis draws invalid calls (dtype, shape, device, contiguity, alignment, not a
@@ -133,7 +133,7 @@ def _program(world, rank, T, shared=True, quant=None):
 
 def _phase1_units(ws, name, T):
     """Phase-1 work units of program `name` at T tokens on this rank, as the launcher counts them."""
-    launcher = ws._launchers.get(name)
+    launcher = ws._moe_ar_state.launchers.get(name)
     if launcher is not None and hasattr(launcher, "sliced_units"):
         sliced = bool(launcher.sliced_units)
     else:
@@ -283,8 +283,6 @@ def test_rank_stops_mid_exchange(ws, regime, how, seed_for, record_result):
     try:
         faulty = random.Random(seed_for("rank")).randrange(ws)
         wsf = world.workspaces[faulty]
-        if not hasattr(wsf, "_fault_stop_after_units"):
-            pytest.skip("this dispatch has no _fault_stop_after_units test hook")
         T, name = _regime_case(world, regime, faulty)
         with recording(record_result, **RELIABILITY,
                        what="rank stops mid-exchange", world_size=ws, devices="one_gpu", tokens=T,
@@ -296,13 +294,13 @@ def test_rank_stops_mid_exchange(ws, regime, how, seed_for, record_result):
             assert n < units
             info.update(phase1_units=units, stop_after_units=n)
             call = _call(world, T, seed_for("fault"))
-            wsf._fault_stop_after_units = n
+            wsf._moe_ar_state.fault_stop_after_units = n  # drops its plans: the next call's plan carries it
             t0 = time.perf_counter()
             try:
                 world.run(call["kwargs"])
                 _sync(world)
             finally:
-                wsf._fault_stop_after_units = 0
+                wsf._moe_ar_state.fault_stop_after_units = 0
             wall = time.perf_counter() - t0
             info.update(wall_s=round(wall, 3))
             info["calls"] += 1

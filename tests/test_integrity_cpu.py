@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from dispatch import op, registry
 from dispatch.call_arguments import CALL_DEFAULTS, MAX_TOP_K, check_call_arguments
 from dispatch.overlaps import check_rank_overlaps
+from dispatch.workspace_state import WorkspaceState
 
 from moe_ar_common import manifest_reader
 from moe_ar_tools import reference as ref
@@ -481,13 +482,8 @@ class _StubWorkspace:
     def __init__(self, device="cpu"):
         self.device, self.hidden, self.dtype, self.dtype_name = torch.device(device), H2, D, "bf16"
         self.world_size, self.rank, self.max_tokens, self.oneshot_max_tokens = 2, 0, MAX_T, MAX_T
-        self._launchers = {}
-
-    def _ensure_open(self):
-        pass
-
-    def _check_error_words(self):
-        pass
+        self._moe_ar_state = WorkspaceState()
+        self._moe_ar_state.memory = types.SimpleNamespace(error=[0])  # no timeout recorded
 
 
 @pytest.mark.parametrize("name,value", [("weight_bias", True), ("weight_bias", 1.5), ("weight_bias", "1"),

@@ -178,7 +178,7 @@ def _two_rank_cases(rank, group) -> dict:
         res["fake_reset_sync_fails"] = _attempt(lambda: ws.reset())
         res["fake_close_sync_fails"] = _attempt(lambda: ws.close())
         fake.fail_on = None
-        res["fake_close_again"] = _attempt(lambda: (ws.close(), ws._closed, fake.balance())[1:])
+        res["fake_close_again"] = _attempt(lambda: (ws.close(), ws._moe_ar_state.closed, fake.balance())[1:])
         # a rank that cannot close its mapping of a peer's buffer: no rank frees what a peer still maps
         res["fake_build_last"] = _attempt(build)
         fake.fail_on = "ipcCloseMemHandle" if rank == 1 else None

@@ -7,7 +7,7 @@ naming the argument."""
 import pytest
 import torch
 
-from dispatch import table_sets, workspace
+from dispatch import gpu_facts, table_sets, workspace
 from dispatch.workspace_sizes import MAX_BUFFER_VECTORS, MAX_HIDDEN, MAX_TOKENS, buffer_elems_for, check_sizes
 
 INT32_MAX = 2 ** 31 - 1
@@ -70,7 +70,7 @@ def test_a_workspace_of_unsafe_sizes_is_refused_before_it_allocates():
 
 # ---- the default one-shot capacity: the tables' one-shot boundary -------------------------------
 
-H200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+H200 = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
 
 
 def _selection(W, hidden=7168, device=H200, dtype="bf16"):
@@ -81,7 +81,7 @@ def _selection(W, hidden=7168, device=H200, dtype="bf16"):
 def test_default_oneshot_capacity_is_the_largest_table_boundary():
     from dispatch import registry
     field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
-    for device in (H200, table_sets.UNKNOWN_DEVICE):
+    for device in (H200, gpu_facts.UNKNOWN_DEVICE):
         for W in (2, 4, 8, 16):
             for hidden in (2048, 7168):
                 selection = _selection(W, hidden, device)
@@ -119,7 +119,7 @@ def test_default_oneshot_capacity_changes_no_automatic_selection():
 def test_workspace_default_capacity_uses_the_boundary(monkeypatch):
     """_init_common (every Workspace and EmulatedWorld rank) takes min(max_tokens, boundary) unless given."""
     from dispatch import registry
-    monkeypatch.setattr(table_sets, "describe_device", lambda index: H200)
+    monkeypatch.setattr(gpu_facts, "describe_device", lambda index: H200)
     field = dict(registry.program_set().ladder)[registry.ONESHOT_REGIME]
     seen = {}
 

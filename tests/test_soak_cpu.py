@@ -48,9 +48,9 @@ def test_parse_args_rejects(argv):
 
 
 def test_default_max_tokens_reaches_every_regime_of_the_selection_table():
-    from dispatch import registry, table_sets
-    h200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
-    for device in (h200, table_sets.UNKNOWN_DEVICE):
+    from dispatch import gpu_facts, registry, table_sets
+    h200 = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+    for device in (h200, gpu_facts.UNKNOWN_DEVICE):
         for dname in ("bf16", "fp16"):
             for W in (2, 4, 8):
                 for hidden in (2048, 7168):
@@ -267,9 +267,9 @@ class FakeWorld:
     corrupt: {call number: fn(per_rank_kwargs)} damages outputs after a call."""
 
     def __init__(self, W, max_tokens, hidden, dtype, oneshot_max_tokens=16, corrupt=None):
-        from dispatch import table_sets
+        from dispatch import gpu_facts, table_sets
         selection = table_sets.resolve(dtype=ref.dtype_name(dtype), world_size=W, hidden=hidden, elem_bytes=2,
-                                       device=table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink"), user=None,
+                                       device=gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink"), user=None,
                                        program_set_sha256="")
         self.workspaces = [types.SimpleNamespace(
             rank=r, world_size=W, max_tokens=max_tokens, hidden=hidden, dtype=dtype, dtype_name=ref.dtype_name(dtype),

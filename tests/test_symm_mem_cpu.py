@@ -150,7 +150,7 @@ def _cases(rank, group) -> dict:
             nonlocal ws
             ws = dispatch.Workspace(group, 64, 2048, torch.bfloat16, backend=backend, **kw)
             return dict(backend=ws.backend, reason=ws.backend_reason, rank=ws.rank, peers=ws.peer_buffer_ptrs,
-                        own=ws._memory.buffers, opened=len(ws._opened), live=ws in wsm._live_workspaces)
+                        own=ws._moe_ar_state.memory.buffers, opened=len(ws._opened), live=ws in wsm._live_workspaces)
 
         def case(name, fn, setup=None):
             """Run fn with `setup` applied to this rank's fakes (a dict per rank: {rank: {...}})."""
@@ -168,14 +168,14 @@ def _cases(rank, group) -> dict:
         def build_close(backend):
             out = build(backend)
             ws.close()
-            out["closed"] = ws._closed
+            out["closed"] = ws._moe_ar_state.closed
             return out
 
         both = lambda **kw: {0: kw, 1: kw}  # noqa: E731
         rank1 = lambda **kw: {1: kw}  # noqa: E731
         case("symm_build", lambda: build("symm_mem"))
         case("symm_reset", lambda: ws.reset())
-        case("symm_close", lambda: (ws.close(), ws._closed, ws in wsm._live_workspaces)[1:])
+        case("symm_close", lambda: (ws.close(), ws._moe_ar_state.closed, ws in wsm._live_workspaces)[1:])
         case("symm_close_again", lambda: ws.close())
         # a `backend` disagreement, and symmetric memory missing on one rank
         case("mismatch", lambda: build("symm_mem" if rank == 1 else "ipc"))
@@ -222,7 +222,7 @@ def _cases(rank, group) -> dict:
         fake.fail_on = "synchronize" if rank == 1 else None
         case("close_sync_fails", lambda: ws.close())
         fake.fail_on = None
-        case("close_after_sync_fails", lambda: (ws.close(), ws._closed)[1])
+        case("close_after_sync_fails", lambda: (ws.close(), ws._moe_ar_state.closed)[1])
     return res
 
 

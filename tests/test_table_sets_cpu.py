@@ -13,15 +13,15 @@ import torch
 
 import dispatch
 from generator import spec
-from dispatch import registry, rendezvous, table_sets, workspace
+from dispatch import gpu_facts, registry, rendezvous, table_sets, workspace
 from dispatch.rendezvous import program_set_sha256
 
 ALL = registry.program_set().all_tokens
 FIELDS = table_sets.ladder_fields()
-H200 = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
-H100_SXM = table_sets.DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, "nvlink")
-H100_PCIE = table_sets.DeviceKey("NVIDIA H100 PCIe", "9.0", 114, "none")
-B200 = table_sets.DeviceKey("NVIDIA B200", "10.0", 148, "nvlink")
+H200 = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+H100_SXM = gpu_facts.DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, "nvlink")
+H100_PCIE = gpu_facts.DeviceKey("NVIDIA H100 PCIe", "9.0", 114, "none")
+B200 = gpu_facts.DeviceKey("NVIDIA B200", "10.0", 148, "nvlink")
 ROW = 7168 * 2  # bytes of one bf16 row of hidden 7168
 ONESHOT = FIELDS.index("oneshot_max_tokens")
 
@@ -59,7 +59,7 @@ def test_the_manifest_lists_the_committed_sets_then_the_model():
     (H100_SXM, "h200_nvlink", "same compute capability and interconnect"),
     (H100_PCIE, "model", "no committed set matches"),
     (B200, "model", "no committed set matches"),
-    (table_sets.UNKNOWN_DEVICE, "model", "no committed set matches"),
+    (gpu_facts.UNKNOWN_DEVICE, "model", "no committed set matches"),
 ])
 def test_the_set_for_a_device_exact_product_then_capability_and_interconnect_then_the_model(device, name, why):
     table_set, reason = table_sets.committed_for(device)
@@ -236,7 +236,7 @@ def test_a_world_of_one_takes_its_products_tables_whatever_the_interconnect(tmp_
     """World size 1 exchanges nothing, so the interconnect does not decide its tables: an H200 whose
     NVML reports no NVLink (the one-GPU machine the world-size-1 cells were measured on) takes the
     H200 set's world-size-1 cells, committed or a user's; with peers the interconnect still counts."""
-    lone = table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "none")
+    lone = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "none")
     alone = _resolve(device=lone, world_size=1)
     assert (alone.set, alone.why) == ("h200_nvlink", "exact product")
     assert "h200-ws1" in alone.cells["plain"].source and alone.limits("plain")["local_max_tokens"] == 146
@@ -254,7 +254,7 @@ def test_an_unknown_interconnect_is_not_a_mismatch(tmp_path):
     user = table_sets.read_user_set(_user_file(tmp_path), "tables")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        selection = _resolve(device=table_sets.DeviceKey("NVIDIA H200", "9.0", 132, "unknown"), user=user)
+        selection = _resolve(device=gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "unknown"), user=user)
     assert selection.set == "tuned here"
 
 
@@ -324,7 +324,7 @@ class Probe(workspace.WorkspaceBase):
 
 
 def _probe(monkeypatch, device=H200, world_size=2, **kw):
-    monkeypatch.setattr(table_sets, "describe_device", lambda index: device)
+    monkeypatch.setattr(gpu_facts, "describe_device", lambda index: device)
     ws = Probe.__new__(Probe)
     try:
         ws._init_common(world_size, 0, 4096, 7168, torch.bfloat16, 0, 10.0, None, 1, **kw)
@@ -341,8 +341,9 @@ def test_a_workspace_selects_when_it_is_built_and_never_per_call(monkeypatch, tm
 
     def no_choice_per_call(*a, **k):
         raise AssertionError("a call chose a table set")
-    for name in ("for_workspace", "resolve", "describe_device", "committed_for", "read_user_set"):
+    for name in ("for_workspace", "resolve", "committed_for", "read_user_set"):
         monkeypatch.setattr(table_sets, name, no_choice_per_call)
+    monkeypatch.setattr(gpu_facts, "describe_device", no_choice_per_call)
     for T in (1, 100, 292, 293, 4096):
         dispatch.select_program(ws, T, "nvfp4", True)
     # on another device the same arguments select with its tables: the model at world size 2
@@ -403,63 +404,6 @@ def test_ranks_that_select_differently_are_refused_naming_tables():
     with pytest.raises(ValueError, match=r"^tables: rank 1 has selection tables model ba9876543210 .*rank 0 has "
                                          r"selection tables h200_nvlink 0123456789ab"):
         rendezvous.compare_descriptors(descriptors)
-
-
-# ---- the device's key -------------------------------------------------------------------------------
-
-class FakeNvml:
-    NVML_NVLINK_MAX_LINKS = 18
-    NVML_FEATURE_ENABLED = 1
-
-    def __init__(self, active=(), fail=None):
-        self.active, self.fail, self.calls = set(active), fail, []
-
-    def nvmlInit(self):
-        if self.fail == "init":
-            raise RuntimeError("nvmlInit_v2 returned 9")
-
-    def nvmlShutdown(self):
-        self.calls.append("shutdown")
-
-    def nvmlDeviceGetHandleByUUID(self, uuid):
-        if self.fail == "handle":
-            raise RuntimeError("not found")
-        self.calls.append(uuid)
-        return "handle"
-
-    def nvmlDeviceGetNvLinkState(self, handle, link):
-        if link >= 18 or self.fail == "links":
-            raise RuntimeError("not supported")
-        return int(link in self.active)
-
-    def nvmlDeviceGetNvLinkVersion(self, handle, link):
-        return 4
-
-
-class FakeCuda:
-    def __init__(self, available=True):
-        self.available = available
-
-    def is_available(self):
-        return self.available
-
-    def get_device_properties(self, index):
-        return types.SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
-                                     uuid="0a1b2c3d-0000-0000-0000-000000000000")
-
-
-@pytest.mark.parametrize("nvml,interconnect", [(FakeNvml(active=range(18)), "nvlink"), (FakeNvml(), "none"),
-                                               (FakeNvml(fail="init"), "unknown"),
-                                               (FakeNvml(fail="handle"), "unknown"),
-                                               (FakeNvml(fail="links"), "none")])
-def test_the_device_key_from_torch_and_nvml(nvml, interconnect):
-    key = table_sets.describe_device(0, cuda=FakeCuda(), nvml=nvml)
-    assert key == table_sets.DeviceKey("NVIDIA H200", "9.0", 132, interconnect)
-    if nvml.fail not in ("init", "handle"):
-        assert "GPU-0a1b2c3d-0000-0000-0000-000000000000" in nvml.calls and nvml.calls[-1] == "shutdown"
-    assert table_sets.describe_device(0, cuda=FakeCuda(available=False), nvml=nvml) == table_sets.UNKNOWN_DEVICE
-    state = table_sets.nvlink_state("GPU-x", FakeNvml(active={0, 1, 2}))
-    assert state == {"kind": "nvlink", "links": 3, "generation": 4}
 
 
 def test_the_runtime_reads_what_the_generator_writes():

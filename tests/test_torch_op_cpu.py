@@ -20,6 +20,7 @@ import gc
 import math
 import pathlib
 import random
+import types
 
 import pytest
 import torch
@@ -30,8 +31,9 @@ from dispatch import op as dop
 from dispatch.call_arguments import CALL_DEFAULTS
 from dispatch.call_plan import CallPlan
 from dispatch.outputs import allocate_outputs
-from dispatch import table_sets, torch_op
+from dispatch import gpu_facts, table_sets, torch_op
 from dispatch.flashinfer_compat import trtllm_moe_finalize_allreduce_fusion
+from dispatch.workspace_state import WorkspaceState
 
 OP = torch.ops.moe_ar.moe_finalize_allreduce
 DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -46,19 +48,11 @@ class StubWorkspace:
         self.world_size, self.rank, self.max_tokens = world_size, rank, max_tokens
         self.oneshot_max_tokens = min(max_tokens, 1024)
         self.selection = table_sets.resolve(dtype=self.dtype_name, world_size=world_size, hidden=hidden,
-                                            elem_bytes=dtype.itemsize, device=table_sets.UNKNOWN_DEVICE, user=None,
+                                            elem_bytes=dtype.itemsize, device=gpu_facts.UNKNOWN_DEVICE, user=None,
                                             program_set_sha256="")
-        self._launchers, self._plans, self._fault_stop_after_units = {}, {}, 0
-        self._recent_plans = []
-        self.closed = False
+        self._moe_ar_state = WorkspaceState()
+        self._moe_ar_state.memory = types.SimpleNamespace(error=[0])  # no timeout recorded
         self.launched = []
-
-    def _ensure_open(self):
-        if self.closed:
-            raise ValueError("workspace: this workspace was closed")
-
-    def _check_error_words(self):
-        pass
 
 
 _KEEP = []  # the registry holds workspaces weakly: keep the stubs of a handle alive
@@ -293,7 +287,7 @@ def _cpu_run(plan, pointers, kw):
 @pytest.fixture
 def cpu_runtime(monkeypatch):
     """A CPU stub workspace whose calls run dispatch.op for real up to the kernel launch."""
-    monkeypatch.setattr(dop, "launcher_for", lambda ws, name: ws._launchers.setdefault(name, CpuLauncher(ws, name)))
+    monkeypatch.setattr(dop, "launcher_for", lambda ws, name: ws._moe_ar_state.launchers.setdefault(name, CpuLauncher(ws, name)))
     monkeypatch.setattr(CallPlan, "run", _cpu_run)
     return StubWorkspace("cpu", hidden=256)
 
@@ -334,7 +328,7 @@ def test_real_impl_errors_are_the_runtimes(cpu_runtime):
     with pytest.raises(ValueError, match=r"^expanded_idx_to_permuted_idx: 600 tokens, more than"):
         big, _ = make_args(600, 1, 256, device="cpu")
         OP(h, *big)
-    cpu_runtime.closed = True
+    cpu_runtime._moe_ar_state.closed = True
     with pytest.raises(ValueError, match=r"^workspace: this workspace was closed"):
         OP(h, *pos)
 

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 import dispatch
+from dispatch import gpu_facts
 from dispatch import table_sets as runtime_sets
 from dispatch.workspace import program_set_sha256
 from generator import spec
@@ -24,7 +25,7 @@ STAMP = {"gpu": {"product": "NVIDIA H200", "count": 2, "sm_count": 132, "capabil
          "interconnect": {"kind": "nvlink", "nvlink_generation": 4, "nvlink_links": 18, "peer_bandwidth_GBps": 388.0},
          "driver": "580.159.04", "cuda": "13.0", "torch": "2.13.0+cu130", "nvrtc": "13.0",
          "program_set_sha256": program_set_sha256(), "commit": "0123abc", "date": "2026-12-02T10:00:00"}
-H200 = runtime_sets.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
+H200 = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "nvlink")
 SHAPES = [Shape(7168, 8, True), Shape(4096, 8, False)]
 TOKENS = [1, 64, 512, 4096]
 
@@ -125,7 +126,7 @@ def test_the_runtime_takes_the_output_as_a_users_own_set(tmp_path):
                                      program_set_sha256=program_set_sha256())
     assert selection.set == "tuned here" and selection.limits("plain")["oneshot_max_tokens"] == (4 << 20) // (7168 * 2)
     # ... and refuses it on another machine
-    other = runtime_sets.DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, "nvlink")
+    other = gpu_facts.DeviceKey("NVIDIA H100 80GB HBM3", "9.0", 132, "nvlink")
     assert "product" in runtime_sets.user_set_mismatch(user, other, program_set_sha256())
 
 

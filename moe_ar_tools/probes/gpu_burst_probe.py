@@ -102,8 +102,8 @@ def main(argv) -> None:
             counts[variant]["timeouts"] += 1
             for d in set(devices):
                 torch.cuda.synchronize(d)
-            errors = [w._memory.error.tolist() for w in world.workspaces]
-            states = [w._memory.read_state().tolist() for w in world.workspaces]
+            errors = [w._moe_ar_state.memory.error.tolist() for w in world.workspaces]
+            states = [w._moe_ar_state.memory.read_state().tolist() for w in world.workspaces]
             report.append(dict(variant=variant, meta=meta, done=done, errors=errors, states=states,
                                launch_order=launch_order))
             print("TIMEOUT", variant, json.dumps(report[-1])[:3000], flush=True)

@@ -50,7 +50,7 @@ def calls_for(world, T, program, quant, seed=1):
 
 def prefill(ws, stream):
     """Every buffer of rank 0 holds payload (no sentinel: no wait), and its state is call 0."""
-    memory = ws._memory
+    memory = ws._moe_ar_state.memory
     with cupy.cuda.Device(0), cupy.cuda.ExternalStream(stream.cuda_stream):
         buffers = cupy.cuda.UnownedMemory(memory.buffers, memory.buffer_bytes, memory, 0)
         cupy.ndarray((memory.buffer_bytes // 4,), cupy.uint32, cupy.cuda.MemoryPointer(buffers, 0)).fill(FILL)
