@@ -157,7 +157,7 @@ def test_tests_hold_no_tools():
 def test_console_scripts_and_packages():
     text = (ROOT / "pyproject.toml").read_text()  # (tomllib is Python 3.11+; the project supports 3.10)
     for script, target in (("moe-ar-bench", f"{TOOLS}.bench.cli:main"),
-                           ("moe-ar-bench-one", f"{TOOLS}.bench_one.cli:main"),
+                           ("moe-ar-bench-one", f"{TOOLS}.bench_one:main"),
                            ("moe-ar-soak", f"{TOOLS}.soak.cli:main")):
         assert re.search(rf'^{script} = "{re.escape(target)}"$', text, re.M), script
         module, name = target.split(":")
