@@ -728,3 +728,31 @@ def test_the_summary_names_the_tables_ours_selected_with():
     assert format_markdown(summary).splitlines()[1:3] == [
         "", "Selection tables: H 4096 model (no committed set matches), H 7168 h200_nvlink (exact product)."]
     assert "Selection tables" not in format_markdown(_summary(_records()))
+
+
+def test_the_documented_command_runs_end_to_end_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
+    """python -m moe_ar_tools.bench_one's command line of bench_results/world_size_1/README.md (a smaller
+    shape and fewer T) through the one command at --world 1: summary.json keeps every field of the
+    committed one (top-level gpu, commit, read_gbps, empty_kernel_us; rows' mode, us, floor_us,
+    floor_fraction, ...), l2_bytes now at the top too; table.md and latency.png beside it."""
+    stubbed_gpu.setattr(torch.cuda, "is_available", lambda: True)
+    stubbed_gpu.setattr(one_runner, "Runner", lambda cfg: _CpuRunner(cfg, device=torch.device("cpu")))
+    out = tmp_path / "bench1"
+    res = CliRunner().invoke(bench_main, [
+        "--world", "1", "--out", str(out), "--shapes", "256:4:shared", "--tokens", "1,16",
+        "--profiles", "plain,fp8_group128_row,nvfp4,fp8_tensor",
+        "--systems", "ours,ours_pdl,triton_fused,chain,torch_compile", "--compile-modes", "dynamic", "--no-programs",
+        "--budget-s", "300", "--reps", "3", "--calls", "3", "--warmup", "1"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    committed = json.loads((ROOT / "bench_results" / "world_size_1" / "summary.json").read_text())
+    assert set(committed) <= set(summary) and summary["l2_bytes"] == 1 << 16 == summary["config"]["l2_bytes"]
+    assert set(committed["rows"][0]) <= set(summary["rows"][0]) and set(committed["targets"][0]) <= \
+        set(summary["targets"][0])
+    assert summary["read_gbps"] == 4400.0 and summary["empty_kernel_us"] > 0 and summary["world_size"] == 1
+    assert [r["mode"] for r in summary["rows"]] == ["cold"] * 8 + ["warm"] * 8
+    assert all(r["us"]["ours"] and r["us"]["ours_pdl"] and r["floor_fraction"] > 0 for r in summary["rows"])
+    assert summary["config"]["compile_modes"] == ["dynamic"] and summary["config"]["budget_s"] == 300.0
+    record = next(r for r in json.loads((out / "records.json").read_text())["records"] if r["system"] == "ours")
+    assert record["world_size"] == 1 and record["dtype"] == "bf16" and len(record["replay_us"]) == 3
+    assert (out / "table.md").is_file() and (out / "latency.png").read_bytes()[:4] == b"\x89PNG"
