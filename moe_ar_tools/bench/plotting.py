@@ -3,6 +3,7 @@ per system, the roofline dotted (matplotlib, imported only when a plot is drawn)
 report lays out its panels (multi_gpu/summary.py, world_one/report.py)."""
 from __future__ import annotations
 
+import io
 import pathlib
 from dataclasses import dataclass, field
 from typing import Optional
@@ -54,5 +55,9 @@ def draw(grid: list, path: pathlib.Path, title: str, panel_size: tuple = (7.0, 4
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=title_size)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    # 256 colours (Pillow: matplotlib's own dependency): the lines look the same, the file is a third
+    from PIL import Image
+    Image.open(png).convert("RGB").quantize(256).save(path, format="PNG", optimize=True)
