@@ -1,5 +1,6 @@
-"""Tools around the dispatch runtime: the benchmark (`moe-ar-bench`), the soak (`moe-ar-soak`), the
-float64 reference the tests, soak and benchmark check against, the reliability summary, probes
-(`moe_ar_tools.probes`), the host-time and workspace-backend measurements, and the SASS comparison
-of two revisions (`sass_diff`). The runtime (`dispatch`) imports none of this.
+"""Tools around the dispatch runtime: the benchmark (`moe-ar-bench`, every world size: `bench/`), the
+soak (`moe-ar-soak`), the float64 reference the tests, soak and benchmark check against, the
+reliability summary, the host-time and workspace-backend measurements, the table tuning (`tune`),
+the stamp of every result (`provenance`, `stamp`) and the SASS comparison of two revisions
+(`sass_diff`). The runtime (`dispatch`) imports none of this.
 """

@@ -27,7 +27,6 @@ compared bit for bit (a difference is reported, and the point marked invalid). W
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import pathlib
@@ -134,7 +133,7 @@ class Run:
     def calls(self, workspaces: dict) -> list:
         import torch
         import dispatch
-        from moe_ar_tools.bench import config, inputs, systems, timing
+        from moe_ar_tools.bench import config, inputs, outputs, timing
         shape = config.Shape(HIDDEN, TOP_K, True)
         names = sorted({dispatch.select_program(ws, T, None, True) for ws in workspaces.values()
                         for T in self.args.tokens})
@@ -144,7 +143,7 @@ class Run:
             per_set = (T * TOP_K + 3 * T) * HIDDEN * 2
             n_sets = timing.input_sets_for(per_set, self.l2_bytes, self.args.calls)
             sets = inputs.make_input_sets(shape, T, n_sets, self.dtype, self.rank, self.args.seed, self.device)
-            outs = {b: systems._alloc_outputs(T, HIDDEN, self.dtype, None, n_sets, self.device) for b in workspaces}
+            outs = {b: outputs.alloc_output_sets(T, HIDDEN, self.dtype, None, n_sets, self.device) for b in workspaces}
 
             def step(b, i):
                 x, o = sets[i], outs[b][i]
@@ -155,7 +154,7 @@ class Run:
                     eps=config.EPS, norm_out=o["norm_out"], residual_out=o["residual_out"])
 
             for b in workspaces:  # eager: every input set once, then the outputs compared
-                systems._poison(outs[b])
+                outputs.poison(outs[b])
                 for i in range(n_sets):
                     step(b, i)
             torch.cuda.synchronize(self.device)
@@ -225,15 +224,13 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
     import dispatch
-    from moe_ar_tools.bench import config, records
-    from moe_ar_tools.provenance import git_commit
+    from moe_ar_tools import provenance
+    from moe_ar_tools.bench import config
     run = Run(args)
     run.log(f"backend_cost: {run.W} ranks, {torch.cuda.get_device_name(run.device)}; constructions ...")
     result = None
     if run.rank == 0:
-        result = {"gpu": torch.cuda.get_device_name(run.device), "world_size": run.W,
-                  "driver": records._driver_version(), "versions": records._versions(), "commit": git_commit(),
-                  "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        result = {"gpu": torch.cuda.get_device_name(run.device), "world_size": run.W, **provenance.stamp(),
                   "env": {k: os.environ.get(k) for k in config.REQUIRED_ENV},
                   "config": {"hidden": HIDDEN, "top_k": TOP_K, "shared": True, "dtype": "bf16", "profile": "plain",
                              "max_tokens": run.max_tokens, "tokens": args.tokens, "calls_per_graph": args.calls,

@@ -6,43 +6,17 @@ gpu: product, count, SM count, compute capability (torch's device properties); i
 (nvlink / none / unknown), NVLink generation and active links (NVML), the peer bandwidth the caller
 measured (None at one GPU); driver (NVML); CUDA and torch (torch's build); NVRTC (the one the
 runtime compiles with); the program set's sha256 (dispatch.workspace.program_set_sha256); the
-commit; the date. NVML comes from pynvml (nvidia-ml-py) where it is installed, else the driver's
-library through ctypes (dispatch.gpu_facts.NvmlLibrary); without either the interconnect and the
-driver are "unknown". `match(stamp)` is the key a table set made from the stamped measurements is
+commit; the date (the software and the driver: moe_ar_tools/provenance.py, the stamp of every
+tool's results). NVML comes from pynvml (nvidia-ml-py) where it is installed, else the driver's
+library through ctypes (dispatch.gpu_facts.NvmlLibrary); without either the interconnect is
+"unknown" and the driver nvidia-smi's, where it is not "unknown" too. `match(stamp)` is the key a table set made from the stamped measurements is
 matched on (dispatch/table_sets.py).
 """
 from __future__ import annotations
 
 import datetime
 
-
-def nvml_module():
-    """pynvml where installed, else the driver's NVML through ctypes, else None."""
-    try:
-        import pynvml
-        return pynvml
-    except ImportError:
-        from dispatch import gpu_facts
-        return gpu_facts.nvml_library()
-
-
-def _driver_version(nvml) -> str:
-    if nvml is None:
-        return "unknown"
-    try:
-        nvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no driver library to ask
-        return "unknown"
-    try:
-        version = nvml.nvmlSystemGetDriverVersion()
-        return version.decode() if isinstance(version, bytes) else str(version)
-    except Exception:  # noqa: BLE001
-        return "unknown"
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # noqa: BLE001
-            pass
+from moe_ar_tools import provenance
 
 
 def software() -> dict:
@@ -50,13 +24,12 @@ def software() -> dict:
     import torch
     from moe_ar_common import cuda_env
     from dispatch.rendezvous import program_set_sha256
-    from moe_ar_tools.provenance import git_commit
     try:
         nvrtc = ".".join(map(str, cuda_env.load_nvrtc()[1]))
     except cuda_env.MissingToolchain:
         nvrtc = None
     return {"cuda": torch.version.cuda, "torch": torch.__version__, "nvrtc": nvrtc,
-            "program_set_sha256": program_set_sha256(), "commit": git_commit()}
+            "program_set_sha256": program_set_sha256(), "commit": provenance.git_commit()}
 
 
 def collect(devices=None, *, peer_bandwidth_GBps: float | None = None, cuda=None, nvml="default",
@@ -70,7 +43,7 @@ def collect(devices=None, *, peer_bandwidth_GBps: float | None = None, cuda=None
         import torch
         cuda = torch.cuda
     if nvml == "default":
-        nvml = nvml_module()
+        nvml = provenance.nvml_module()
     if not cuda.is_available():
         raise ValueError("devices: no CUDA GPU is visible; a stamp describes the GPUs a measurement ran on")
     devices = list(range(cuda.device_count())) if devices is None else list(devices)
@@ -90,7 +63,7 @@ def collect(devices=None, *, peer_bandwidth_GBps: float | None = None, cuda=None
                 "capability": key.capability},
         "interconnect": {"kind": key.interconnect, "nvlink_generation": links["generation"],
                          "nvlink_links": links["links"], "peer_bandwidth_GBps": peer_bandwidth_GBps},
-        "driver": _driver_version(nvml),
+        "driver": provenance.driver_version(nvml),
         **(software() if versions is None else versions),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }

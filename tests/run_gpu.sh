@@ -4,8 +4,9 @@
 #   tests     the GPU tests (every program, emulated 2/4/8 on one and on two GPUs, two real
 #             processes, faults, reliability, FP8 consumer, the torch custom op), one JSON line per
 #             test in $OUT/gpu-tests.jsonl, the log in $OUT/gpu-tests.log
-#   bench     the benchmark against NCCL and torch symmetric memory (2 GPUs), every output profile:
-#             JSON + PNG + summary; the table sets are fitted to the files generator/table_sets.py COMMITTED_SETS names
+#   bench     the benchmark (moe_ar_tools.bench, world size 2) against NCCL and torch symmetric memory
+#             (2 GPUs), every output profile: JSON + PNG + summary; the table sets are fitted to the
+#             files generator/table_sets.py COMMITTED_SETS names
 #   fp8bench  FP8 profiles against plain and against plain + a separate quantization kernel
 #   autobench the automatic choice under the committed tables against every forced program
 #   latency   small-T latency: default, with PDL, and with each fixed row split (vec_per_thread 4, 2)
@@ -14,8 +15,8 @@
 #   hosttime  host time of one rank's eager call (checks, launch) beside torch.add (moe_ar_tools.host_time)
 #   backend   the CUDA IPC and symmetric-memory workspaces side by side (moe_ar_tools.backend_cost)
 #   example   the two-process examples: moe_tail.py plain and NVFP4, minimal.py
-#   bench1    world size 1 on one GPU: ours against the eager and compiled torch chains and FlashInfer's
-#             norm kernels (moe_ar_tools.bench_one), into $OUT/bench1/ directly (summary.json,
+#   bench1    the same benchmark at world size 1 on one GPU (--world 1): ours against the Triton kernels,
+#             the eager and compiled torch chains and FlashInfer's norm kernels, into $OUT/bench1/ directly (summary.json,
 #             records.json, table.md, latency.png) and $OUT/bench1.log; FlashInfer's kernels come from
 #             .baselines/ (moe_ar_tools/baselines/fetch_flashinfer.sh here, then carry .baselines)
 #   tune      `gen-programs tune` of this machine (world size 1, and 2 and up where as many GPUs are
@@ -66,7 +67,7 @@ if step bench && [ "$GPUS" -ge 2 ]; then
     # every profile, so that each profile's cells get boundaries fitted to their own programs
     # (a profile not measured borrows the plain profile's); about 300 s on 2x H200
     timeout 580 python3 -m moe_ar_tools.bench --cold-start --profiles plain,nvfp4,fp8_group128,fp8_tensor \
-        --time-budget-s "${BENCH_BUDGET:-420}" --out "$OUT/bench.json" 2>&1 | grep -v "it/s]" | tail -40 || status=1
+        --budget-s "${BENCH_BUDGET:-420}" --out "$OUT/bench.json" 2>&1 | grep -v "it/s]" | tail -40 || status=1
 fi
 if step fp8bench && [ "$GPUS" -ge 2 ]; then
     $BENCH --shapes 7168:8:shared --tokens 1,16,128,256,1024,4096,8192 --profiles plain,fp8_group128,fp8_tensor \
@@ -131,7 +132,7 @@ if step bench1; then
     # ~7 s a point at 8,192-16,384 tokens). The budget stops starting points at BENCH1_BUDGET s (skipped
     # ones listed in summary.json). The other shapes (dynamic compiles only, ~6-7 min): a second call with
     # BENCH1_SHAPES=7168:8,7168:4:shared,4096:8.
-    timeout "${BENCH1_TIMEOUT:-550}" python3 -m moe_ar_tools.bench_one --shapes "${BENCH1_SHAPES:-7168:8:shared}" \
+    timeout "${BENCH1_TIMEOUT:-550}" python3 -m moe_ar_tools.bench --world 1 --shapes "${BENCH1_SHAPES:-7168:8:shared}" \
         --tokens "${BENCH1_TOKENS:-1-16384}" --profiles "${BENCH1_PROFILES:-plain,nvfp4,fp8_group128_row,fp8_group128_col,fp8_tensor}" \
         --budget-s "${BENCH1_BUDGET:-470}" --out "$FINAL_OUT/bench1" 2>&1 | tee "$FINAL_OUT/bench1.log" | tail -60 || status=1
     cp -r "$FINAL_OUT/bench1" "$FINAL_OUT/bench1.log" "$OUT/" 2>/dev/null  # into results.tgz too

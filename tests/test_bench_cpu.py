@@ -1,10 +1,12 @@
-"""The benchmark's pure-Python parts, on CPU: roofline byte counts, statistics, the record schema,
-the summary, option parsing, and the torch pieces that run the same on CPU (the unfused
-baseline's math, the float64 contract outputs it checks against). The GPU sweep itself is not run
-here."""
+"""The harness's parts shared by every world size, and world size 2+'s (moe_ar_tools/bench/,
+multi_gpu/), on CPU: roofline byte counts, statistics and the one percentile, the record format and
+the header, option parsing and the one command for every world size, the summary, the writes and
+the plot, and the torch pieces that run the same on CPU (the unfused baseline's math, the float64
+contract outputs it checks against). World size 1's parts: tests/test_bench_world_one_cpu.py."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -13,7 +15,10 @@ import torch
 from click.testing import CliRunner
 
 import dispatch
-from moe_ar_tools.bench import cli, config, inputs, point, records, roofline, summary, systems, timing
+from moe_ar_tools.bench import cli, config, inputs, records, roofline, timing
+from moe_ar_tools.bench.outputs import poison
+from moe_ar_tools.bench.multi_gpu import config as multi_config
+from moe_ar_tools.bench.multi_gpu import point, summary, systems
 from moe_ar_tools import reference as ref
 
 
@@ -222,8 +227,9 @@ def test_summary_reports_the_strongest_baseline():
     r = summary.summary_rows([_record(system="auto+quant", profile="fp8_tensor", median_us=1.0),
                               _record(system="nccl+torch", profile="fp8_tensor", median_us=9.0)])[0]
     assert r["best_baseline"] == "nccl+torch"
-    assert set(config.UNFUSED_BASELINES) <= set(config.BASELINES) <= set(config.SYSTEM_CHOICES) | {"auto+quant"}
-    assert {"nccl+compiled", "symm+compiled"} <= set(config.parse_list(config.DEFAULT_SYSTEMS))
+    assert set(multi_config.UNFUSED_BASELINES) <= set(multi_config.BASELINES) <= \
+        set(multi_config.SYSTEM_CHOICES) | {"auto+quant"}
+    assert {"nccl+compiled", "symm+compiled"} <= set(config.parse_list(multi_config.DEFAULT_SYSTEMS))
 
 
 def test_summary_order_follows_the_sweep():
@@ -289,16 +295,15 @@ def test_import_works_without_a_gpu_and_plots_lazily():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_the_package_keeps_the_helpers_other_tools_import():
-    """Other tools import these from moe_ar_tools.bench; each is its home module's object."""
-    import moe_ar_tools.bench as package
-    from moe_ar_tools.bench import plotting
-    homes = {timing: ("median", "pair_ratio", "replay_orders", "input_sets_for"),
-             roofline: ("hbm_bytes", "measure_bandwidth"), records: ("jsonable", "_versions", "_driver_version"),
-             plotting: ("plot",)}
-    for module, names in homes.items():
-        for name in names:
-            assert getattr(package, name) is getattr(module, name), name
+def test_one_percentile():
+    """The harness and the tools define one percentile (moe_ar_tools/bench/timing.py) and one median."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent / "moe_ar_tools"
+    defined = sorted(f"{p.relative_to(root)}:{node.name}" for p in root.rglob("*.py")
+                     for node in ast.walk(ast.parse(p.read_text()))
+                     if isinstance(node, ast.FunctionDef) and re.fullmatch(r"_?(percentile|quantile|median)", node.name))
+    assert defined == ["bench/timing.py:median", "bench/timing.py:percentile"], defined
 
 
 # ---- the unfused baseline's torch math -----------------------------------------------------------
@@ -434,6 +439,6 @@ def test_check_refuses_an_output_left_poisoned(tmp_path, profile, seed_for):
     for name in outputs[0]:
         for poisoned_set in range(len(outputs)):
             outs = [{k: v.clone() for k, v in o.items()} for o in outputs]
-            systems._poison([{name: outs[poisoned_set][name]}])
+            poison([{name: outs[poisoned_set][name]}])
             got = reasons(outs)
             assert [why.split(" rel err")[0] for why in got] == names[name], (name, poisoned_set, got)

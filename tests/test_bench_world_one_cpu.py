@@ -1,4 +1,4 @@
-"""The world-size-1 benchmark's parts that need no GPU (moe_ar_tools/bench_one/ and
+"""World size 1's parts of the harness that need no GPU (moe_ar_tools/bench/world_one/ and
 moe_ar_tools/baselines/): byte counts, options, the torch chain against the float64 reference,
 the correctness check and dequantization, the summary's schema, the targets and the table on
 synthetic records, and the preparation of FlashInfer's norm kernels (extraction, build command,
@@ -20,19 +20,32 @@ from moe_ar_tools.baselines import flashinfer_norm as fin
 from moe_ar_tools.baselines import torch_chain as tc
 from moe_ar_tools.bench.config import (DEFAULT_SHAPES, EPS, FP8_TOLERANCE, NVFP4_TOLERANCE, ROUTED_SCALING_FACTOR,
                                        TOLERANCE_U, Shape, parse_shapes)
-from moe_ar_tools.bench.inputs import make_input_sets, rel_err
+from moe_ar_tools.bench.cli import main as bench_main
+from moe_ar_tools.bench.inputs import contract_outputs, make_input_sets, rel_err
+from moe_ar_tools.bench.outputs import alloc_outputs as _alloc
 from moe_ar_tools.bench.records import jsonable
 from moe_ar_tools.bench.roofline import hbm_bytes
-from moe_ar_tools.bench_one import runner as one_runner
-from moe_ar_tools.bench_one.cli import main
-from moe_ar_tools.bench_one.config import BASELINES, COMPILE_MODES, PROFILES, SYSTEMS, TARGET_SHAPE, make_config
-from moe_ar_tools.bench_one.report import format_markdown, plot
-from moe_ar_tools.bench_one.runner import Runner
-from moe_ar_tools.bench_one.summary import (check_targets, hbm_bytes_ws1, make_record, roofline_us, summarize,
-                                            summary_rows)
-from moe_ar_tools.bench_one.systems import System, alloc_outputs, contract_ws1, dequantize
+from moe_ar_tools.bench.world_one import runner as one_runner
+from moe_ar_tools.bench.config import COMPILE_MODES
+from moe_ar_tools.bench.world_one.config import BASELINES, PROFILES, SYSTEMS, TARGET_SHAPE, make_config
+from moe_ar_tools.bench.world_one.report import format_markdown, plot
+from moe_ar_tools.bench.world_one.runner import Runner
+from moe_ar_tools.bench.world_one.summary import (check_targets, hbm_bytes_ws1, roofline_us, summarize, summary_rows)
+from moe_ar_tools.bench.world_one.summary import make_record as _make_record
+from moe_ar_tools.bench.world_one.systems import System, dequantize
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def make_record(**fields):
+    """A bf16 run's record."""
+    return _make_record(dtype="bf16", **fields)
+
+
+def alloc_outputs(tokens, hidden, dtype, profile, device):
+    """The outputs ours writes for one input set at a world-size-1 profile."""
+    p = PROFILES[profile]
+    return _alloc(tokens, hidden, dtype, p.quant, device, p.scale_layout or "row")
 
 
 # ---- bytes ---------------------------------------------------------------------------------------
@@ -80,7 +93,7 @@ def test_make_config_defaults_and_errors():
 
 def test_cli_dry_run_and_bad_options():
     runner = CliRunner()
-    res = runner.invoke(main, ["--dry-run", "--shapes", "7168:8:shared,4096:8", "--tokens", "1-8",
+    res = runner.invoke(bench_main, ["--world", "1", "--dry-run", "--shapes", "7168:8:shared,4096:8", "--tokens", "1-8",
                                   "--profiles", "plain,nvfp4", "--budget-s", "300"])
     assert res.exit_code == 0, res.output
     plan = json.loads(res.output)
@@ -90,13 +103,13 @@ def test_cli_dry_run_and_bad_options():
     assert plan["compiles"]["static"] == 4 * (2 + 1)
     # dynamic: (profile, shared, T == 1) of the chain + (shared, T == 1) of the finalize
     assert plan["compiles"]["dynamic"] == 2 * 2 * 2 + 2 * 2
-    res = runner.invoke(main, ["--dry-run", "--systems", "ours,torch_eager"])
+    res = runner.invoke(bench_main, ["--world", "1", "--dry-run", "--systems", "ours,torch_eager"])
     assert json.loads(res.output)["compiles"] == {"dynamic": 0, "static": 0}
     for args, word in ((["--profiles", "bogus"], "profile"), (["--systems", "nccl"], "system"),
                        (["--budget-s", "-5"], "budget_s"), (["--reps", "0"], "reps")):
-        res = runner.invoke(main, ["--dry-run", *args])
+        res = runner.invoke(bench_main, ["--world", "1", "--dry-run", *args])
         assert res.exit_code == 2 and word in res.output, res.output
-    res = runner.invoke(main, ["--dry-run", "--reps", "10"])
+    res = runner.invoke(bench_main, ["--world", "1", "--dry-run", "--reps", "10"])
     assert res.exit_code == 0 and "below the 50" in res.output
 
 
@@ -111,7 +124,7 @@ def _inputs(T, H=256, K=4, shared=True, dtype=torch.bfloat16, seed=7):
 def test_chain_matches_the_ws1_contract(T, shared, dtype):
     x = _inputs(T, shared=shared, dtype=dtype)
     out = tc.chain(x.allreduce_in, x.idx, x.scale, x.shared, x.residual, x.norm_weight, EPS, None)
-    res_ref, norm_ref = contract_ws1(x, dtype)
+    res_ref, norm_ref = contract_outputs(x, dtype)
     tol = TOLERANCE_U * ref.UNIT_ROUNDOFF[dtype]
     assert out["residual_out"].dtype == dtype and out["norm_out"].shape == (T, 256)
     assert rel_err(out["residual_out"], res_ref) <= tol
@@ -124,7 +137,7 @@ def test_chain_matches_the_ws1_contract(T, shared, dtype):
 
 def test_contract_ws1_rounds_once():
     x = _inputs(3)
-    res_ref, _ = contract_ws1(x, torch.bfloat16)
+    res_ref, _ = contract_outputs(x, torch.bfloat16)
     exact = ref.finalize_partial(x.allreduce_in, x.idx, x.scale, ROUTED_SCALING_FACTOR, x.shared) + \
         x.residual.double()
     assert torch.equal(res_ref, ref.round_to_dtype(exact, torch.bfloat16).float())
@@ -175,7 +188,7 @@ def _runner():
 
 def _data(T=6, H=256, n_sets=2):
     sets = make_input_sets(Shape(H, 4, True), T, n_sets, torch.bfloat16, 0, 11, "cpu")
-    refs = [contract_ws1(x, torch.bfloat16) for x in sets]
+    refs = [contract_outputs(x, torch.bfloat16) for x in sets]
     amax = max(float(norm.abs().max()) for _, norm in refs)
     gs_value, fp8_value = ref.f32(ref.E4M3_MAX * 6.0 / amax), ref.f32(amax / ref.E4M3_MAX)
     return {"sets": sets, "refs": refs, "gs_value": gs_value, "fp8_value": fp8_value,
@@ -516,7 +529,7 @@ def test_fetch_script():
 
 def test_the_gpu_script_runs_it():
     text = (ROOT / "tests" / "run_gpu.sh").read_text()
-    assert "step bench1" in text and "python3 -m moe_ar_tools.bench_one " in text and ".baselines" in text
+    assert "step bench1" in text and "python3 -m moe_ar_tools.bench --world 1 " in text and ".baselines" in text
 
 
 # ---- the whole run on CPU: CUDA graphs, events and the op stubbed --------------------------------------
@@ -537,6 +550,23 @@ class _Graph:
 
     def __init__(self, replay):
         self.replay = replay
+
+
+def fake_capture_graph(call, calls, warmup, device, time_first=False):
+    """timing.capture_graph's stand-in, the fake timing backend's half on the host: the eager calls, then
+    the `calls` captured calls made once, their replay making them again (outputs a call allocates
+    copied into the first ones, as a graph's replay writes the captured buffers)."""
+    for i in warmup:
+        call(i)
+    captured = [call(i) for i in range(calls)]
+
+    def replay():
+        again = [call(i) for i in range(calls)]
+        for old, new in zip(captured, again):
+            for name in (old or {}):
+                if old[name] is not new[name]:
+                    old[name].copy_(new[name])
+    return _Graph(replay), captured, 0.0 if time_first else None
 
 
 def _op_writing(skip_norm_for=None):
@@ -598,25 +628,11 @@ class _CpuRunner(Runner):
         super().__init__(cfg, device=device)
         self.l2_bytes = 1 << 16  # a cold point rotates through a few input sets, not thousands
 
-    def capture(self, system):
-        for j in range(self.cfg.warmup):
-            system.call(j % self.calls)
-        captured = [system.call(j) for j in range(self.calls)]
-
-        def replay():
-            again = [system.call(j) for j in range(self.calls)]
-            for old, new in zip(captured, again):
-                for name in (old or {}):
-                    if old[name] is not new[name]:
-                        old[name].copy_(new[name])
-        if captured[0] is not None:
-            system.outputs = list(enumerate(captured))
-        system.graph = _Graph(replay)
-
 
 @pytest.fixture
 def stubbed_gpu(monkeypatch):
     import dispatch
+    monkeypatch.setattr(one_runner, "capture_graph", fake_capture_graph)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
@@ -697,7 +713,7 @@ def test_the_summary_names_the_tables_ours_selected_with():
     from types import SimpleNamespace
     from dispatch import gpu_facts, table_sets
     from dispatch.rendezvous import program_set_sha256
-    from moe_ar_tools.bench_one.runner import tables_used
+    from moe_ar_tools.bench.world_one.runner import tables_used
 
     def ws(device, hidden):
         return SimpleNamespace(selection=table_sets.resolve(dtype="bf16", world_size=1, hidden=hidden, elem_bytes=2,
@@ -712,3 +728,31 @@ def test_the_summary_names_the_tables_ours_selected_with():
     assert format_markdown(summary).splitlines()[1:3] == [
         "", "Selection tables: H 4096 model (no committed set matches), H 7168 h200_nvlink (exact product)."]
     assert "Selection tables" not in format_markdown(_summary(_records()))
+
+
+def test_the_documented_command_runs_end_to_end_with_the_gpu_stubbed(tmp_path, stubbed_gpu):
+    """python -m moe_ar_tools.bench_one's command line of bench_results/world_size_1/README.md (a smaller
+    shape and fewer T) through the one command at --world 1: summary.json keeps every field of the
+    committed one (top-level gpu, commit, read_gbps, empty_kernel_us; rows' mode, us, floor_us,
+    floor_fraction, ...), l2_bytes now at the top too; table.md and latency.png beside it."""
+    stubbed_gpu.setattr(torch.cuda, "is_available", lambda: True)
+    stubbed_gpu.setattr(one_runner, "Runner", lambda cfg: _CpuRunner(cfg, device=torch.device("cpu")))
+    out = tmp_path / "bench1"
+    res = CliRunner().invoke(bench_main, [
+        "--world", "1", "--out", str(out), "--shapes", "256:4:shared", "--tokens", "1,16",
+        "--profiles", "plain,fp8_group128_row,nvfp4,fp8_tensor",
+        "--systems", "ours,ours_pdl,triton_fused,chain,torch_compile", "--compile-modes", "dynamic", "--no-programs",
+        "--budget-s", "300", "--reps", "3", "--calls", "3", "--warmup", "1"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads((out / "summary.json").read_text())
+    committed = json.loads((ROOT / "bench_results" / "world_size_1" / "summary.json").read_text())
+    assert set(committed) <= set(summary) and summary["l2_bytes"] == 1 << 16 == summary["config"]["l2_bytes"]
+    assert set(committed["rows"][0]) <= set(summary["rows"][0]) and set(committed["targets"][0]) <= \
+        set(summary["targets"][0])
+    assert summary["read_gbps"] == 4400.0 and summary["empty_kernel_us"] > 0 and summary["world_size"] == 1
+    assert [r["mode"] for r in summary["rows"]] == ["cold"] * 8 + ["warm"] * 8
+    assert all(r["us"]["ours"] and r["us"]["ours_pdl"] and r["floor_fraction"] > 0 for r in summary["rows"])
+    assert summary["config"]["compile_modes"] == ["dynamic"] and summary["config"]["budget_s"] == 300.0
+    record = next(r for r in json.loads((out / "records.json").read_text())["records"] if r["system"] == "ours")
+    assert record["world_size"] == 1 and record["dtype"] == "bf16" and len(record["replay_us"]) == 3
+    assert (out / "table.md").is_file() and (out / "latency.png").read_bytes()[:4] == b"\x89PNG"

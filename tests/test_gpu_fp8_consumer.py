@@ -148,7 +148,7 @@ def test_fp8_tensor_feeds_a_scaled_mm(seed_for, record_result):
 @pytest.mark.parametrize("quant", ["fp8_group128", "fp8_tensor"])
 def test_bench_separate_quant_kernel_matches_the_rule(quant, seed_for):
     """The auto+quant baseline's separate kernel writes exactly the reference bytes."""
-    from moe_ar_tools.bench.fp8_quant import Fp8QuantKernel
+    from moe_ar_tools.bench.multi_gpu.fp8_quant import Fp8QuantKernel
     g = torch.Generator(device="cpu").manual_seed(seed_for("x"))
     x = (torch.randn(T, H, generator=g) * torch.rand(T, 1, generator=g) * 3).to(torch.bfloat16).cuda()
     kernel = Fp8QuantKernel(torch.cuda.current_device())

@@ -173,7 +173,7 @@ def test_dependencies_are_declared_by_cuda_major(pyproject):
     assert names(extras["cu12"]) == {"cupy-cuda12x", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12",
                                      "cuda-bindings"}
     assert names(extras["test"]) == {"pytest", "hypothesis", "nvidia-cuda-cuobjdump", "nvidia-cuda-nvdisasm",
-                                     "triton", "transformers"}
+                                     "triton", "transformers", "matplotlib"}
     assert names(extras["examples"]) == {"transformers"}  # the model examples; never the runtime's
     # Each CUDA package of an extra is bounded to that major version.
     for major, extra in ((13, "cu13"), (12, "cu12")):

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from moe_ar_tools import stamp
+from moe_ar_tools import provenance, stamp
 
 VERSIONS = {"cuda": "13.0", "torch": "2.13.0+cu130", "nvrtc": "13.0", "program_set_sha256": "ab" * 32,
             "commit": "0123abc"}
@@ -64,7 +64,8 @@ def test_a_stamp_names_the_machine_the_software_and_the_programs():
                                 "interconnect": "nvlink"}
 
 
-def test_one_gpu_without_nvlink_or_nvml():
+def test_one_gpu_without_nvlink_or_nvml(monkeypatch):
+    monkeypatch.setattr(provenance, "_tools_driver", lambda: None)  # no nvidia-smi, no driver for CuPy
     one = stamp.collect([0], cuda=FakeCuda(("NVIDIA H200",), (132,)), nvml=FakeNvml(links=0), versions=VERSIONS)
     assert one["gpu"]["count"] == 1 and one["interconnect"] == {
         "kind": "none", "nvlink_generation": None, "nvlink_links": 0, "peer_bandwidth_GBps": None}

@@ -1,5 +1,5 @@
 """The world-size-1 step written with torch ops, the way an engine without our kernel writes it:
-gather the expert rows, weight and sum them (moe_ar_tools.bench.systems.finalize_into), add the
+gather the expert rows, weight and sum them (moe_ar_tools.bench.torch_ops.finalize_into), add the
 shared expert and the residual, torch's rms_norm, then the quantization in torch (NVFP4 with 128x4
 swizzled scales, FP8 per-token-group-128 with row- or column-major scales, FP8 per-tensor).
 
@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from moe_ar_tools.bench.systems import finalize_into
+from moe_ar_tools.bench.torch_ops import finalize_into
 from moe_ar_tools.reference import E4M3_MAX, FP8_EPS, e2m1_nibbles
 
 NVFP4_BLOCK = 16

@@ -1,130 +1,115 @@
-"""The command (moe-ar-bench, python -m moe_ar_tools.bench): parse the options, measure the cold
-start if asked, and spawn one worker process per GPU for the sweep."""
+"""The command (moe-ar-bench, python -m moe_ar_tools.bench): one set of options for every world size,
+parsed into one Config, then the world size's plugin runs it: world_one at --world 1, multi_gpu at 2
+and up. An option of one world size's plugin given to another is refused; --dry-run prints the plan."""
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import pathlib
-import socket
 import time
 
 import click
+from click.core import ParameterSource
 
-from moe_ar_tools.bench.cold_start import measure_cold_start
-from moe_ar_tools.bench.config import (DEFAULT_SHAPES, DEFAULT_SYSTEMS, DEFAULT_TOKENS, DTYPE_BYTES, PROFILES,
-                                       REQUIRED_ENV, SYSTEM_CHOICES, Config, parse_list, parse_shapes, parse_tokens)
-from moe_ar_tools.bench.records import _versions, default_out_path
-from moe_ar_tools.bench.sweep import Bench
-from moe_ar_tools.provenance import git_commit
+from moe_ar_tools.bench.config import (COMPILE_MODES, DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPE_BYTES, L2_MODES, make_config,
+                                       set_required_env)
+from moe_ar_tools.bench.multi_gpu import config as multi_config
+from moe_ar_tools.bench.world_one import config as one_config
 
-
-def _set_required_env() -> None:
-    os.environ.update(REQUIRED_ENV)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# the options only one kind of world size takes (the command's parameter names)
+WORLD_ONE_OPTIONS = ("compile_modes", "static_compile_shapes", "l2", "flashinfer_dir", "programs")
+MULTI_GPU_OPTIONS = ("machine", "timeout_s", "measure_cold_start", "cold_start_program", "sweep", "pdl",
+                     "vec_per_thread")
 
 
-def _worker(rank: int, cfg: Config) -> None:
-    """One process per GPU: NCCL group over TCP on localhost, a gloo group for CPU agreement."""
-    _set_required_env()
-    import torch
-    import torch.distributed as dist
-    torch.cuda.set_device(rank)
-    # Timeouts: a deadlock fails (and mp.spawn stops the other ranks) instead of hanging the run.
-    timeout = datetime.timedelta(seconds=300)
-    dist.init_process_group("nccl", init_method=cfg.init_method, rank=rank, world_size=cfg.world,
-                            device_id=torch.device("cuda", rank), timeout=timeout)
-    try:
-        gloo = dist.new_group(backend="gloo", timeout=timeout)
-        Bench(cfg, rank, gloo).run()
-        dist.barrier(group=gloo)
-    finally:
-        dist.destroy_process_group()
+def _refuse_foreign(ctx: click.Context, world: int) -> None:
+    """UsageError for an option of the other kind of world size given on the command line."""
+    foreign = MULTI_GPU_OPTIONS if world == 1 else WORLD_ONE_OPTIONS
+    for param in ctx.command.params:
+        if param.name in foreign and ctx.get_parameter_source(param.name) == ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"{param.opts[0]} is for --world {'2 and up' if world == 1 else '1'}, "
+                                   f"not --world {world}", ctx)
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
-@click.option("--world", default=2, help="processes / GPUs (one each)")
-@click.option("--shapes", default=DEFAULT_SHAPES, help="HIDDEN:TOP_K[:shared], comma separated")
+@click.option("--world", type=click.IntRange(1), default=2,
+              help="world size: GPUs of this machine, one process each; 1: one GPU, no exchange, against the "
+                   "world-size-1 baselines (Triton, the torch chains, FlashInfer)")
+@click.option("--shapes", default=DEFAULT_SHAPES, help="HIDDEN:TOP_K[:shared], comma separated (world 1: the "
+                                                      "first is also the floor's shape)")
 @click.option("--tokens", default=DEFAULT_TOKENS, help="comma separated, or a power-of-two range like 1-16384")
-@click.option("--profiles", default="plain,nvfp4", help="output profiles: plain (dtype outputs), nvfp4 (+ NVFP4), "
-                                                   "fp8_group128, fp8_tensor")
-@click.option("--dtype", type=click.Choice(["bf16", "fp16"]), default="bf16")
-@click.option("--systems", default=DEFAULT_SYSTEMS,
-              help="of nccl+torch, symm+torch, nccl+compiled, symm+compiled, auto, auto+quant, programs "
-                   "(every generated program), or program names")
+@click.option("--profiles", default=None,
+              help=f"output profiles, comma separated [default: world 2+ {multi_config.VOCABULARY.default_profiles}; "
+                   f"world 1 all of {', '.join(one_config.PROFILES)}]; world 2+: "
+                   f"{', '.join(multi_config.VOCABULARY.profiles)}")
+@click.option("--dtype", type=click.Choice(sorted(DTYPE_BYTES)), default="bf16")
+@click.option("--systems", default=None,
+              help=f"comma separated [default: all]; world 2+: of {', '.join(multi_config.SYSTEM_CHOICES)} "
+                   f"(every generated program) or program names; world 1: of {', '.join(one_config.SYSTEMS)}")
 @click.option("--reps", default=50, help="timed replays per system and point (docs/measurement.md: at least 50)")
 @click.option("--calls", default=10, help="back-to-back calls captured in one CUDA graph")
 @click.option("--warmup", default=3, help="eager calls before capture")
-@click.option("--out", default=None, help="JSON path [default: bench_results/<machine>-<date>.json]; "
-                                          "the PNG plot goes beside it")
-@click.option("--machine", default=None, help="machine name for the results [default: $MOE_AR_MACHINE or "
-                                              "<W>x<GPU>-<hostname>]")
-@click.option("--timeout-s", default=30.0, help="the workspaces' peer-wait deadline")
+@click.option("--out", default=None,
+              help="world 2+: the JSON [default: bench_results/<machine>-<date>.json], the PNG plot and the "
+                   ".summary.txt beside it; world 1: the output folder [default: bench_results/world_size_1/run-<date>]")
 @click.option("--seed", default=1234)
 @click.option("--bw-gib", default=2.0, help="GiB per copy in the bandwidth measurement")
-@click.option("--time-budget-s", default=420.0, help="start no new token count after this many seconds "
-                                                     "from launch (the JSON says truncated)")
-@click.option("--cold-start/--no-cold-start", default=False,
-              help="also measure compiling one program at first use and loading it from the warm cache")
-@click.option("--cold-start-program", default=None, help="[default: the auto choice at 1 token, profile plain]")
-@click.option("--sweep/--no-sweep", default=True, help="run the latency sweep")
-@click.option("--pdl/--no-pdl", default=False, help="launch the fused calls with programmatic dependent launch")
+@click.option("--budget-s", "--time-budget-s", "budget_s", type=float, default=None,
+              help=f"seconds from launch: world 2+ starts no token count after it (the JSON then says truncated) "
+                   f"[default {multi_config.VOCABULARY.budget_s:.0f}]; world 1 starts no point that would end past "
+                   f"it, 0 none (the rest skipped) [default {one_config.VOCABULARY.budget_s:.0f}]")
+@click.option("--dry-run", is_flag=True, help="print what would be measured (and compiled), then stop (no GPU)")
+# world size 2 and up
+@click.option("--machine", default=None, help="[world 2+] machine name for the results [default: $MOE_AR_MACHINE "
+                                              "or <W>x<GPU>-<hostname>]")
+@click.option("--timeout-s", default=30.0, help="[world 2+] the workspaces' peer-wait deadline")
+@click.option("--cold-start/--no-cold-start", "measure_cold_start", default=False,
+              help="[world 2+] also measure compiling one program at first use and loading it from the warm cache")
+@click.option("--cold-start-program", default=None,
+              help="[world 2+] [default: the auto choice at 1 token, profile plain]")
+@click.option("--sweep/--no-sweep", default=True, help="[world 2+] run the latency sweep")
+@click.option("--pdl/--no-pdl", default=False, help="[world 2+] launch the fused calls with programmatic dependent "
+                                                    "launch (world 1 times both: ours, ours_pdl)")
 @click.option("--vec-per-thread", type=click.IntRange(1, 4), default=None,
-              help="the workspaces' row split: 16-byte vectors per thread [default: the runtime's]")
-def main(world, shapes, tokens, profiles, dtype, systems, reps, calls, warmup, out, machine, timeout_s, seed,
-         bw_gib, time_budget_s, cold_start, cold_start_program, sweep, pdl, vec_per_thread):
-    """Benchmark the fused MoE finalize + all-reduce + RMSNorm programs against NCCL and torch
-    symmetric-memory baselines on `--world` GPUs of this machine (docs/measurement.md)."""
+              help="[world 2+] the workspaces' row split: 16-byte vectors per thread [default: the runtime's]")
+# world size 1
+@click.option("--compile-modes", default=",".join(COMPILE_MODES),
+              help="[world 1] torch.compile modes: dynamic (one compile for every T), static (one per T)")
+@click.option("--static-compile-shapes", default="7168:8:shared",
+              help="[world 1] shapes compiled per T too (compiles are slow: the target shape); empty for none")
+@click.option("--l2", default=",".join(L2_MODES),
+              help="[world 1] L2 modes: cold (inputs rotated through more than 3x the L2), warm (one input set)")
+@click.option("--flashinfer-dir", default=None, help="[world 1] FlashInfer's norm kernels as fetch_flashinfer.sh "
+                                                     "prepares them [default: .baselines/flashinfer]")
+@click.option("--programs/--no-programs", default=True,
+              help="[world 1] also force every world-size-1 program where a cell has more than one")
+@click.pass_context
+def main(ctx, world, dry_run, **options):
+    """Benchmark the fused MoE finalize (+ all-reduce) + residual + RMSNorm (+ quantization) programs on
+    this machine (docs/measurement.md): at world size 2 and up against NCCL and torch symmetric memory,
+    at world size 1 against a fused Triton kernel, the Triton chain, the eager and compiled torch chains
+    and FlashInfer's norm kernels."""
     started = time.time()
-    _set_required_env()
+    set_required_env()  # never NVLink multicast: before any CUDA library starts
+    _refuse_foreign(ctx, world)
+    plugin = one_config if world == 1 else multi_config
     try:
-        cfg = Config(world=world, shapes=parse_shapes(shapes), tokens=parse_tokens(tokens),
-                     profiles=parse_list(profiles, PROFILES, "profile"), dtype=dtype,
-                     systems=parse_list(systems, what="system"), reps=reps, calls=calls, warmup=warmup, out=out,
-                     machine=machine, timeout_s=timeout_s, seed=seed, bw_gib=bw_gib, time_budget_s=time_budget_s,
-                     started=started, pdl=pdl, vec_per_thread=vec_per_thread)
+        cfg = make_config(plugin.VOCABULARY, world=world, started=started, **options)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    if reps < 50:
-        click.echo(f"note: --reps {reps} is below the 50 of docs/measurement.md", err=True)
-    import dispatch
-    for s in cfg.systems:
-        if s not in SYSTEM_CHOICES and s not in dispatch.programs():
-            raise click.BadParameter(f"system {s!r}: not one of {', '.join(SYSTEM_CHOICES)} nor a program name")
-    if cold_start:
-        from dispatch import registry, table_sets
-        selection = table_sets.for_workspace(dtype, world, cfg.shapes[0].hidden, DTYPE_BYTES[dtype], 0)
-        name = cold_start_program or registry.program_for(
-            registry.select_family(dtype, world, "plain", 1, False, 1024, bounds=selection.limits("plain")), dtype,
-            world, "plain")
-        click.echo(f"cold start: {name} ...")
-        cfg.cold_start = measure_cold_start(name)
-        click.echo(json.dumps(cfg.cold_start, indent=1))
-        if not sweep:
-            if out:
-                path = pathlib.Path(out)
-            else:
-                path = default_out_path(machine or os.environ.get("MOE_AR_MACHINE") or socket.gethostname(),
-                                        datetime.datetime.now())
-                path = path.with_name(path.stem + "-cold-start.json")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"commit": git_commit(), "versions": _versions(),
-                                        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                                        "cold_start": cfg.cold_start}, indent=1))
-            click.echo(f"wrote {path}")
-    if not sweep:
+    if cfg.reps < 50:
+        click.echo(f"note: --reps {cfg.reps} is below the 50 of docs/measurement.md", err=True)
+    if world == 1:
+        if dry_run:
+            click.echo(json.dumps(one_config.plan(cfg), indent=1))
+            return
+        import torch
+        if not torch.cuda.is_available():
+            raise click.ClickException("no CUDA GPU: --world 1 runs on one GPU (--dry-run shows the plan)")
+        from moe_ar_tools.bench.world_one.runner import Runner
+        Runner(cfg).run()
         return
-    import torch
-    import torch.multiprocessing as mp
-    if torch.cuda.device_count() < world:
-        raise click.ClickException(f"--world {world} needs {world} GPUs, this machine has "
-                                   f"{torch.cuda.device_count()}")
-    if world < 2:
-        raise click.ClickException("--world must be at least 2 (emulated worlds are not benchmarked)")
-    cfg.init_method = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(_worker, args=(cfg,), nprocs=world, join=True)
+    from moe_ar_tools.bench.multi_gpu import launch
+    launch.check(cfg)
+    if dry_run:
+        click.echo(json.dumps(multi_config.plan(cfg), indent=1))
+        return
+    launch.run(cfg)

@@ -1,8 +1,13 @@
-"""The benchmark's settings: the systems it times, the output profiles, the tolerances of its
-checks, the op's constants, the shape table and the run's options (Config)."""
+"""The harness's settings, for every world size: the op's constants and output profiles, the
+tolerances of the checks, the shape table, the option parsing, the run's options (Config) and
+make_config, which checks them against a world size's vocabulary (Vocabulary: its profiles,
+systems and defaults; each world's plugin declares its own)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import os
+import time
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -10,15 +15,16 @@ from typing import Optional
 # library is initialized, in the parent and in every worker.
 REQUIRED_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
+
+def set_required_env() -> None:
+    """REQUIRED_ENV into this process's environment."""
+    os.environ.update(REQUIRED_ENV)
+
+
 DEFAULT_SHAPES = "7168:8:shared,7168:8,7168:4:shared,4096:8"
 DEFAULT_TOKENS = ",".join(str(2 ** i) for i in range(15))  # 1 .. 16384
-DEFAULT_SYSTEMS = "nccl+torch,symm+torch,nccl+compiled,symm+compiled,auto,auto+quant,programs"
-# the unfused finalize + all-reduce + epilogue steps; "best baseline" is the fastest of these
-UNFUSED_BASELINES = ("nccl+torch", "symm+torch", "nccl+compiled", "symm+compiled")
-BASELINES = UNFUSED_BASELINES + ("auto+quant",)
-SYSTEM_CHOICES = ("auto", "nccl+torch", "symm+torch", "nccl+compiled", "symm+compiled", "auto+quant", "programs")
-COMPILED_SYSTEMS = ("nccl+compiled", "symm+compiled")
-# output profile -> quant argument
+# output profile -> quant argument (the exchange world sizes' profiles; world size 1 names the FP8
+# group-128 scale layout too: moe_ar_tools/bench/world_one/config.py)
 PROFILES = {"plain": None, "nvfp4": "nvfp4", "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
 FP8_PROFILES = ("fp8_group128", "fp8_tensor")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2}
@@ -36,6 +42,11 @@ FP8_TOLERANCE = 0.08
 ROUTED_SCALING_FACTOR = 2.5  # DeepSeek-V3's
 EPS = 1e-6
 FALLBACK_L2_BYTES = 60 * 2 ** 20
+# cold: the captured calls rotate through input sets of more than 3x the L2 (the headline at world
+# size 1; timing.cold_input_sets); warm: one input set, every call (what a tail right after its GEMM
+# finds at small T). World size 2+ rotates through twice the L2 (timing.input_sets_for).
+L2_MODES = ("cold", "warm")
+COMPILE_MODES = ("dynamic", "static")  # torch.compile of world size 1's chains: dynamic shapes, or per T
 
 
 # ---- configuration parsing ---------------------------------------------------------------------
@@ -96,25 +107,77 @@ def parse_list(text: str, allowed=None, what="value") -> list[str]:
 
 # ---- the run's options --------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """What a world size's plugin measures: its profiles and systems (systems None: the plugin checks
+    them itself, program names among them) and the defaults of --profiles, --systems, --budget-s."""
+    profiles: tuple
+    systems: Optional[tuple]
+    default_profiles: str
+    default_systems: str
+    budget_s: float
+
+
 @dataclass
 class Config:
+    """One run's options. budget_s: world size 2+ starts no token count after it (seconds from launch);
+    world size 1 starts no point that would end past it (0: no budget)."""
     world: int
     shapes: list
     tokens: list
     profiles: list
-    dtype: str
     systems: list
-    reps: int
-    calls: int
-    warmup: int
-    out: Optional[str]
-    machine: Optional[str]
-    timeout_s: float
-    seed: int
-    bw_gib: float
-    time_budget_s: float
-    started: float
-    init_method: str = ""
-    cold_start: Optional[dict] = None
+    dtype: str = "bf16"
+    reps: int = 50
+    calls: int = 10
+    warmup: int = 3
+    out: Optional[str] = None
+    seed: int = 1234
+    bw_gib: float = 2.0
+    budget_s: float = 0.0
+    started: float = field(default_factory=time.time)
+    # world size 2+
+    machine: Optional[str] = None
+    timeout_s: float = 30.0                 # the workspaces' peer-wait deadline
     pdl: bool = False                       # fused calls with programmatic dependent launch
     vec_per_thread: Optional[int] = None    # the workspaces' row split (None: the default)
+    measure_cold_start: bool = False        # compile one program at first use, then load it warm
+    cold_start_program: Optional[str] = None
+    sweep: bool = True
+    init_method: str = ""
+    cold_start: Optional[dict] = None       # what measure_cold_start measured
+    # world size 1
+    compile_modes: list = field(default_factory=list)
+    static_compile_shapes: list = field(default_factory=list)
+    l2_modes: list = field(default_factory=list)
+    flashinfer_dir: Optional[str] = None
+    programs: bool = True                   # force every world-size-1 program where a cell has several
+
+    def static_compile(self, shape: Shape) -> bool:
+        return "static" in self.compile_modes and shape in self.static_compile_shapes
+
+
+def make_config(vocabulary: Vocabulary, *, world: int = 2, shapes: str = DEFAULT_SHAPES, tokens: str = DEFAULT_TOKENS,
+                profiles: Optional[str] = None, systems: Optional[str] = None, budget_s: Optional[float] = None,
+                dtype: str = "bf16", reps: int = 50, calls: int = 10, warmup: int = 3,
+                compile_modes: str = ",".join(COMPILE_MODES), static_compile_shapes: str = "7168:8:shared",
+                l2: str = ",".join(L2_MODES), **rest) -> Config:
+    """The options as a Config, checked against the world size's vocabulary (None: its default);
+    ValueError naming the option that is wrong."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPE_BYTES)}")
+    for name, value, least in (("world", world, 1), ("reps", reps, 1), ("calls", calls, 1), ("warmup", warmup, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} {value!r}: expected an int >= {least}")
+    budget_s = vocabulary.budget_s if budget_s is None else budget_s
+    if not isinstance(budget_s, (int, float)) or budget_s < 0 or not math.isfinite(budget_s):
+        raise ValueError(f"budget_s {budget_s!r}: expected seconds >= 0")
+    return Config(world=world, shapes=parse_shapes(shapes), tokens=parse_tokens(tokens),
+                  profiles=parse_list(vocabulary.default_profiles if profiles is None else profiles,
+                                      vocabulary.profiles, "profile"),
+                  systems=parse_list(vocabulary.default_systems if systems is None else systems,
+                                     vocabulary.systems, "system"),
+                  compile_modes=parse_list(compile_modes, COMPILE_MODES, "compile mode"),
+                  static_compile_shapes=parse_shapes(static_compile_shapes) if static_compile_shapes else [],
+                  l2_modes=parse_list(l2, L2_MODES, "L2 mode"), dtype=dtype, reps=reps, calls=calls,
+                  warmup=warmup, budget_s=float(budget_s), **rest)

@@ -48,18 +48,20 @@ def make_input_sets(shape: Shape, tokens: int, count: int, dtype, rank: int, see
     return sets
 
 
-def contract_outputs(inputs: InputSet, dtype, group) -> tuple:
+def contract_outputs(inputs: InputSet, dtype, group=None) -> tuple:
     """(residual_out, norm_out) of the precision contract as float32 tensors: this rank's partial in
     float64 rounded to dtype once (not at world size 1, where nothing travels), the cross-rank sum in
-    float64 (an NCCL float64 all_reduce), residual_out rounded to dtype once, RMSNorm of it in float64
-    (moe_ar_tools.reference's functions). Collective over `group`."""
-    import torch.distributed as dist
+    float64 (an NCCL float64 all_reduce over `group`; None: world size 1, no process group),
+    residual_out rounded to dtype once, RMSNorm of it in float64 (moe_ar_tools.reference's functions)."""
     from moe_ar_tools import reference as ref
     partial = ref.finalize_partial(inputs.allreduce_in, inputs.idx, inputs.scale, ROUTED_SCALING_FACTOR,
                                    inputs.shared)
-    total = partial if dist.get_world_size(group) == 1 else ref.round_to_dtype(partial, dtype).double()
+    import torch.distributed as dist
+    alone = group is None or dist.get_world_size(group) == 1
+    total = partial if alone else ref.round_to_dtype(partial, dtype).double()
     del partial
-    dist.all_reduce(total, group=group)
+    if group is not None:
+        dist.all_reduce(total, group=group)
     residual = ref.round_to_dtype(total + inputs.residual.double(), dtype)
     del total
     norm = ref.rmsnorm_f64(residual, inputs.norm_weight, EPS, 0)

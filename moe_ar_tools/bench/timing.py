@@ -1,11 +1,13 @@
-"""The timing protocol's arithmetic: medians and percentiles, per-replay ratios, the shuffled
-interleaved replay orders, the slowest rank, and how many input sets the captured calls rotate
-through (docs/measurement.md)."""
+"""The timing core of every world size (docs/measurement.md): medians and the one percentile,
+per-replay ratios, the shuffled interleaved replay orders, the slowest rank, how many input sets the
+captured calls rotate through (L2 warm or cold), and on the GPU the CUDA-graph capture of a
+system's calls and the event-timed interleaved replays (torch imported inside)."""
 from __future__ import annotations
 
 import math
 import random
 import statistics
+import time
 
 
 def median(xs) -> float:
@@ -74,3 +76,45 @@ def cold_input_sets(bytes_per_set: int, l2_bytes: int) -> int:
     """The sets a cold point rotates through, each call its own set when the sets outnumber the calls:
     together more than COLD_L2_MULTIPLE x the L2 (inputs and outputs counted), at most MAX_COLD_SETS."""
     return min(MAX_COLD_SETS, max(1, -(-COLD_L2_MULTIPLE * l2_bytes // max(1, bytes_per_set))))
+
+
+# ---- on the GPU ------------------------------------------------------------------------------------
+
+def capture_graph(call, calls: int, warmup, device, time_first: bool = False) -> tuple:
+    """Eager calls call(i) for i in `warmup`, then one CUDA graph of call(0) .. call(calls - 1) back to
+    back. Returns (graph, [what each captured call returned], seconds of the first eager call when
+    `time_first`: it waits for the GPU, and includes a compiled system's compile). Raises what a call
+    or the capture raised."""
+    import torch
+    first_s = None
+    for n, i in enumerate(warmup):
+        t0 = time.perf_counter()
+        call(i)
+        if time_first and n == 0:
+            torch.cuda.synchronize(device)
+            first_s = time.perf_counter() - t0
+    torch.cuda.synchronize(device)
+    graph, captured = torch.cuda.CUDAGraph(), []
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for i in range(calls):
+            captured.append(call(i))
+    torch.cuda.synchronize(device)
+    return graph, captured, first_s
+
+
+def timed_replays(graphs: list, reps: int, seed: int, device) -> list[list[float]]:
+    """`reps` rounds; in each round every graph is replayed once, in an order shuffled per round
+    (replay_orders), each replay between two CUDA events of this process. Returns [graph][replay]
+    milliseconds (a replay of all of a graph's calls)."""
+    import torch
+    n = len(graphs)
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in range(n)]  # [graph][replay] -> (start, end)
+    for replay, order in enumerate(replay_orders(n, reps, seed)):
+        for j in order:
+            start, end = events[j][replay]
+            start.record()
+            graphs[j].replay()
+            end.record()
+    torch.cuda.synchronize(device)
+    return [[start.elapsed_time(end) for start, end in row] for row in events]

@@ -18,8 +18,8 @@ import click
 
 from generator import spec
 
-from ..bench.cli import _free_port, _set_required_env
-from ..bench.config import DEFAULT_SHAPES, DEFAULT_TOKENS, parse_list, parse_shapes, parse_tokens
+from ..bench.config import DEFAULT_SHAPES, DEFAULT_TOKENS, parse_list, parse_shapes, parse_tokens, set_required_env
+from ..bench.multi_gpu.launch import free_port
 from ..bench.roofline import measure_bandwidth
 from .. import stamp as stamps
 from . import loop, output, units
@@ -99,7 +99,7 @@ def main(out, budget_s, world_sizes, dtype, profiles, shapes, tokens, reps, call
                                        generated, hasattr(dispatch, "LocalWorkspace"))
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    _set_required_env()
+    set_required_env()
     stamp = stamps.collect(list(range(max(sizes))), peer_bandwidth_GBps=_peer_bandwidth(max(sizes)))
     name = name or f"tuned {stamp['gpu']['product']} x{stamp['gpu']['count']} {datetime.date.today().isoformat()}"
     earlier = output.load(out) if out.exists() else None
@@ -122,7 +122,7 @@ def main(out, budget_s, world_sizes, dtype, profiles, shapes, tokens, reps, call
             _local(todo, run)
         else:
             import torch.multiprocessing as mp
-            mp.spawn(_rank_main, args=(world_size, todo, dict(run, init_method=f"tcp://127.0.0.1:{_free_port()}")),
+            mp.spawn(_rank_main, args=(world_size, todo, dict(run, init_method=f"tcp://127.0.0.1:{free_port()}")),
                      nprocs=world_size, join=True)
     doc = output.load(out)
     for row in (doc["set"] or {}).get("boundaries", []):  # the fit's error per cell: how close auto comes to the best
@@ -157,7 +157,7 @@ def _rank_main(rank: int, world_size: int, todo: list, run: dict) -> None:
     import torch.distributed as dist
 
     from .gpu import RankMeasurer
-    _set_required_env()
+    set_required_env()
     torch.cuda.set_device(rank)
     timeout = dt.timedelta(seconds=600)
     dist.init_process_group("nccl", init_method=run["init_method"], rank=rank, world_size=world_size,

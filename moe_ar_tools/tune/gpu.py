@@ -21,7 +21,7 @@ from generator import spec, tuning
 from ..bench.config import (EPS, FALLBACK_L2_BYTES, FP8_PROFILES, FP8_TOLERANCE, NVFP4_TOLERANCE, PROFILES,
                             ROUTED_SCALING_FACTOR, TOLERANCE_U, Shape)
 from ..bench.inputs import contract_outputs, make_input_sets, rel_err
-from ..bench.systems import _alloc_outputs, _poison
+from ..bench.outputs import alloc_output_sets, poison
 from ..bench.timing import input_sets_for, replay_orders
 
 
@@ -122,7 +122,7 @@ class RankMeasurer:
         T, H, n_sets = unit.tokens, unit.hidden, len(self.sets)
         ready, results = [], {}
         for name in self.programs(unit):
-            outs = _alloc_outputs(T, H, self.dtype, quant, n_sets, self.device)
+            outs = alloc_output_sets(T, H, self.dtype, quant, n_sets, self.device)
 
             def step(i, name=name, outs=outs):
                 x = self.sets[i]
@@ -141,13 +141,13 @@ class RankMeasurer:
                 continue
             ready.append((name, graph, outs))
         for _, graph, outs in ready:  # checked before it is timed: outputs poisoned, then written by replays
-            _poison(outs)
+            poison(outs)
             graph.replay()
             graph.replay()
         torch.cuda.synchronize(self.device)
         before = {name: self._check(outs, quant) for name, _, outs in ready}
         for _, _, outs in ready:
-            _poison(outs)
+            poison(outs)
         times = self._timed(ready)
         for (name, _, outs), replay_us in zip(ready, times):
             after = [f"after timing: {why}" for why in self._check(outs, quant)]

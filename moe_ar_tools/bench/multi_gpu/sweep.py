@@ -3,7 +3,6 @@ after each shape (rank 0), the summary and the plot at the end."""
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import pathlib
 import socket
@@ -14,13 +13,11 @@ from typing import Optional
 from moe_ar_tools.bench.config import (DTYPE_BYTES, EPS, NVFP4_TOLERANCE, REQUIRED_ENV, ROUTED_SCALING_FACTOR,
                                        TOLERANCE_U)
 from moe_ar_tools.bench.inputs import contract_outputs, make_input_sets
-from moe_ar_tools.bench.plotting import plot
-from moe_ar_tools.bench.point import PointRunner
-from moe_ar_tools.bench.records import _driver_version, _versions, default_out_path, jsonable
+from moe_ar_tools.bench.multi_gpu.point import PointRunner
+from moe_ar_tools.bench.multi_gpu.summary import format_summary, plot, summary_rows
+from moe_ar_tools.bench.records import default_out_path, run_header, write_json, write_report
 from moe_ar_tools.bench.roofline import measure_bandwidth
-from moe_ar_tools.bench.summary import format_summary, summary_rows
 from moe_ar_tools.bench.timing import input_sets_for
-from moe_ar_tools.provenance import git_commit
 
 
 class Bench(PointRunner):
@@ -38,19 +35,18 @@ class Bench(PointRunner):
                 f"{self.W}x{gpu.replace('NVIDIA ', '').replace(' ', '')}-{socket.gethostname()}"
             now = datetime.datetime.now()
             out = pathlib.Path(cfg.out) if cfg.out else default_out_path(machine, now)
-            result = {"machine": machine, "gpu": gpu, "driver": _driver_version(), "versions": _versions(),
-                      "commit": git_commit(), "date": now.isoformat(timespec="seconds"),
-                      "world_size": self.W, "emulated": False, "dtype": cfg.dtype,
-                      "env": {k: os.environ.get(k) for k in REQUIRED_ENV},
-                      "config": {"shapes": [s.label for s in cfg.shapes], "tokens": cfg.tokens,
-                                 "profiles": cfg.profiles, "systems": cfg.systems, "reps": cfg.reps,
-                                 "calls_per_graph": cfg.calls, "warmup": cfg.warmup,
-                                 "routed_scaling_factor": ROUTED_SCALING_FACTOR, "eps": EPS,
-                                 "dropped_routes": 0, "expert_scale_factor": "float32",
-                                 "tolerance": {"rel_u": TOLERANCE_U, "nvfp4_rel": NVFP4_TOLERANCE,
-                                               "reference": "float64 (partials rounded to dtype once)"},
-                                 "l2_bytes": self.l2_bytes, "max_tokens": self.max_tokens,
-                                 "launch_with_pdl": cfg.pdl, "vec_per_thread": cfg.vec_per_thread},
+            config = {"shapes": [s.label for s in cfg.shapes], "tokens": cfg.tokens,
+                      "profiles": cfg.profiles, "systems": cfg.systems, "reps": cfg.reps,
+                      "calls_per_graph": cfg.calls, "warmup": cfg.warmup,
+                      "routed_scaling_factor": ROUTED_SCALING_FACTOR, "eps": EPS,
+                      "dropped_routes": 0, "expert_scale_factor": "float32",
+                      "tolerance": {"rel_u": TOLERANCE_U, "nvfp4_rel": NVFP4_TOLERANCE,
+                                    "reference": "float64 (partials rounded to dtype once)"},
+                      "l2_bytes": self.l2_bytes, "max_tokens": self.max_tokens,
+                      "launch_with_pdl": cfg.pdl, "vec_per_thread": cfg.vec_per_thread}
+            result = {"machine": machine, **run_header(gpu=gpu, world_size=self.W, dtype=cfg.dtype, l2_bytes=self.l2_bytes,
+                                                   config=config, when=now),
+                      "emulated": False, "env": {k: os.environ.get(k) for k in REQUIRED_ENV},
                       "cold_start": cfg.cold_start}
             self.log(f"moe-ar-bench: {machine}, {gpu}, world {self.W}; writing {out}")
             self.log("measuring HBM and peer bandwidth ...")
@@ -78,14 +74,11 @@ class Bench(PointRunner):
             raise
         bar.close()
         if self.truncated:
-            self.log(f"time budget of {cfg.time_budget_s:.0f} s reached: the sweep stopped early")
+            self.log(f"time budget of {cfg.budget_s:.0f} s reached: the sweep stopped early")
         for ws in self.workspaces.values():
             ws.close()
         if self.rank == 0:
-            self.write(result, out, final=True)
-            table = format_summary(summary_rows(self.records))
-            out.with_suffix(".summary.txt").write_text(table + "\n")
-            print(table, flush=True)
+            print(self.write(result, out, final=True), flush=True)
             if self.skipped:
                 print(f"{len(self.skipped)} skipped (see 'skipped' in the JSON), e.g.:", flush=True)
                 for s in self.skipped[:6]:
@@ -101,7 +94,7 @@ class Bench(PointRunner):
         cfg = self.cfg
         for shape in cfg.shapes:
             for T in cfg.tokens:
-                over_budget = time.time() - cfg.started > cfg.time_budget_s if self.rank == 0 else None
+                over_budget = time.time() - cfg.started > cfg.budget_s if self.rank == 0 else None
                 if self.broadcast(over_budget):  # rank 0 decides, so every rank stops at the same point
                     self.truncated = True
                     break
@@ -126,19 +119,17 @@ class Bench(PointRunner):
             if self.rank == 0:  # a partial file survives a killed run
                 self.write(self.result, self.out, final=False)
 
-    def write(self, result: dict, out: pathlib.Path, final: bool) -> None:
+    def write(self, result: dict, out: pathlib.Path, final: bool) -> Optional[str]:
+        """The JSON; at the end also the summary table beside it (returned) and the plot."""
         result.update(records=self.records, skipped=self.skipped, complete=final and not self.truncated,
                       truncated=self.truncated, wall_s=time.time() - self.cfg.started)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(jsonable(result), indent=1, allow_nan=False))
-        os.replace(tmp, out)
-        if final:
-            try:
-                plot(result, out.with_suffix(".png"))
-                print(f"wrote {out.with_suffix('.png')}", flush=True)
-            except Exception as e:  # noqa: BLE001 - the JSON is what matters
-                print(f"plot failed: {type(e).__name__}: {e}", flush=True)
+        write_json(out, result)
+        if not final:
+            return None
+        table = format_summary(summary_rows(self.records))
+        write_report(out.with_suffix(".summary.txt"), table + "\n", plot, result, out.with_suffix(".png"),
+                     log=lambda msg: print(msg, flush=True))
+        return table
 
 
 class _SweepProgress:

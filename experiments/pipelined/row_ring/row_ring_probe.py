@@ -5,7 +5,7 @@ ways at several blocks a multiprocessor, against a device copy of the same numbe
   reg_reduce     16-byte register loads, four routes at a time (as the template's partial_vector)
   tma_reduce_N   a ring of N rows in shared memory filled by cp.async.bulk (as the template's RowRing)
 
-    OUT=. python3 -m moe_ar_tools.probes.row_ring_probe     # writes $OUT/row_ring_probe.json
+    OUT=. python3 experiments/pipelined/row_ring/row_ring_probe.py     # writes $OUT/row_ring_probe.json
 
 A tool, not a test; it needs a GPU of sm_90 or later. The ring's
 output is compared with the register kernel's, bit for bit (`matches_reg`).

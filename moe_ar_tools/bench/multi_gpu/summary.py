@@ -1,11 +1,15 @@
-"""The summary table: per shape, profile and token count, auto against the baselines and the best
-forced program, with their ratios and auto's fraction of the roofline."""
+"""World size 2+'s report: the summary table (per shape, profile and token count, auto against the
+baselines and the best forced program, with their ratios and auto's fraction of the roofline) and
+the plot's panels (one per shape and profile)."""
 from __future__ import annotations
 
+import pathlib
 import re
 from typing import Optional
 
-from moe_ar_tools.bench.config import BASELINES, PROFILES, UNFUSED_BASELINES
+from moe_ar_tools.bench.config import PROFILES
+from moe_ar_tools.bench.multi_gpu.config import BASELINES, UNFUSED_BASELINES
+from moe_ar_tools.bench.plotting import Line, Panel, draw
 
 
 def _point_key(r):
@@ -104,3 +108,35 @@ def format_summary(rows: list[dict]) -> str:
                      f"{ratio(r.get('auto_vs_plus_quant'))} "
                      f"{ratio(r.get('auto_vs_auto_plain'))} {us(r['roofline_us'])} {frac} {names}")
     return "\n".join(lines)
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    """Latency against tokens, one line per system (forced programs dashed), one panel per shape and
+    profile."""
+    recs = [r for r in result["records"] if r["valid"] and r["median_us"] is not None]
+    panels = sorted({(r["hidden"], r["top_k"], r["shared"], r["profile"]) for r in result["records"]})
+    if not panels:
+        return
+    profiles = sorted({p[3] for p in panels})
+    shapes = sorted({p[:3] for p in panels}, key=lambda s: (-s[0], -s[1], not s[2]))
+    grid = []
+    for shape in shapes:
+        row = []
+        for profile in profiles:
+            mine = [r for r in recs if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile]
+            lines: dict = {}
+            for r in mine:
+                label = r["system"] + (f" ({r['variant']})" if r.get("variant") else "")
+                lines.setdefault(label, []).append((r["tokens"], r["median_us"]))
+            order = sorted(lines, key=lambda s: (s != "auto", s not in BASELINES and "+" not in s, s))
+            forced = {label: label != "auto" and "+" not in label for label in order}
+            roof = sorted({(r["tokens"], r["roofline_us"]) for r in result["records"]
+                           if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile
+                           and r["system"] == "auto"})
+            row.append(Panel(f"H {shape[0]}, top_k {shape[1]}, {'shared' if shape[2] else 'no shared'}, "
+                             f"profile {profile}",
+                             [Line(label, lines[label], "--" if forced[label] else "-", 1 if forced[label] else 2)
+                              for label in order], roof))
+        grid.append(row)
+    draw(grid, path, f"{result['machine']} ({result['gpu']}, world {result['world_size']}, {result['dtype']}) "
+                     f"{result['date']}")

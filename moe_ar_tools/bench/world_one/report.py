@@ -1,10 +1,13 @@
-"""The short table (table.md, printed at the end) and the plot (latency.png) of a run's summary."""
+"""World size 1's report: the short table (table.md, printed at the end) and the plot's panels
+(latency.png) of a run's summary."""
 from __future__ import annotations
 
 import pathlib
 from typing import Optional
 
-from moe_ar_tools.bench_one.config import L2_MODES, PROFILES, SYSTEMS, TARGET_SHAPE
+from moe_ar_tools.bench.plotting import Line, Panel, draw
+from moe_ar_tools.bench.config import L2_MODES
+from moe_ar_tools.bench.world_one.config import PROFILES, SYSTEMS, TARGET_SHAPE
 
 
 def table_shapes(rows: list) -> list:
@@ -86,36 +89,23 @@ def format_markdown(summary: dict) -> str:
 
 
 def plot(summary: dict, path: pathlib.Path) -> None:
-    """Latency against tokens, log-log, one line per system, one panel per profile, at table_shape;
-    the roofline dotted and the empty kernel dash-dotted."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Latency against tokens, one line per system, one panel per profile, at table_shape (cold L2,
+    the headline); the roofline dotted and the empty kernel dash-dotted."""
     rows = summary["rows"]
     shape = table_shape(rows)
     profiles = [p for p in PROFILES if any(r["profile"] == p for r in rows)]
     if shape is None or not profiles:
         return
-    fig, axes = plt.subplots(1, len(profiles), figsize=(5.5 * len(profiles), 4.4), squeeze=False)
-    for ax, profile in zip(axes[0], profiles):
+    panels = []
+    for profile in profiles:
         mine = [r for r in rows if (r["hidden"], r["top_k"], r["shared"]) == shape and r["profile"] == profile
-                and r.get("mode", "cold") == "cold"]  # the headline
-        for system in SYSTEMS:
-            pts = [(r["tokens"], r["us"][system]) for r in mine if r["us"][system] is not None]
-            if pts:
-                ax.plot(*zip(*pts), marker="o", markersize=3, linewidth=2 if system == "ours" else 1.2, label=system)
-        ax.plot([r["tokens"] for r in mine], [r["roofline_us"] for r in mine], "k:", label="HBM roofline")
-        if summary.get("empty_kernel_us"):
-            ax.axhline(summary["empty_kernel_us"], color="grey", linestyle="-.", linewidth=1, label="empty kernel")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(profile, fontsize=10)
-        ax.set_xlabel("tokens")
-        ax.set_ylabel("us per call")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(f"world size 1, H {shape[0]} top_k {shape[1]}{' + shared' if shape[2] else ''}, {summary['gpu']}, "
-                 f"{summary['dtype']}, {summary['commit'][:12]}, {summary['date']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+                and r.get("mode", "cold") == "cold"]
+        lines = [Line(system, [(r["tokens"], r["us"][system]) for r in mine if r["us"][system] is not None], "-",
+                      2 if system == "ours" else 1.2) for system in SYSTEMS]
+        empty = summary.get("empty_kernel_us")
+        panels.append(Panel(profile, [line for line in lines if line.points],
+                            [(r["tokens"], r["roofline_us"]) for r in mine], "HBM roofline",
+                            (empty, "empty kernel") if empty else None))
+    draw([panels], path, f"world size 1, H {shape[0]} top_k {shape[1]}{' + shared' if shape[2] else ''}, "
+                         f"{summary['gpu']}, {summary['dtype']}, {summary['commit'][:12]}, {summary['date']}",
+         panel_size=(5.5, 4.4), title_size=10)

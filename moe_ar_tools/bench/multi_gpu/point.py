@@ -5,16 +5,17 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from moe_ar_tools.bench.config import (BASELINES, COMPILED_SYSTEMS, DTYPE_BYTES, EPS, FP8_PROFILES, FP8_TOLERANCE,
-                                       NVFP4_TOLERANCE, PROFILES, ROUTED_SCALING_FACTOR, SYSTEM_CHOICES,
-                                       TOLERANCE_U, UNFUSED_BASELINES, Shape)
+from moe_ar_tools.bench.config import (DTYPE_BYTES, EPS, FP8_PROFILES, FP8_TOLERANCE, NVFP4_TOLERANCE, PROFILES,
+                                       ROUTED_SCALING_FACTOR, TOLERANCE_U, Shape)
 from moe_ar_tools.bench.inputs import rel_err, worst
+from moe_ar_tools.bench.multi_gpu.config import BASELINES, COMPILED_SYSTEMS, SYSTEM_CHOICES, UNFUSED_BASELINES
+from moe_ar_tools.bench.multi_gpu.systems import System, torch_epilogue, torch_finalize
+from moe_ar_tools.bench.multi_gpu.worker import Worker
+from moe_ar_tools.bench.outputs import alloc_output_sets, poison
 from moe_ar_tools.bench.records import make_record
 from moe_ar_tools.bench.roofline import hbm_bytes, nvlink_bytes, regime_of_family, roofline
-from moe_ar_tools.bench.systems import (System, _alloc_outputs, _poison, epilogue_into, finalize_into, torch_epilogue,
-                                        torch_finalize)
-from moe_ar_tools.bench.timing import median, pair_ratio, percentile, replay_orders
-from moe_ar_tools.bench.worker import Worker
+from moe_ar_tools.bench.timing import capture_graph, median, pair_ratio, timed_replays
+from moe_ar_tools.bench.torch_ops import epilogue_into, finalize_into
 
 
 class PointRunner(Worker):
@@ -42,7 +43,7 @@ class PointRunner(Worker):
         for flavour, fin, epi in flavours if profile == "plain" else ():
             if f"nccl+{flavour}" in wanted:
                 partial = torch.empty(T, H, dtype=dtype, device=device)
-                outs = _alloc_outputs(T, H, dtype, None, n_sets, device)
+                outs = alloc_output_sets(T, H, dtype, None, n_sets, device)
 
                 def nccl_step(i, partial=partial, outs=outs, fin=fin, epi=epi):
                     torch_finalize(sets[i], partial, fin)
@@ -54,8 +55,8 @@ class PointRunner(Worker):
             if symm is not None:
                 buf = symm.buffer[:T]
                 reduced = torch.empty(T, H, dtype=dtype, device=device)
-                outs1 = _alloc_outputs(T, H, dtype, None, n_sets, device)
-                outs2 = _alloc_outputs(T, H, dtype, None, n_sets, device)
+                outs1 = alloc_output_sets(T, H, dtype, None, n_sets, device)
+                outs2 = alloc_output_sets(T, H, dtype, None, n_sets, device)
 
                 def symm1_step(i, outs=outs1, buf=buf, reduced=reduced, symm=symm, fin=fin, epi=epi):
                     torch_finalize(sets[i], buf, fin)
@@ -89,7 +90,7 @@ class PointRunner(Worker):
 
         if profile in FP8_PROFILES and "auto+quant" in wanted:
             plain = dispatch.select_program(ws, T, None, shape.shared)
-            outs = _alloc_outputs(T, H, dtype, quant, n_sets, device)
+            outs = alloc_output_sets(T, H, dtype, quant, n_sets, device)
             quantize = self.fp8_quant_kernel()
             plain_step = fused(None, outs, quant=None)
 
@@ -103,7 +104,7 @@ class PointRunner(Worker):
         if "auto" in wanted:
             chosen = dispatch.select_program(ws, T, quant, shape.shared)
             family = dispatch.program_info(chosen)["family"]
-            outs = _alloc_outputs(T, H, dtype, quant, n_sets, device)
+            outs = alloc_output_sets(T, H, dtype, quant, n_sets, device)
             systems.append(System("auto", regime_of_family(family), fused(None, outs), outs, program=chosen))
 
         forced = [n for n in self.cfg.systems if n not in SYSTEM_CHOICES]
@@ -118,24 +119,16 @@ class PointRunner(Worker):
                 self.skip(f"one-shot above the workspace's oneshot_max_tokens {ws.oneshot_max_tokens}",
                           system=name, **where)
                 continue
-            outs = _alloc_outputs(T, H, dtype, quant, n_sets, device)
+            outs = alloc_output_sets(T, H, dtype, quant, n_sets, device)
             systems.append(System(name, regime_of_family(info["family"]), fused(name, outs), outs, program=name))
         return systems
 
     def capture(self, system: System, n_sets: int) -> Optional[str]:
         """Eager warm-up calls, then one CUDA graph of `calls` back-to-back calls rotating over
         the input sets. Returns an error string, or None."""
-        import torch
         try:
-            for i in range(max(self.cfg.warmup, n_sets)):
-                system.call(i % n_sets)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for i in range(self.cfg.calls):
-                    system.call(i % n_sets)
-            torch.cuda.synchronize(self.device)
-            system.graph = graph
+            system.graph, _, _ = capture_graph(lambda i: system.call(i % n_sets), self.cfg.calls,
+                                               range(max(self.cfg.warmup, n_sets)), self.device)
             return None
         except Exception as e:  # noqa: BLE001 - recorded and the system skipped at this point
             return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -187,23 +180,12 @@ class PointRunner(Worker):
         return merged
 
     def timed_loop(self, systems: list[System]) -> list[list[float]]:
-        """reps rounds; in each round every system's graph is replayed once, in an order shuffled
-        per round (replay_orders). Per replay: CUDA events on this rank; after the loop, the
-        per-replay times of all ranks are gathered and the maximum taken. Returns [system][replay]
-        microseconds per call."""
+        """The interleaved timed replays (timing.timed_replays) on this rank; after the loop, the
+        per-replay times of all ranks are gathered and the maximum taken (the slowest rank). Returns
+        [system][replay] microseconds per call."""
         import torch
-        reps, n = self.cfg.reps, len(systems)
-        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-                  for _ in range(n)]  # [system][replay] -> (start, end)
-        for replay, order in enumerate(replay_orders(n, reps, self.cfg.seed)):
-            for j in order:
-                start, end = events[j][replay]
-                start.record()
-                systems[j].graph.replay()
-                end.record()
-        torch.cuda.synchronize(self.device)
-        ms = torch.tensor([[start.elapsed_time(end) for start, end in row] for row in events], dtype=torch.float64,
-                          device=self.device)
+        ms = torch.tensor(timed_replays([s.graph for s in systems], self.cfg.reps, self.cfg.seed, self.device),
+                          dtype=torch.float64, device=self.device)
         per_call_us = self.all_gather(ms).amax(0) * 1e3 / self.cfg.calls
         return per_call_us.tolist()
 
@@ -227,14 +209,14 @@ class PointRunner(Worker):
         if not ready:
             return
         for system in ready:  # before: outputs poisoned, then written by graph replays
-            _poison(system.outputs)
+            poison(system.outputs)
         for _ in range(2):
             for system in ready:
                 system.graph.replay()
         torch.cuda.synchronize(self.device)
         for system in ready:
             system.checks["before"] = self.agree_checks(self.check(system, refs, gs_value, quant))
-            _poison(system.outputs)
+            poison(system.outputs)
         times = self.timed_loop(ready)
         for system in ready:  # after: what the timed replays wrote
             system.checks["after"] = self.agree_checks(self.check(system, refs, gs_value, quant))
@@ -321,10 +303,8 @@ class PointRunner(Worker):
                 [f"after: {why}" for why in system.checks["after"]["reasons"]]
             self.records.append(make_record(
                 system=system.name, world_size=self.W, dtype=self.cfg.dtype, hidden=shape.hidden, top_k=shape.top_k,
-                shared=shape.shared, profile=profile, tokens=T, median_us=med[id(system)],
-                roofline_us=roof["roofline_us"], valid=valid[id(system)],
-                regime=system.regime, p10_us=percentile(replay_us, 10), p90_us=percentile(replay_us, 90),
-                min_us=min(replay_us),
+                shared=shape.shared, profile=profile, tokens=T, replay_us=replay_us,
+                roofline_us=roof["roofline_us"], valid=valid[id(system)], regime=system.regime,
                 roofline_fraction=roof["roofline_us"] / med[id(system)], bound=roof["bound"],
                 hbm_bytes=hbm["total"], nvlink_bytes=nvlink, hbm_us=roof["hbm_us"], nvlink_us=roof["nvlink_us"],
                 reps=self.cfg.reps, calls_per_graph=self.cfg.calls, input_sets=n_sets,

@@ -1,6 +1,7 @@
 """Probe for the open PDL-burst timeouts in emulation (bench_results/gpu_tests/README.md).
 
-    OUT=dir python3 -m moe_ar_tools.probes.gpu_burst_probe SEED SECONDS DEVICES     (e.g. 1 40 0,0 or 2 40 0,1)
+    OUT=dir PYTHONPATH=. python3 experiments/gpu_tests/pdl-burst-timeouts/gpu_burst_probe.py SEED SECONDS DEVICES
+        (e.g. 1 40 0,0 or 2 40 0,1)
 
 from the repository root (it builds its calls with tests/test_gpu_correctness.py's helpers).
 
@@ -29,7 +30,7 @@ import dispatch
 from dispatch import registry
 from moe_ar_tools import reference as ref
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests"))
 import test_gpu_correctness as tgc  # noqa: E402  (the GPU tests' call builder)
 
 WORLD_SIZE, DTYPE_NAME = 2, "fp16"

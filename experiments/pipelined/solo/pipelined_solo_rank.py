@@ -9,9 +9,10 @@ Its two uses:
   * Nsight Compute: ncu runs kernels one at a time, so the two ranks of a pair cannot both run
     under it (ncu_one_rank.py beside this works only for the one-shot); a rank that never waits can.
 
-    python3 -m moe_ar_tools.probes.pipelined_solo_rank --out solo.json
-    ncu --clock-control none --kernel-name regex:moe_ar_ --set full -o tsp8192 \
-        python3 -m moe_ar_tools.probes.pipelined_solo_rank --ncu --tokens 8192 --programs moe_ar_tsp_bf16_ws2_plain:none
+    PYTHONPATH=. python3 experiments/pipelined/solo/pipelined_solo_rank.py --out solo.json
+    PYTHONPATH=. ncu --clock-control none --kernel-name regex:moe_ar_ --set full -o tsp8192 \
+        python3 experiments/pipelined/solo/pipelined_solo_rank.py --ncu --tokens 8192 \
+        --programs moe_ar_tsp_bf16_ws2_plain:none
 
 Kernel times under ncu are longer than in the timing mode (300 against 133 us at 2,048 tokens):
 read ncu for stall reasons, bytes and instruction counts, not durations. Rank 0's writes to its

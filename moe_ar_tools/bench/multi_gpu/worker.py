@@ -2,10 +2,12 @@
 points share."""
 from __future__ import annotations
 
-from moe_ar_tools.bench.config import COMPILED_SYSTEMS, FALLBACK_L2_BYTES, PROFILES, Config
-from moe_ar_tools.bench.fp8_quant import Fp8QuantKernel
+from moe_ar_tools.bench.config import FALLBACK_L2_BYTES, PROFILES, Config
 from moe_ar_tools.bench.inputs import InputSet
-from moe_ar_tools.bench.systems import SymmAllReduce, _alloc_outputs, compiled_fns, torch_epilogue, torch_finalize
+from moe_ar_tools.bench.multi_gpu.config import COMPILED_SYSTEMS
+from moe_ar_tools.bench.multi_gpu.fp8_quant import Fp8QuantKernel
+from moe_ar_tools.bench.multi_gpu.systems import SymmAllReduce, compiled_fns, torch_epilogue, torch_finalize
+from moe_ar_tools.bench.outputs import alloc_outputs
 
 
 class Worker:
@@ -141,7 +143,7 @@ class Worker:
             if self.compiled is None:
                 self.compiled = compiled_fns()
             partial = torch.empty(T, H, dtype=self.dtype, device=self.device)
-            outs = _alloc_outputs(T, H, self.dtype, None, 1, self.device)[0]
+            outs = alloc_outputs(T, H, self.dtype, None, self.device)
             torch_finalize(inputs, partial, self.compiled[0])
             torch_epilogue(partial, inputs, outs, self.compiled[1])
             torch.cuda.synchronize(self.device)

@@ -1,14 +1,14 @@
-"""The systems timed besides the fused op: the unfused steps (torch ops around an NCCL or a torch
-symmetric-memory all-reduce, eager or under torch.compile), their output buffers, and the
-symmetric-memory buffer."""
+"""The systems world size 2+ times besides the fused op: the unfused steps (torch ops around an NCCL
+or a torch symmetric-memory all-reduce, eager or under torch.compile) and the symmetric-memory
+buffer."""
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from moe_ar_tools.bench.config import EPS, FP8_PROFILES, ROUTED_SCALING_FACTOR
 from moe_ar_tools.bench.inputs import InputSet
+from moe_ar_tools.bench.torch_ops import epilogue_into, finalize_into
 
 
 @dataclass
@@ -27,31 +27,6 @@ class System:
     @property
     def label(self) -> str:
         return self.name + (f"/{self.variant}" if self.variant else "")
-
-
-def finalize_into(partial, allreduce_in, idx, scale, shared) -> None:
-    """partial[T, H] = rsf * sum_k scale[t, k] * allreduce_in[idx[t, k]] + shared, with torch ops as
-    an engine without fusion runs them: gather the rows, one batched matmul [1, K] x [K, H] per
-    token (fp32 accumulation, dtype output), add the shared expert. Tensors only, so that
-    torch.compile traces it as is (compiled_fns)."""
-    import torch
-    T, K = idx.shape
-    H = allreduce_in.shape[1]
-    rows = allreduce_in.index_select(0, idx.view(-1)).view(T, K, H)
-    weights = (scale * ROUTED_SCALING_FACTOR).to(rows.dtype).unsqueeze(1)
-    torch.bmm(weights, rows, out=partial.view(T, 1, H))
-    if shared is not None:
-        partial.add_(shared)
-
-
-def epilogue_into(residual_out, norm_out, reduced, residual, norm_weight) -> None:
-    """residual_out = reduced + residual_in; norm_out = RMSNorm (fp32 statistics, as in vLLM's
-    native RMSNorm: normalize in fp32, round, multiply by gamma)."""
-    import torch
-    torch.add(reduced, residual, out=residual_out)
-    hidden = residual_out.float()
-    hidden = hidden * torch.rsqrt(hidden.square().mean(-1, keepdim=True) + EPS)
-    torch.mul(hidden.to(reduced.dtype), norm_weight, out=norm_out)
 
 
 def torch_finalize(inputs: InputSet, partial, fn=finalize_into) -> None:
@@ -77,32 +52,6 @@ def compiled_fns(backend: str = "inductor") -> tuple:
             setattr(dynamo_config, name, max(getattr(dynamo_config, name), least))
     return tuple(torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
                  for fn in (finalize_into, epilogue_into))
-
-
-def _alloc_outputs(tokens: int, hidden: int, dtype, quant, n_sets: int, device) -> list:
-    import torch
-    from dispatch.op import fp8_scale_shape, scale_out_bytes
-    per_set = []
-    for _ in range(n_sets):
-        outs = {"norm_out": torch.empty(tokens, hidden, dtype=dtype, device=device),
-                "residual_out": torch.empty(tokens, hidden, dtype=dtype, device=device)}
-        if quant == "nvfp4":
-            outs["quant_out"] = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device)
-            outs["scale_out"] = torch.empty(scale_out_bytes(tokens, hidden), dtype=torch.uint8, device=device)
-        if quant in FP8_PROFILES:
-            outs["quant_out"] = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
-        if quant == "fp8_group128":
-            outs["scale_out"] = torch.empty(fp8_scale_shape(tokens, hidden), dtype=torch.float32, device=device)
-        per_set.append(outs)
-    return per_set
-
-
-def _poison(outputs: list) -> None:
-    """NaN into float outputs, an E4M3 NaN into FP8 ones, 0xAB into byte outputs (the reference's
-    poison): a check then sees what was not written."""
-    from moe_ar_tools import reference as ref
-    for outs in outputs:
-        ref.repoison(outs)
 
 
 class SymmAllReduce:

@@ -1,7 +1,8 @@
-"""The competitors at one point: what a system is (System), ours' outputs, the empty kernel of the
-floor, the float64 check values of the world-size-1 contract and the dequantization of a quantized
-output, and Setup, the run's state on its GPU with what it builds: ours (automatic or a forced
-program), the eager and compiled torch chains, the compiled finalize + FlashInfer's norm kernel."""
+"""World size 1's competitors at one point: what a system is (System), the empty kernel of the floor,
+the dequantization of a quantized output, and Setup, the run's state on its GPU with what it builds:
+its inputs and their float64 check values (inputs.contract_outputs without a process group), ours
+(automatic or a forced program), the Triton kernels, the eager and compiled torch chains, the
+compiled finalize + FlashInfer's norm kernel."""
 from __future__ import annotations
 
 import datetime
@@ -11,22 +12,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from moe_ar_tools.bench.config import DTYPE_BYTES, EPS, FALLBACK_L2_BYTES, ROUTED_SCALING_FACTOR, Shape
-from moe_ar_tools.bench.inputs import make_input_sets
+from moe_ar_tools.bench.inputs import contract_outputs, make_input_sets
+from moe_ar_tools.bench.outputs import alloc_outputs
 from moe_ar_tools.bench.timing import cold_input_sets
-from moe_ar_tools.bench_one.config import PROFILES, Config
-from moe_ar_tools.bench_one.summary import make_record
-
-
-def contract_ws1(inputs, dtype) -> tuple:
-    """(residual_out, norm_out) of the world-size-1 contract as float32 tensors: residual_out = the
-    float64 partial + residual_in rounded to dtype once, norm_out the float64 RMSNorm of it."""
-    from moe_ar_tools import reference as ref
-    partial = ref.finalize_partial(inputs.allreduce_in, inputs.idx, inputs.scale, ROUTED_SCALING_FACTOR,
-                                   inputs.shared)
-    residual = ref.round_to_dtype(partial + inputs.residual.double(), dtype)
-    del partial
-    norm = ref.rmsnorm_f64(residual, inputs.norm_weight, EPS, 0)
-    return residual.float(), norm.float()
+from moe_ar_tools.bench.world_one.config import PROFILES, Config
+from moe_ar_tools.bench.world_one.summary import make_record
 
 
 def dequantize(outs: dict, profile: str, fp8_scale_value: float, gs_value: float):
@@ -42,24 +32,6 @@ def dequantize(outs: dict, profile: str, fp8_scale_value: float, gs_value: float
     T = q.shape[0]
     scales = outs["scale_out"] if p.scale_layout == "row" else outs["scale_out"][:, :T].t()
     return q.float() * scales.repeat_interleave(128, dim=1)
-
-
-def alloc_outputs(tokens: int, hidden: int, dtype, profile: str, device) -> dict:
-    """The outputs ours writes (dispatch's out arguments) for one input set."""
-    import torch
-    from dispatch.op import fp8_scale_shape, scale_out_bytes
-    p = PROFILES[profile]
-    outs = {"norm_out": torch.empty(tokens, hidden, dtype=dtype, device=device),
-            "residual_out": torch.empty(tokens, hidden, dtype=dtype, device=device)}
-    if p.quant == "nvfp4":
-        outs["quant_out"] = torch.empty(tokens, hidden // 2, dtype=torch.uint8, device=device)
-        outs["scale_out"] = torch.empty(scale_out_bytes(tokens, hidden), dtype=torch.uint8, device=device)
-    elif p.quant is not None:
-        outs["quant_out"] = torch.empty(tokens, hidden, dtype=torch.float8_e4m3fn, device=device)
-    if p.quant == "fp8_group128":
-        outs["scale_out"] = torch.empty(fp8_scale_shape(tokens, hidden, p.scale_layout), dtype=torch.float32,
-                                        device=device)
-    return outs
 
 
 _EMPTY_SOURCE = 'extern "C" __global__ void moe_ar_empty() {}\n'
@@ -130,7 +102,7 @@ def _error(e: Exception) -> str:
 class Setup:
     """The run's state on this process's current GPU (another `device`, with a `capability` to assume,
     only for the CPU test that stubs CUDA graphs, events and the op), its inputs and the systems it
-    builds at a point; Runner (moe_ar_tools/bench_one/runner.py) captures, checks and times them."""
+    builds at a point; Runner (moe_ar_tools/bench/world_one/runner.py) captures, checks and times them."""
 
     def __init__(self, cfg: Config, device=None, capability: tuple = (9, 0)):
         import torch
@@ -152,6 +124,15 @@ class Setup:
 
     def log(self, msg: str) -> None:
         print(msg, flush=True)
+
+    def record(self, **fields) -> dict:
+        """summary.make_record of this run's dtype."""
+        return make_record(dtype=self.cfg.dtype, **fields)
+
+    def outputs(self, tokens: int, hidden: int, profile: str) -> dict:
+        """The outputs ours writes (dispatch's out arguments) for one input set."""
+        p = PROFILES[profile]
+        return alloc_outputs(tokens, hidden, self.dtype, p.quant, self.device, p.scale_layout or "row")
 
     # -- setup --
     def workspace(self, hidden: int):
@@ -206,7 +187,7 @@ class Setup:
         bytes_per_set = read + 2 * T * shape.hidden * DTYPE_BYTES[self.cfg.dtype]
         n = 1 if mode == "warm" else cold_input_sets(bytes_per_set, self.l2_bytes)
         sets = make_input_sets(shape, T, n, self.dtype, 0, self.cfg.seed, self.device)
-        refs = [contract_ws1(x, self.dtype) for x in sets]
+        refs = [contract_outputs(x, self.dtype) for x in sets]
         amax = max(float(norm.abs().max()) for _, norm in refs)
         gs_value, fp8_value = ref.f32(ref.E4M3_MAX * 6.0 / amax), ref.f32(amax / ref.E4M3_MAX)
         return {"sets": sets, "refs": refs, "gs_value": gs_value, "fp8_value": fp8_value, "mode": mode,
@@ -219,7 +200,7 @@ class Setup:
         import dispatch
         p, sets = PROFILES[profile], data["sets"]
         ws = self.workspace(shape.hidden)
-        outs = [alloc_outputs(T, shape.hidden, self.dtype, profile, self.device) for _ in sets]
+        outs = [self.outputs(T, shape.hidden, profile) for _ in sets]
         extra = {}
         if p.quant == "nvfp4":
             extra["global_scale"] = data["gs"]
@@ -259,7 +240,7 @@ class Setup:
         """The one-launch Triton kernel into preallocated outputs, one set per input set."""
         from moe_ar_tools.baselines import triton_fused as tf
         p, sets = PROFILES[profile], data["sets"]
-        outs = [alloc_outputs(T, shape.hidden, self.dtype, profile, self.device) for _ in sets]
+        outs = [self.outputs(T, shape.hidden, profile) for _ in sets]
 
         def call(j):
             i = j % len(sets)
@@ -274,7 +255,7 @@ class Setup:
         import torch
         from moe_ar_tools.baselines import triton_fused as tf
         p, sets = PROFILES[profile], data["sets"]
-        outs = [alloc_outputs(T, shape.hidden, self.dtype, profile, self.device) for _ in sets]
+        outs = [self.outputs(T, shape.hidden, profile) for _ in sets]
         partials = [torch.empty(T, shape.hidden, dtype=self.dtype, device=self.device) for _ in sets]
 
         def call(j):
@@ -344,7 +325,7 @@ class Setup:
                 continue
             why = triton_fused.unsupported(p.quant, p.scale_layout, self.device)
             if why:
-                nulls.append(make_record(system=system, valid=False, reason=why, unavailable=True, **where))
+                nulls.append(self.record(system=system, valid=False, reason=why, unavailable=True, **where))
                 continue
             for nw in triton_fused.NUM_WARPS if system == "triton_fused" else CHAIN_NUM_WARPS:
                 if system == "triton_fused":
@@ -364,14 +345,14 @@ class Setup:
             if system == "flashinfer":
                 why = self.flashinfer_info.get("reason") or flashinfer_norm.unsupported(p.quant, self.capability)
                 if why:
-                    nulls.append(make_record(system=system, valid=False, reason=why, unavailable=True, **where))
+                    nulls.append(self.record(system=system, valid=False, reason=why, unavailable=True, **where))
                     continue
             for mode in modes:
                 fns = self.compiled_fns(mode)
                 if isinstance(fns, str) or (system, mode, profile) in self.failed:
                     why = f"torch.compile unavailable: {fns}" if isinstance(fns, str) else \
                         self.failed[(system, mode, profile)]
-                    nulls.append(make_record(system=system, variant=mode, valid=False, reason=why, **where))
+                    nulls.append(self.record(system=system, variant=mode, valid=False, reason=why, **where))
                 elif system == "torch_compile":
                     systems.append(self.chain_system(system, fns["chain"], mode, T, profile, data))
                 else:

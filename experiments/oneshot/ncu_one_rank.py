@@ -11,12 +11,12 @@ are made one rank at a time with a short deadline:
 
 All four calls are prepared first (a rank that timed out refuses new calls until reset). Only for
 programs whose ranks exchange once per call (one-shot): the two-shots' ranks wait for each other a
-second time, so their profiled rank times out (the pipelined two-shot: moe_ar_tools/probes/pipelined_solo_rank.py,
-one rank with its receive buffers pre-filled). Kernel times under ncu are not the bench's (ncu's
+second time, so their profiled rank times out (the pipelined two-shot:
+experiments/pipelined/solo/pipelined_solo_rank.py, one rank with its receive buffers pre-filled). Kernel times under ncu are not the bench's (ncu's
 own overhead adds ~170 us to each); read instruction counts, SM active cycles and stall reasons.
 
-    ncu --clock-control none --kernel-name regex:moe_ar_ --launch-skip 3 --launch-count 1 --set full \\
-        -o os111_512 python3 -m moe_ar_tools.probes.ncu_one_rank --program moe_ar_os_bf16_ws2_nvfp4 \\
+    PYTHONPATH=. ncu --clock-control none --kernel-name regex:moe_ar_ --launch-skip 3 --launch-count 1 --set full \\
+        -o os111_512 python3 experiments/oneshot/ncu_one_rank.py --program moe_ar_os_bf16_ws2_nvfp4 \\
         --quant nvfp4 --tokens 512
 """
 import argparse

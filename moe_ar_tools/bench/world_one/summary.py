@@ -1,14 +1,16 @@
-"""What a run reports, without a GPU: the bytes the operation moves and its roofline, the records
-(one system at one point), the summary rows (one per point), the targets and summary.json."""
+"""What a world-size-1 run reports, without a GPU: the bytes the operation moves and its roofline,
+the records (one system at one point), the summary rows (one per point), the targets and
+summary.json."""
 from __future__ import annotations
 
 import math
 from typing import Optional
 
-from moe_ar_tools.bench.config import DTYPE_BYTES
+from moe_ar_tools.bench import records
+from moe_ar_tools.bench.config import DTYPE_BYTES, L2_MODES
 from moe_ar_tools.bench.roofline import hbm_bytes
-from moe_ar_tools.bench.timing import median, pair_ratio, percentile
-from moe_ar_tools.bench_one.config import BASELINES, L2_MODES, PROFILES, RECORD_SYSTEMS, SYSTEMS
+from moe_ar_tools.bench.timing import pair_ratio
+from moe_ar_tools.bench.world_one.config import BASELINES, PROFILES, RECORD_SYSTEMS, SYSTEMS
 
 # The targets (check_targets)
 BANDWIDTH_FROM_TOKENS = 2048
@@ -21,8 +23,8 @@ ONE_TOKEN_EMPTY_KERNELS = 2.0
 # ---- bytes and roofline ------------------------------------------------------------------------
 
 def hbm_bytes_ws1(tokens: int, hidden: int, top_k: int, shared: bool, profile: str, elem_bytes: int = 2) -> dict:
-    """Bytes the operation must move through HBM, by term: moe_ar_tools.bench.hbm_bytes (expert rows,
-    routing, shared expert, residual, gamma, residual_out and norm_out, quantized outputs and scales)
+    """Bytes the operation must move through HBM, by term: moe_ar_tools.bench.roofline.hbm_bytes (expert
+    rows, routing, shared expert, residual, gamma, residual_out and norm_out, quantized outputs and scales)
     with the column-major FP8 scales counted as laid out, [H/128, roundup(T, 4)] float32."""
     from dispatch.op import fp8_scale_shape
     p = PROFILES[profile]
@@ -42,31 +44,25 @@ def roofline_us(total_bytes: float, copy_gbps: float) -> float:
 
 # ---- records, summary, targets -----------------------------------------------------------------
 
-def make_record(*, system: str, profile: str, tokens: int, hidden: int, top_k: int, shared: bool,
+def make_record(*, system: str, profile: str, tokens: int, hidden: int, top_k: int, shared: bool, dtype: str,
                 valid: bool, replay_us=None, variant: Optional[str] = None, reason: Optional[str] = None,
                 mode: str = "cold", **extra) -> dict:
-    """One system (one variant: a compile mode, a forced program) at one point. A valid record carries
-    its per-replay times (microseconds per call) and their median; an invalid one the reason."""
+    """One system (one variant: a compile mode, a forced program) at one point, in the records' one
+    format (moe_ar_tools.bench.records.make_record, world size 1). A valid record keeps its per-replay
+    times (microseconds per call), the ratios of the summary rows are taken from them; an invalid one
+    carries the reason."""
     if system not in RECORD_SYSTEMS:
         raise ValueError(f"record: system {system!r}")
-    if profile not in PROFILES:
-        raise ValueError(f"record: profile {profile!r}")
     if mode not in L2_MODES:
         raise ValueError(f"record: L2 mode {mode!r}")
     if valid and not replay_us:
         raise ValueError("record: a valid record needs replay_us")
     if not valid and not reason:
         raise ValueError("record: an invalid record needs the reason")
-    rec = {"system": system, "variant": variant, "mode": mode, "profile": profile, "tokens": int(tokens),
-           "hidden": int(hidden),
-           "top_k": int(top_k), "shared": bool(shared), "valid": bool(valid),
-           "median_us": median(replay_us) if valid else None, "replay_us": list(replay_us or [])}
-    if valid:
-        rec.update(p10_us=percentile(replay_us, 10), p90_us=percentile(replay_us, 90))
-    if reason:
-        rec["reason"] = reason
-    rec.update(extra)
-    return rec
+    return records.make_record(system=system, world_size=1, dtype=dtype, hidden=int(hidden), top_k=int(top_k),
+                               shared=shared, profile=profile, tokens=int(tokens), valid=valid,
+                               replay_us=replay_us if valid else None, keep_replays=True, profiles=PROFILES,
+                               variant=variant, mode=mode, **({"reason": reason} if reason else {}), **extra)
 
 
 def _point(r) -> tuple:

@@ -1,12 +1,8 @@
-"""The run: each system captured in a CUDA graph, checked before and after its timed replays,
-the replays interleaved in shuffled rounds; the floor (the empty kernel, ours at 1 token); the
-sweep under the budget; summary.json, records.json, table.md and latency.png written."""
+"""World size 1's run: each system captured in a CUDA graph, checked before and after its timed
+replays (timing.capture_graph, timing.timed_replays); the floor (the empty kernel, ours at 1 token);
+the sweep under the budget; summary.json, records.json, table.md and latency.png written."""
 from __future__ import annotations
 
-import datetime
-import json
-import os
-import platform
 import time
 from typing import Optional
 
@@ -14,15 +10,13 @@ import click
 
 from moe_ar_tools.bench.config import EPS, FP8_TOLERANCE, NVFP4_TOLERANCE, ROUTED_SCALING_FACTOR, TOLERANCE_U
 from moe_ar_tools.bench.inputs import rel_err, worst
-from moe_ar_tools.bench.records import _driver_version, jsonable
-from moe_ar_tools.bench.roofline import measure_bandwidth
-from moe_ar_tools.bench_one.read_floor import measure_read_bandwidth
-from moe_ar_tools.bench.timing import replay_orders
-from moe_ar_tools.bench_one.config import PROFILES, SYSTEMS, plan
-from moe_ar_tools.bench_one.report import _us, format_markdown, plot
-from moe_ar_tools.bench_one.summary import make_record, summarize
-from moe_ar_tools.bench_one.systems import EmptyKernel, Setup, System, _error, dequantize
-from moe_ar_tools.provenance import git_commit
+from moe_ar_tools.bench.records import run_header, write_json, write_report
+from moe_ar_tools.bench.roofline import measure_bandwidth, measure_read_bandwidth
+from moe_ar_tools.bench.timing import capture_graph, timed_replays
+from moe_ar_tools.bench.world_one.config import PROFILES, SYSTEMS, plan
+from moe_ar_tools.bench.world_one.report import _us, format_markdown, plot
+from moe_ar_tools.bench.world_one.summary import summarize
+from moe_ar_tools.bench.world_one.systems import EmptyKernel, Setup, System, _error, dequantize
 
 
 def tables_used(workspaces: dict) -> dict:
@@ -31,17 +25,6 @@ def tables_used(workspaces: dict) -> dict:
     import dispatch
     return {str(hidden): {key: dispatch.selection_info(ws)[key] for key in ("set", "why")}
             for hidden, ws in sorted(workspaces.items())}
-
-
-def _versions() -> dict:
-    import torch
-    versions = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
-    for name in ("cupy", "triton"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            versions[name] = None
-    return versions
 
 
 class Runner(Setup):
@@ -54,18 +37,8 @@ class Runner(Setup):
         of `calls` back-to-back calls. Returns an error string, or None."""
         import torch
         try:
-            for j in range(self.cfg.warmup):
-                t0 = time.perf_counter()
-                system.call(j % self.calls)
-                if j == 0:
-                    torch.cuda.synchronize(self.device)
-                    system.compile_s = time.perf_counter() - t0
-            torch.cuda.synchronize(self.device)
-            graph, captured = torch.cuda.CUDAGraph(), []
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                for j in range(self.calls):
-                    captured.append(system.call(j))
-            torch.cuda.synchronize(self.device)
+            graph, captured, system.compile_s = capture_graph(
+                system.call, self.calls, [j % self.calls for j in range(self.cfg.warmup)], self.device, time_first=True)
             if captured[0] is not None:  # outputs of call j, whose inputs are set j % sets
                 system.outputs = list(enumerate(captured))
             system.graph = graph
@@ -110,19 +83,9 @@ class Runner(Setup):
         return {id(s): self.check(s, profile, data) for s in systems}
 
     def timed_loop(self, systems: list) -> list:
-        """[system][replay]: microseconds per call; rounds interleaved in shuffled orders."""
-        import torch
-        reps = self.cfg.reps
-        events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-                  for _ in systems]
-        for r, order in enumerate(replay_orders(len(systems), reps, self.cfg.seed)):
-            for j in order:
-                start, end = events[j][r]
-                start.record()
-                systems[j].graph.replay()
-                end.record()
-        torch.cuda.synchronize(self.device)
-        return [[start.elapsed_time(end) * 1e3 / self.calls for start, end in row] for row in events]
+        """[system][replay]: microseconds per call of the interleaved timed replays (timing.timed_replays)."""
+        ms = timed_replays([s.graph for s in systems], self.cfg.reps, self.cfg.seed, self.device)
+        return [[t * 1e3 / self.calls for t in row] for row in ms]
 
     def measure(self, systems: list, profile: str, data: dict, where: dict) -> list:
         """Capture, check, time and check again; returns the records (every system, valid or not)."""
@@ -133,7 +96,7 @@ class Runner(Setup):
             if s.compile_s is not None and s.compile_s > 1.0 and s.system in ("torch_compile", "flashinfer"):
                 self.log(f"    compiled {s.label} in {s.compile_s:.1f} s")
             if err:
-                records.append(make_record(system=s.system, variant=s.variant, valid=False,
+                records.append(self.record(system=s.system, variant=s.variant, valid=False,
                                            reason=f"could not run or capture: {err}", **where))
                 if s.system in ("torch_compile", "flashinfer"):  # compiling it again at every point costs time
                     self.failed[(s.system, s.variant, where["profile"])] = \
@@ -144,7 +107,7 @@ class Runner(Setup):
         good = []
         for s in ready:
             if before[id(s)]:
-                records.append(make_record(system=s.system, variant=s.variant, valid=False,
+                records.append(self.record(system=s.system, variant=s.variant, valid=False,
                                            reason="wrong result: " + "; ".join(before[id(s)]), program=s.program,
                                            **s.detail, **where))
             else:
@@ -155,11 +118,11 @@ class Runner(Setup):
             extra = dict(s.detail, program=s.program, compile_s=s.compile_s, calls_per_graph=self.calls,
                          input_sets=len(data["sets"]), reps=self.cfg.reps)
             if after[id(s)]:
-                records.append(make_record(system=s.system, variant=s.variant, valid=False,
+                records.append(self.record(system=s.system, variant=s.variant, valid=False,
                                            reason="wrong result after the timed replays: " + "; ".join(after[id(s)]),
                                            **extra, **where))
             else:
-                records.append(make_record(system=s.system, variant=s.variant, valid=True, replay_us=replay_us,
+                records.append(self.record(system=s.system, variant=s.variant, valid=True, replay_us=replay_us,
                                            **extra, **where))
         for s in systems:
             s.graph = None
@@ -225,17 +188,11 @@ class Runner(Setup):
     def write(self, header: dict, final: bool) -> dict:
         header["wall_s"] = time.time() - self.cfg.started
         summary = summarize(header, self.records, self.skipped, complete=final and not self.skipped)
-        self.out.mkdir(parents=True, exist_ok=True)
         for name, obj in (("summary.json", summary), ("records.json", {"records": self.records})):
-            tmp = self.out / (name + ".tmp")
-            tmp.write_text(json.dumps(jsonable(obj), indent=1, allow_nan=False))
-            os.replace(tmp, self.out / name)
+            write_json(self.out / name, obj)
         if final:
-            (self.out / "table.md").write_text(format_markdown(summary))
-            try:
-                plot(summary, self.out / "latency.png")
-            except Exception as e:  # noqa: BLE001 - the JSON is what matters
-                self.log(f"plot failed: {_error(e)}")
+            write_report(self.out / "table.md", format_markdown(summary), plot, summary, self.out / "latency.png",
+                         log=self.log)
         return summary
 
     def run(self) -> dict:
@@ -245,12 +202,12 @@ class Runner(Setup):
         if "ours" in cfg.systems and not hasattr(dispatch, "LocalWorkspace"):
             raise click.ClickException("dispatch.LocalWorkspace is missing: this tree has no world-size-1 runtime")
         gpu = torch.cuda.get_device_name(self.device)
-        header = {"gpu": gpu, "commit": git_commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                  "driver": _driver_version(), "versions": _versions(), "dtype": cfg.dtype, "world_size": 1,
-                  "config": dict(plan(cfg), seed=cfg.seed, warmup=cfg.warmup, routed_scaling_factor=ROUTED_SCALING_FACTOR,
-                                 eps=EPS, tolerance={"rel_u": TOLERANCE_U, "nvfp4_rel": NVFP4_TOLERANCE,
-                                                     "fp8_rel": FP8_TOLERANCE}, l2_bytes=self.l2_bytes)}
-        self.log(f"moe-ar-bench-one: {gpu}, commit {header['commit'][:12]}; writing {self.out}")
+        header = run_header(gpu=gpu, world_size=1, dtype=cfg.dtype, l2_bytes=self.l2_bytes,
+                            config=dict(plan(cfg), seed=cfg.seed, warmup=cfg.warmup,
+                                        routed_scaling_factor=ROUTED_SCALING_FACTOR, eps=EPS,
+                                        tolerance={"rel_u": TOLERANCE_U, "nvfp4_rel": NVFP4_TOLERANCE,
+                                                   "fp8_rel": FP8_TOLERANCE}, l2_bytes=self.l2_bytes))
+        self.log(f"moe-ar-bench --world 1: {gpu}, commit {header['commit'][:12]}; writing {self.out}")
         bandwidth = measure_bandwidth(1, cfg.bw_gib)
         header.update(bandwidth=bandwidth, copy_gbps=bandwidth["hbm_GBps"])
         self.log(f"  copy {bandwidth['hbm_GBps']:.0f} GB/s (device to device, read + write)")
