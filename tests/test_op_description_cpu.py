@@ -238,3 +238,9 @@ def test_every_flashinfer_argument_named_as_ours_reaches_the_call(monkeypatch):
     assert kwargs["quant_out"].data_ptr() == given["quant_out"].data_ptr()
     assert kwargs["scale_out"].data_ptr() == given["scale_out"].data_ptr()
 
+
+def test_the_flashinfer_backend_names():
+    """FlashInfer's finalize entry has no backend argument; its unified all-reduce fusion API names
+    its backends "trtllm", "mnnvl" and "auto". This entry takes "trtllm" (the TensorRT-LLM kernel
+    family it stands in for) and "auto"; any other name is refused by name."""
+    assert flashinfer_compat.BACKENDS == ("trtllm", "auto")
