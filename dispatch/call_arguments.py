@@ -4,11 +4,15 @@ overlap rule (overlaps.py). Every bad call is a ValueError naming the argument."
 from __future__ import annotations
 
 import inspect
+import itertools
+import linecache
+from dataclasses import dataclass
 
 import torch
 
 from . import registry
-from .outputs import FP8_GROUP, MoeFinalizeOutputs, fp8_scale_shape, scale_out_bytes
+from .outputs import FP8_GROUP, QUANT_OUTPUT_NAMES, QUANT_OUTPUTS, MoeFinalizeOutputs, fp8_scale_shape, \
+    scale_out_bytes
 from .overlaps import check_overlaps
 
 MAX_TOP_K = 16
@@ -64,29 +68,28 @@ def check_flag(name, x):
         raise ValueError(f"{name}: expected a bool, got {type(x).__name__}")
 
 
-def check_weight_bias(x):
+def check_weight_bias(name, x):
     if isinstance(x, bool) or not isinstance(x, int) or x not in (0, 1):
-        raise ValueError(f"weight_bias: {x!r}, expected the int 0 or 1")
+        raise ValueError(f"{name}: {x!r}, expected the int 0 or 1")
 
 
-def check_unused(quant, global_scale, fp8_scale, quant_out, scale_out, fp8_scale_layout, fp8_pow2_scales):
-    """An argument given with a `quant` that does not read or write it is an error, not ignored."""
-    if global_scale is not None and quant != "nvfp4":
-        raise ValueError(f"global_scale: given with quant={quant!r}, which does not use it (only 'nvfp4' does)")
-    if fp8_scale is not None and quant != "fp8_tensor":
-        raise ValueError(f"fp8_scale: given with quant={quant!r}, which does not use it (only 'fp8_tensor' does)")
-    if quant_out is not None and quant is None:
-        raise ValueError("quant_out: given with quant=None, which writes no quantized output")
-    if scale_out is not None and quant in (None, "fp8_tensor"):
-        raise ValueError(f"scale_out: given with quant={quant!r}, which writes no scales"
-                         + (" (its scale is the fp8_scale input)" if quant else ""))
-    if quant != "fp8_group128":
-        if fp8_scale_layout != "row":
-            raise ValueError(f"fp8_scale_layout: {fp8_scale_layout!r} given with quant={quant!r}, which does not "
-                             f"use it (only 'fp8_group128' does)")
-        if fp8_pow2_scales:
-            raise ValueError(f"fp8_pow2_scales: True given with quant={quant!r}, which does not use it (only "
-                             f"'fp8_group128' does)")
+def check_unused(quant, a):
+    """An argument given with a `quant` that does not read or write it is an error, not ignored: each
+    argument of the description with `quants` (tensors first), against its default. `a`: the call's
+    arguments (a mapping; one left out is at its default)."""
+    for arg in _QUANT_SPECIFIC:
+        value = a.get(arg.name, arg.default)
+        if quant in arg.quants or (value is None if arg.default is None else value == arg.default):
+            continue
+        if arg.output:
+            inputs = [other.name for other in _QUANT_SPECIFIC
+                      if quant in other.quants and not other.output and other.schema.startswith("Tensor")]
+            raise ValueError(f"{arg.name}: given with quant={quant!r}, which writes no {arg.what}"
+                             + "".join(f" (its scale is the {name} input)" for name in inputs))
+        given = "" if arg.schema.startswith("Tensor") else f"{value!r} "
+        users = " and ".join(repr(q) for q in arg.quants)
+        raise ValueError(f"{arg.name}: {given}given with quant={quant!r}, which does not use it (only {users} "
+                         f"{'does' if len(arg.quants) == 1 else 'do'})")
 
 
 def check_call_arguments(ws, a):
@@ -125,8 +128,7 @@ def check_call_arguments(ws, a):
     if not isinstance(layout, str) or layout not in FP8_SCALE_LAYOUTS:
         raise ValueError(f"fp8_scale_layout: {layout!r}, expected 'row' or 'column'")
     check_flag("fp8_pow2_scales", a["fp8_pow2_scales"])
-    check_unused(quant, a["global_scale"], a["fp8_scale"], a["quant_out"], a["scale_out"], layout,
-                 a["fp8_pow2_scales"])
+    check_unused(quant, a)
     if quant == "nvfp4":
         if a["global_scale"] is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
@@ -140,7 +142,7 @@ def check_call_arguments(ws, a):
                          f"hidden {H}")
     check_scalar("eps", a["eps"], positive=True)
     check_scalar("routed_scaling_factor", a["routed_scaling_factor"])
-    check_weight_bias(a["weight_bias"])
+    check_weight_bias("weight_bias", a["weight_bias"])
     check_flag("launch_with_pdl", a["launch_with_pdl"])
     if a["program"] is not None and not isinstance(a["program"], str):
         raise ValueError(f"program: expected a program name (str) or None, got {type(a['program']).__name__}")
@@ -166,15 +168,56 @@ def check_call_arguments(ws, a):
     return T, K, R, profile
 
 
-# The call's arguments, one description: the inputs without a default, then every other with its
-# default. op.moe_finalize_allreduce shows them as its signature (call_signature);
-# torch_op.moe_finalize_allreduce_op spells them out, less the outputs it always allocates, and a test
-# (tests/test_call_plan_cpu.py) holds it and the torch op's schema to this description.
-REQUIRED = ("allreduce_in", "expanded_idx_to_permuted_idx", "residual_in", "norm_weight")
-CALL_DEFAULTS = dict(expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6,
-                 weight_bias=0, quant=None, global_scale=None, fp8_scale=None, fp8_scale_layout="row",
-                 fp8_pow2_scales=False, norm_out=None, residual_out=None, quant_out=None, scale_out=None,
-                 launch_with_pdl=False, program=None)
+# ---- the call's arguments, described once ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Argument:
+    """One argument of the call. The description (ARGUMENTS) gives op.moe_finalize_allreduce's signature, the
+    torch op's schema, its kernels, fake and keyword wrapper (torch_op.py) and what the FlashInfer entry passes
+    on (flashinfer_compat.py); adding an argument is one entry here (and its use in the checks and the kernel)."""
+    name: str
+    schema: str  # its type in the torch op's schema: Tensor, Tensor?, float, SymInt, bool, str, str?
+    default: object = inspect.Parameter.empty  # empty: required
+    quants: tuple | None = None  # the quant values that use it; None: every call. Given with another: refused
+    check: tuple = ()  # (function, *more): function(name, value, *more) refuses what the schema would convert
+    output: bool = False  # written by the call (allocated when not given); the out op takes it
+    appended: bool = False  # added after the op's schema was published: in the schema after the others
+    what: str = ""  # an output: what it holds, for the refusal of one given with a quant that writes none
+
+
+def _writers(output: str) -> tuple:
+    """The quant values that write `output` (outputs.QUANT_OUTPUTS)."""
+    i = QUANT_OUTPUT_NAMES.index(output)
+    return tuple(quant for quant, outs in QUANT_OUTPUTS.items() if outs[i][1] is not None)
+
+
+# In the order op.moe_finalize_allreduce shows them: the inputs without a default, then every other.
+ARGUMENTS = (
+    Argument("allreduce_in", "Tensor"),
+    Argument("expanded_idx_to_permuted_idx", "Tensor"),
+    Argument("residual_in", "Tensor"),
+    Argument("norm_weight", "Tensor"),
+    Argument("expert_scale_factor", "Tensor?", None),
+    Argument("routed_scaling_factor", "float", 1.0, check=(check_scalar,)),
+    Argument("shared_expert_output", "Tensor?", None),
+    Argument("eps", "float", 1e-6, check=(check_scalar, True)),  # True: positive
+    Argument("weight_bias", "SymInt", 0, check=(check_weight_bias,)),
+    Argument("quant", "str?", None),
+    Argument("global_scale", "Tensor?", None, quants=("nvfp4",)),
+    Argument("fp8_scale", "Tensor?", None, quants=("fp8_tensor",), appended=True),
+    Argument("fp8_scale_layout", "str", "row", quants=("fp8_group128",), appended=True),
+    Argument("fp8_pow2_scales", "bool", False, quants=("fp8_group128",), check=(check_flag,), appended=True),
+    Argument("norm_out", "Tensor?", None, output=True),
+    Argument("residual_out", "Tensor?", None, output=True),
+    Argument("quant_out", "Tensor?", None, quants=_writers("quant_out"), output=True, what="quantized output"),
+    Argument("scale_out", "Tensor?", None, quants=_writers("scale_out"), output=True, what="scales"),
+    Argument("launch_with_pdl", "bool", False, check=(check_flag,)),
+    Argument("program", "str?", None),
+)
+REQUIRED = tuple(arg.name for arg in ARGUMENTS if arg.default is inspect.Parameter.empty)
+CALL_DEFAULTS = {arg.name: arg.default for arg in ARGUMENTS if arg.default is not inspect.Parameter.empty}
+_QUANT_SPECIFIC = sorted((arg for arg in ARGUMENTS if arg.quants is not None),
+                         key=lambda arg: not arg.schema.startswith("Tensor"))
 
 
 def call_signature() -> inspect.Signature:
@@ -186,3 +229,40 @@ def call_signature() -> inspect.Signature:
          *(inspect.Parameter(name, keyword) for name in REQUIRED),
          *(inspect.Parameter(name, keyword, default=default) for name, default in CALL_DEFAULTS.items())],
         return_annotation=MoeFinalizeOutputs)
+
+
+# ---- functions written from the description --------------------------------------------------------
+
+_ANNOTATIONS = {"Tensor": "torch.Tensor", "Tensor?": "Optional[torch.Tensor]", "float": "float", "SymInt": "int",
+                "bool": "bool", "str": "str", "str?": "Optional[str]"}
+_sources = itertools.count()
+
+
+def parameter(arg: Argument, annotate: bool = False, default: bool = True) -> str:
+    """`arg` as a parameter in Python source: name[: annotation][=default]."""
+    text = arg.name + (": " + _ANNOTATIONS[arg.schema] if annotate else "")
+    if default and arg.default is not inspect.Parameter.empty:
+        text += (" = " if annotate else "=") + repr(arg.default)
+    return text
+
+
+def checks(arguments, namespace: dict, indent: str = "    ") -> str:
+    """Source lines that run each argument's check on the parameter of its name (the functions put into
+    `namespace` under their own names)."""
+    lines = []
+    for arg in arguments:
+        if arg.check:
+            function, *more = arg.check
+            namespace[function.__name__] = function
+            lines.append(f"{indent}{function.__name__}({', '.join([repr(arg.name), arg.name, *map(repr, more)])})")
+    return "\n".join(lines)
+
+
+def define(source: str, namespace: dict, name: str):
+    """Compile the function `name` from `source` into `namespace` (a module's globals) and return it. The
+    source is kept in linecache, so tracebacks and inspect.getsource show it. A function written from the
+    description costs a call what the same function written by hand would: the work is done here, once."""
+    filename = f"<dispatch: {namespace.get('__name__', '?')}.{name} #{next(_sources)}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec", dont_inherit=True), namespace)
+    return namespace[name]

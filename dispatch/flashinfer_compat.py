@@ -35,7 +35,8 @@ How each argument maps to dispatch.moe_finalize_allreduce:
     expert_scale_factor           expert_scale_factor [T, top_k] D or float32, or None (= 1)
     routed_scaling_factor         routed_scaling_factor; None means 1.0
     weight_bias                   None or 0.0 -> 0 (RMSNorm with gamma); 1.0 -> 1 (with 1 + gamma)
-    backend                       "trtllm" or "cake": both run this project's kernels
+    backend                       "trtllm" or "auto" (FlashInfer's names; see BACKENDS): both run
+                                  this project's kernels
     global_scale (ours)           [1] float32 device tensor, required with quant_out
 
 Anything that cannot be honored raises ValueError naming the argument (a tensor passed as
@@ -92,16 +93,39 @@ Differences from FlashInfer (as read from its source; see dispatch/API.md):
 from __future__ import annotations
 
 import numbers
+from string import Template
 from typing import Optional
 
 import torch
 
-from .call_arguments import check_flag, check_scalar
+from . import call_arguments
+from .call_arguments import ARGUMENTS
 from .op import moe_finalize_allreduce
 from .outputs import MoeFinalizeOutputs, scale_out_bytes
 from .torch_op import as_handle, moe_finalize_allreduce_op, workspace_from_handle
 
-BACKENDS = ("trtllm", "cake")
+# FlashInfer's finalize entry takes no backend; its unified all-reduce fusion API
+# (flashinfer/comm/allreduce.py, create_allreduce_fusion_workspace) names "trtllm", "mnnvl" and "auto".
+# This entry stands in for "trtllm" (the TensorRT-LLM kernels its finalize entry runs) and takes "auto";
+# "mnnvl" (NVLink multicast kernels) is refused.
+BACKENDS = ("trtllm", "auto")
+
+# FlashInfer's flashinfer.comm.trtllm_moe_finalize_allreduce_fusion: its parameters, in its order, with its
+# annotations and default; then this entry's own, keyword-only. Every one named as one of the call's
+# arguments (call_arguments.ARGUMENTS) is passed on under its name.
+FLASHINFER_PARAMETERS = (
+    "allreduce_in: torch.Tensor", "residual_in: torch.Tensor", "norm_weight: torch.Tensor",
+    "expanded_idx_to_permuted_idx: torch.Tensor", "norm_out: Optional[torch.Tensor]",
+    "residual_out: Optional[torch.Tensor]", "quant_out: Optional[torch.Tensor]", "scale_out: Optional[torch.Tensor]",
+    "workspace_ptrs", "launch_with_pdl: bool", "world_rank: int", "world_size: int", "eps: float",
+    "shared_expert_output: Optional[torch.Tensor]", "expert_scale_factor: Optional[torch.Tensor]",
+    "routed_scaling_factor: Optional[float]", "weight_bias: Optional[float] = None")
+OWN_PARAMETERS = ('backend: str = "trtllm"', "global_scale: Optional[torch.Tensor] = None")
+# The call's arguments this entry sets itself: quant, from quant_out and scale_out (which go on as uint8
+# views); weight_bias goes through FlashInfer's rule (_weight_bias), which checks it, not the description's.
+_DERIVED = ("quant",)
+_PASSED_AS = {"quant_out": "quant_bytes", "scale_out": "scale_bytes"}
+_OWN_RULE = ("weight_bias",)
 
 
 def _workspace(workspace_ptrs):
@@ -125,10 +149,11 @@ def _weight_bias(weight_bias) -> int:
     return int(weight_bias)
 
 
-def _scalar(name, x, positive=False):
+def _real(x):
+    """A real number that is not a Python one (a NumPy float) as a Python float, for the checks."""
     if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):
-        x = float(x)
-    check_scalar(name, x, positive)
+        return float(x)
+    return x
 
 
 def _as_bytes(name, buffer, tokens, row_bytes=None, min_bytes=None):
@@ -149,36 +174,10 @@ def _as_bytes(name, buffer, tokens, row_bytes=None, min_bytes=None):
     return flat
 
 
-def trtllm_moe_finalize_allreduce_fusion(
-        allreduce_in: torch.Tensor,
-        residual_in: torch.Tensor,
-        norm_weight: torch.Tensor,
-        expanded_idx_to_permuted_idx: torch.Tensor,
-        norm_out: Optional[torch.Tensor],
-        residual_out: Optional[torch.Tensor],
-        quant_out: Optional[torch.Tensor],
-        scale_out: Optional[torch.Tensor],
-        workspace_ptrs,
-        launch_with_pdl: bool,
-        world_rank: int,
-        world_size: int,
-        eps: float,
-        shared_expert_output: Optional[torch.Tensor],
-        expert_scale_factor: Optional[torch.Tensor],
-        routed_scaling_factor: Optional[float],
-        weight_bias: Optional[float] = None,
-        *,
-        backend: str = "trtllm",
-        global_scale: Optional[torch.Tensor] = None,
-) -> MoeFinalizeOutputs:
-    """MoE finalize + all-reduce + residual add + RMSNorm (+ NVFP4) with FlashInfer's argument list.
-
-    See the module docstring for the mapping of every argument and the differences from
-    FlashInfer. Outputs given are written in place; the written tensors are returned as
-    MoeFinalizeOutputs (quant_out/scale_out None without quantization). Raises ValueError
-    naming the argument for anything that cannot be honored, RuntimeError if an earlier call of
-    the workspace timed out waiting for a peer.
-    """
+# The entry, compiled once from FLASHINFER_PARAMETERS and the description (call_arguments.define): $checks are
+# the description's checks of the arguments passed on, $forward passes them on by name, $outputs the outputs.
+_ENTRY = Template("""
+def trtllm_moe_finalize_allreduce_fusion($parameters) -> MoeFinalizeOutputs:
     if backend not in BACKENDS:
         raise ValueError(f"backend: {backend!r}, expected one of {BACKENDS} (both run this project's kernels)")
     compiling = torch.compiler.is_compiling()
@@ -196,12 +195,11 @@ def trtllm_moe_finalize_allreduce_fusion(
     if quant is not None and global_scale is None:
         raise ValueError("global_scale: NVFP4 output (quant_out given) needs global_scale=, a [1] float32 tensor on "
                          "the device (FlashInfer's entry has no such argument)")
-    rsf = 1.0 if routed_scaling_factor is None else routed_scaling_factor
-    # Numbers pass (a numpy float too: it is converted below); a bool, a string or a NaN does not.
-    _scalar("routed_scaling_factor", rsf)
-    _scalar("eps", eps, positive=True)
-    check_flag("launch_with_pdl", launch_with_pdl)
-    wb = _weight_bias(weight_bias)
+    if routed_scaling_factor is None:
+        routed_scaling_factor = 1.0
+    # Numbers pass (a NumPy float too, as a Python float); a bool, a string or a NaN does not.
+$checks
+    weight_bias = _weight_bias(weight_bias)
     if not isinstance(expanded_idx_to_permuted_idx, torch.Tensor) or expanded_idx_to_permuted_idx.dim() != 2:
         raise ValueError("expanded_idx_to_permuted_idx: expected a [tokens, top_k] int32 tensor")
     T = expanded_idx_to_permuted_idx.shape[0]
@@ -217,12 +215,7 @@ def trtllm_moe_finalize_allreduce_fusion(
 
     if compiling:
         # The custom op (no graph break), then its results into the given outputs.
-        out = moe_finalize_allreduce_op(
-            as_handle(workspace_ptrs), allreduce_in=allreduce_in,
-            expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, residual_in=residual_in,
-            norm_weight=norm_weight, expert_scale_factor=expert_scale_factor, routed_scaling_factor=rsf,
-            shared_expert_output=shared_expert_output, eps=eps, weight_bias=wb, quant=quant,
-            global_scale=global_scale, launch_with_pdl=launch_with_pdl)
+        out = moe_finalize_allreduce_op(as_handle(workspace_ptrs), $forward)
         norm = out.norm_out if norm_out is None else norm_out.copy_(out.norm_out)
         residual = out.residual_out if residual_out is None else residual_out.copy_(out.residual_out)
         if quant is None:
@@ -231,12 +224,40 @@ def trtllm_moe_finalize_allreduce_fusion(
         scale_bytes[: out.scale_out.shape[0]].copy_(out.scale_out)
         return MoeFinalizeOutputs(norm, residual, quant_out, scale_out)
 
-    out = moe_finalize_allreduce(
-        ws, allreduce_in=allreduce_in, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-        residual_in=residual_in, norm_weight=norm_weight, expert_scale_factor=expert_scale_factor,
-        routed_scaling_factor=float(rsf), shared_expert_output=shared_expert_output, eps=float(eps),
-        weight_bias=wb, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
-        norm_out=norm_out, residual_out=residual_out, quant_out=quant_bytes, scale_out=scale_bytes)
+    out = moe_finalize_allreduce(ws, $forward, $outputs)
     if quant is None:
         return out
     return MoeFinalizeOutputs(out.norm_out, out.residual_out, quant_out, scale_out)
+""")
+_ENTRY_DOC = """MoE finalize + all-reduce + residual add + RMSNorm (+ NVFP4) with FlashInfer's argument list.
+
+    See the module docstring for the mapping of every argument and the differences from
+    FlashInfer. Outputs given are written in place; the written tensors are returned as
+    MoeFinalizeOutputs (quant_out/scale_out None without quantization). Raises ValueError
+    naming the argument for anything that cannot be honored, RuntimeError if an earlier call of
+    the workspace timed out waiting for a peer.
+    """
+
+
+def define_entry(arguments, namespace: dict):
+    """Compile the entry for the call's `arguments` into `namespace` (this module's globals)."""
+    names = {text.split(":")[0].split("=")[0].strip() for text in FLASHINFER_PARAMETERS + OWN_PARAMETERS}
+    passed = [arg for arg in arguments if arg.name in names or arg.name in _DERIVED]  # in the call's order
+    inputs = [arg for arg in passed if not arg.output]
+    lines = []
+    for arg in inputs:
+        if arg.check and arg.name not in _OWN_RULE:
+            real = arg.schema == "float"
+            lines += [f"    {arg.name} = _real({arg.name})"] * real + [call_arguments.checks([arg], namespace)]
+            lines += [f"    {arg.name} = float({arg.name})"] * real
+    entry = call_arguments.define(_ENTRY.substitute(
+        parameters=", ".join([*FLASHINFER_PARAMETERS, "*", *OWN_PARAMETERS]), checks="\n".join(lines),
+        forward=", ".join(f"{arg.name}={arg.name}" for arg in inputs),
+        outputs=", ".join(f"{arg.name}={_PASSED_AS.get(arg.name, arg.name)}" for arg in passed if arg.output)),
+        namespace, "trtllm_moe_finalize_allreduce_fusion")
+    entry.__doc__ = _ENTRY_DOC
+    return entry
+
+
+# help() and inspect show FlashInfer's parameters (a static analyzer sees only the name)
+trtllm_moe_finalize_allreduce_fusion = define_entry(ARGUMENTS, globals())

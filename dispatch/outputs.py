@@ -29,6 +29,38 @@ def fp8_scale_shape(tokens: int, hidden: int, layout: str = "row") -> tuple:
     return (tokens, groups) if layout == "row" else (groups, -(-tokens // 4) * 4)
 
 
+def _values_nvfp4(tokens, hidden, layout):
+    return tokens, hidden // 2  # E2M1 pairs
+
+
+def _scales_nvfp4(tokens, hidden, layout):
+    return (scale_out_bytes(tokens, hidden),)
+
+
+def _values_fp8(tokens, hidden, layout):
+    return tokens, hidden
+
+
+def _scales_fp8_group(tokens, hidden, layout):
+    return fp8_scale_shape(tokens, hidden, layout)
+
+
+QUANT_OUTPUT_NAMES = ("quant_out", "scale_out")
+# What each quant writes besides norm_out and residual_out ([T, H] D): for quant_out, then scale_out, (dtype,
+# shape of (tokens, hidden, fp8_scale_layout)), the shape None where the quant writes none; the torch op then
+# returns an empty (0,) tensor of that dtype in its place. Argument checks, allocation and the op's fake read it.
+QUANT_OUTPUTS = {
+    None: ((torch.uint8, None), (torch.uint8, None)),
+    "nvfp4": ((torch.uint8, _values_nvfp4), (torch.uint8, _scales_nvfp4)),
+    "fp8_group128": ((torch.float8_e4m3fn, _values_fp8), (torch.float32, _scales_fp8_group)),
+    "fp8_tensor": ((torch.float8_e4m3fn, _values_fp8), (torch.float32, None)),
+}
+# (name, dtype, shape) of each output a quant writes, for the allocation on the call path
+_WRITTEN = {quant: tuple((name, dtype, shape) for name, (dtype, shape) in zip(QUANT_OUTPUT_NAMES, outs)
+                         if shape is not None)
+            for quant, outs in QUANT_OUTPUTS.items()}
+
+
 def allocate_outputs(ws, kwargs: dict) -> dict:
     """Fill in the output tensors the call did not pass, from torch's caching allocator (prepare_call,
     so before EmulatedWorld.run forks its streams)."""
@@ -39,14 +71,9 @@ def allocate_outputs(ws, kwargs: dict) -> dict:
     if kwargs.get("residual_out") is None:
         kwargs["residual_out"] = torch.empty((T, H), dtype=ws.dtype, device=ws.device)
     quant = kwargs.get("quant")
-    if quant == "nvfp4":
-        if kwargs.get("quant_out") is None:
-            kwargs["quant_out"] = torch.empty((T, H // 2), dtype=torch.uint8, device=ws.device)
-        if kwargs.get("scale_out") is None:
-            kwargs["scale_out"] = torch.empty((scale_out_bytes(T, H),), dtype=torch.uint8, device=ws.device)
-    if quant in ("fp8_group128", "fp8_tensor") and kwargs.get("quant_out") is None:
-        kwargs["quant_out"] = torch.empty((T, H), dtype=torch.float8_e4m3fn, device=ws.device)
-    if quant == "fp8_group128" and kwargs.get("scale_out") is None:
+    if quant is not None:
         layout = kwargs.get("fp8_scale_layout", "row")
-        kwargs["scale_out"] = torch.empty(fp8_scale_shape(T, H, layout), dtype=torch.float32, device=ws.device)
+        for name, dtype, shape in _WRITTEN[quant]:
+            if kwargs.get(name) is None:
+                kwargs[name] = torch.empty(shape(T, H, layout), dtype=dtype, device=ws.device)
     return kwargs

@@ -52,16 +52,18 @@ Design:
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import weakref
+from string import Template
 from typing import Optional
 
 import torch
 
-from .call_arguments import FP8_SCALE_LAYOUTS, MAX_TOP_K, check_flag, check_scalar, check_unused, check_weight_bias, \
-    profile_for_quant
-from .outputs import FP8_GROUP, MoeFinalizeOutputs, fp8_scale_shape, scale_out_bytes
+from . import call_arguments
+from .call_arguments import ARGUMENTS, FP8_SCALE_LAYOUTS, MAX_TOP_K, check_unused, profile_for_quant
+from .outputs import FP8_GROUP, QUANT_OUTPUTS, MoeFinalizeOutputs
 
 OP_NAME = "moe_ar::moe_finalize_allreduce"
 _HANDLE_ATTR = "_moe_ar_op_handle"
@@ -119,68 +121,130 @@ def as_handle(workspace) -> int:
 
 # ---- the op ---------------------------------------------------------------------------------
 
+# Everything below is written from call_arguments.ARGUMENTS: the two schemas, the kernels and the keyword
+# wrapper (as Python source, compiled once at import, so that a call does what a hand-written one does),
+# and the fake's binding of its arguments.
+
+def _required(arg) -> bool:
+    return arg.default is inspect.Parameter.empty
+
+
+def _schema_order(arguments) -> list:
+    """The op's options in its schema's order: those published with it first, then those appended since
+    (a positional caller keeps its positions), each in the description's order."""
+    options = [arg for arg in arguments if not arg.output and not _required(arg)]
+    return [arg for arg in options if not arg.appended] + [arg for arg in options if arg.appended]
+
+
+def _schema_default(value) -> str:
+    return f'"{value}"' if isinstance(value, str) else repr(value)
+
+
+def schemas(arguments) -> tuple:
+    """(functional, out): the two ops' schemas (without the namespace). The out op takes the outputs after
+    the inputs, each written (a!, b!, ...): those every call writes required, the quant's optional."""
+    inputs = ["SymInt workspace", *(f"{arg.schema} {arg.name}" for arg in arguments if _required(arg))]
+    options = [f"{arg.schema} {arg.name}={_schema_default(arg.default)}" for arg in _schema_order(arguments)]
+    outputs = [arg for arg in arguments if arg.output]
+    written = [f"Tensor({letter}!) {arg.name}" if arg.quants is None else f"Tensor({letter}!)? {arg.name}=None"
+               for letter, arg in zip("abcdefghijklmnop", outputs)]
+    returns = ", ".join(["Tensor"] * len(outputs))
+    return (f"moe_finalize_allreduce({', '.join(inputs + options)}) -> ({returns})",
+            f"moe_finalize_allreduce_out({', '.join(inputs + written + options)}) -> ()")
+
+
 # Registered through torch.library.Library (schema, a CUDA kernel, a fake kernel) rather than
 # torch.library.custom_op: the same operator for the dispatcher and torch.compile, at a fraction
 # of the host time per eager call (custom_op's Python wrapper costs more than the launch).
-_OPTIONS = ('Tensor? expert_scale_factor=None, float routed_scaling_factor=1., Tensor? shared_expert_output=None, '
-            'float eps=1e-06, SymInt weight_bias=0, str? quant=None, Tensor? global_scale=None, '
-            'bool launch_with_pdl=False, str? program=None, Tensor? fp8_scale=None, str fp8_scale_layout="row", '
-            'bool fp8_pow2_scales=False')
-_INPUTS = 'SymInt workspace, Tensor allreduce_in, Tensor expanded_idx_to_permuted_idx, Tensor residual_in, ' \
-          'Tensor norm_weight'
 _lib = torch.library.Library("moe_ar", "DEF")
-_lib.define(f"moe_finalize_allreduce({_INPUTS}, {_OPTIONS}) -> (Tensor, Tensor, Tensor, Tensor)")
-_lib.define(f"moe_finalize_allreduce_out({_INPUTS}, Tensor(a!) norm_out, Tensor(b!) residual_out, "
-            f"Tensor(c!)? quant_out=None, Tensor(d!)? scale_out=None, {_OPTIONS}) -> ()")
+for _schema in schemas(ARGUMENTS):
+    _lib.define(_schema)
 _KERNEL_KEYS = ("CUDA", "CPU")  # CPU: the runtime refuses CPU tensors by name (and CPU tests stub it)
 
-
-def _moe_finalize_allreduce(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
-                            expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None,
-                            eps=1e-6, weight_bias=0, quant=None, global_scale=None, launch_with_pdl=False,
-                            program=None, fp8_scale=None, fp8_scale_layout="row", fp8_pow2_scales=False):
+# The dispatcher calls a kernel with the schema's arguments in order, positional, trailing defaults left
+# out; each kernel passes them on to dispatch.moe_finalize_allreduce by name.
+_KERNEL = Template("""
+def _moe_finalize_allreduce(workspace, $parameters):
     from .op import moe_finalize_allreduce
-    ws = workspace_from_handle(workspace)
-    out = moe_finalize_allreduce(
-        ws, allreduce_in=allreduce_in, expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx,
-        residual_in=residual_in, norm_weight=norm_weight, expert_scale_factor=expert_scale_factor,
-        routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output, eps=eps,
-        weight_bias=weight_bias, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
-        program=program, fp8_scale=fp8_scale, fp8_scale_layout=fp8_scale_layout, fp8_pow2_scales=fp8_pow2_scales)
+    out = moe_finalize_allreduce(workspace_from_handle(workspace), $forward)
     device = out.norm_out.device
     quant_out, scale_out = out.quant_out, out.scale_out
-    if quant_out is None:
-        quant_out = torch.empty((0,), dtype=torch.uint8, device=device)
+    if quant_out is None:  # the op returns four tensors: an empty one of the dtype QUANT_OUTPUTS gives
+        quant_out = torch.empty((0,), dtype=QUANT_OUTPUTS[quant][0][0], device=device)
     if scale_out is None:
-        scale_out = torch.empty((0,), dtype=torch.float32 if quant == "fp8_tensor" else torch.uint8, device=device)
+        scale_out = torch.empty((0,), dtype=QUANT_OUTPUTS[quant][1][0], device=device)
     return out.norm_out, out.residual_out, quant_out, scale_out
-
-
-def _moe_finalize_allreduce_out(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
-                                norm_out, residual_out, quant_out=None, scale_out=None, expert_scale_factor=None,
-                                routed_scaling_factor=1.0, shared_expert_output=None, eps=1e-6, weight_bias=0,
-                                quant=None, global_scale=None, launch_with_pdl=False, program=None, fp8_scale=None,
-                                fp8_scale_layout="row", fp8_pow2_scales=False):
+""")
+_OUT_KERNEL = Template("""
+def _moe_finalize_allreduce_out(workspace, $parameters):
     from .op import moe_finalize_allreduce
     # every output the quant writes must be given: one left None would be allocated and dropped
-    if quant is not None and quant_out is None:
-        raise ValueError(f"quant_out: required by moe_finalize_allreduce_out with quant={quant!r}")
-    if quant in ("nvfp4", "fp8_group128") and scale_out is None:
-        raise ValueError(f"scale_out: required by moe_finalize_allreduce_out with quant={quant!r}")
-    kw = {}  # quant_out / scale_out only when given (the runtime names one given with a quant that has none)
-    if quant_out is not None:
-        kw["quant_out"] = quant_out
-    if scale_out is not None:
-        kw["scale_out"] = scale_out
-    moe_finalize_allreduce(
-        workspace_from_handle(workspace), allreduce_in=allreduce_in,
-        expanded_idx_to_permuted_idx=expanded_idx_to_permuted_idx, residual_in=residual_in, norm_weight=norm_weight,
-        norm_out=norm_out, residual_out=residual_out, expert_scale_factor=expert_scale_factor,
-        routed_scaling_factor=routed_scaling_factor, shared_expert_output=shared_expert_output, eps=eps,
-        weight_bias=weight_bias, quant=quant, global_scale=global_scale, launch_with_pdl=launch_with_pdl,
-        program=program, fp8_scale=fp8_scale, fp8_scale_layout=fp8_scale_layout, fp8_pow2_scales=fp8_pow2_scales,
-        **kw)
+$required
+    kw = {}  # the quant's outputs only when given (the runtime names one given with a quant that writes none)
+$given
+    moe_finalize_allreduce(workspace_from_handle(workspace), $forward, **kw)
+""")
+_REQUIRED_OUTPUT = Template("""\
+    if $name is None and quant in $quants:
+        raise ValueError(f"$name: required by moe_finalize_allreduce_out with quant={quant!r}")""")
+_GIVEN_OUTPUT = Template("""\
+    if $name is not None:
+        kw["$name"] = $name""")
+_WRAPPER = Template("""
+def moe_finalize_allreduce_op(workspace, *, $parameters) -> MoeFinalizeOutputs:
+    # The op's schema converts; a bool, a string or a NaN must be refused here, not converted.
+$checks
+    norm_out, residual_out, quant_out, scale_out = moe_finalize_allreduce_custom_op(as_handle(workspace), $passed)
+    if quant is None:
+        return MoeFinalizeOutputs(norm_out, residual_out, None, None)
+    return MoeFinalizeOutputs(norm_out, residual_out, quant_out, scale_out if quant in $scale_writers else None)
+""")
+_CONVERT = {"float": "float", "SymInt": "int", "bool": "bool"}  # the wrapper passes the schema's own types
+_WRAPPER_DOC = """dispatch.moe_finalize_allreduce through the custom op (compiles without a graph break).
 
+    `workspace`: an int handle from workspace_handle(ws), or the workspace itself (its handle is
+    read from an attribute; under torch.compile pass a workspace that already has a handle, or
+    the int). Other arguments as dispatch.moe_finalize_allreduce, except that outputs are always
+    new tensors (no norm_out= etc.). Returns MoeFinalizeOutputs; quant_out and scale_out are
+    None when quant is None, scale_out is None for quant="fp8_tensor".
+    """
+
+
+def define_calls(arguments, namespace: dict) -> tuple:
+    """Compile the functional op's kernel, the out op's kernel and the keyword wrapper for `arguments`
+    into `namespace` (this module's globals); returns the three."""
+    parameter = call_arguments.parameter
+    inputs = [arg for arg in arguments if _required(arg)]
+    options = _schema_order(arguments)
+    outputs = [arg for arg in arguments if arg.output]
+    every_call = [arg for arg in outputs if arg.quants is None]  # the out op requires them
+    per_quant = [arg for arg in outputs if arg.quants is not None]
+
+    def names(args):
+        return ", ".join(f"{arg.name}={arg.name}" for arg in args)
+
+    kernel = call_arguments.define(_KERNEL.substitute(
+        parameters=", ".join(parameter(arg) for arg in inputs + options), forward=names(inputs + options)),
+        namespace, "_moe_finalize_allreduce")
+    out_kernel = call_arguments.define(_OUT_KERNEL.substitute(
+        parameters=", ".join([parameter(arg, default=False) for arg in inputs + every_call]
+                             + [parameter(arg) for arg in per_quant + options]),
+        required="\n".join(_REQUIRED_OUTPUT.substitute(name=arg.name, quants=repr(arg.quants)) for arg in per_quant),
+        given="\n".join(_GIVEN_OUTPUT.substitute(name=arg.name) for arg in per_quant),
+        forward=names(inputs + every_call + options)), namespace, "_moe_finalize_allreduce_out")
+    scale_writers = next(arg.quants for arg in outputs if arg.name == "scale_out")
+    wrapper = call_arguments.define(_WRAPPER.substitute(
+        parameters=", ".join(parameter(arg, annotate=True) for arg in arguments if not arg.output),
+        checks=call_arguments.checks(options, namespace),
+        passed=", ".join(f"{_CONVERT[arg.schema]}({arg.name})" if arg.schema in _CONVERT else arg.name
+                         for arg in inputs + options),
+        scale_writers=repr(scale_writers)), namespace, "moe_finalize_allreduce_op")
+    wrapper.__doc__ = _WRAPPER_DOC
+    return kernel, out_kernel, wrapper
+
+
+# help() and inspect show their parameters (a static analyzer sees only the names)
+_moe_finalize_allreduce, _moe_finalize_allreduce_out, moe_finalize_allreduce_op = define_calls(ARGUMENTS, globals())
 
 for _name, _kernel in (("moe_finalize_allreduce", _moe_finalize_allreduce),
                       ("moe_finalize_allreduce_out", _moe_finalize_allreduce_out)):
@@ -209,12 +273,17 @@ def _check_shape(name, x, shape):
                           lambda: f"{name}: shape {tuple(x.shape)}, expected {tuple(shape)}")
 
 
+# The functional op's arguments as its kernel takes them (the fake binds its arguments by it)
+_FUNCTIONAL_SIGNATURE = inspect.signature(_moe_finalize_allreduce)
+
+
 @torch.library.register_fake(OP_NAME, lib=_lib)
-def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
-                                 expert_scale_factor=None, routed_scaling_factor=1.0, shared_expert_output=None,
-                                 eps=1e-6, weight_bias=0, quant=None, global_scale=None, launch_with_pdl=False,
-                                 program=None, fp8_scale=None, fp8_scale_layout="row", fp8_pow2_scales=False):
-    residual = _meta_tensor("residual_in", residual_in, (torch.float16, torch.bfloat16), 2, None)
+def _moe_finalize_allreduce_fake(*args, **kwargs):
+    bound = _FUNCTIONAL_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    a = bound.arguments
+    workspace, quant = a["workspace"], a["quant"]
+    residual = _meta_tensor("residual_in", a["residual_in"], (torch.float16, torch.bfloat16), 2, None)
     dtype, device = residual.dtype, residual.device
     T, H = residual.shape
     if isinstance(workspace, int) and not isinstance(workspace, bool):
@@ -225,53 +294,50 @@ def _moe_finalize_allreduce_fake(workspace, allreduce_in, expanded_idx_to_permut
             raise ValueError(f"residual_in: on {device}, expected the workspace's device {ws.device}")
         if isinstance(H, int) and H != ws.hidden:
             raise ValueError(f"residual_in: hidden {H}, the workspace was made for hidden {ws.hidden}")
-    idx = _meta_tensor("expanded_idx_to_permuted_idx", expanded_idx_to_permuted_idx, (torch.int32,), 2, device)
+    idx = _meta_tensor("expanded_idx_to_permuted_idx", a["expanded_idx_to_permuted_idx"], (torch.int32,), 2, device)
     torch._check_with(ValueError, idx.shape[0] == T,
                       lambda: f"expanded_idx_to_permuted_idx: {idx.shape[0]} tokens, residual_in has {T}")
     K = idx.shape[1]
     if isinstance(K, int) and not 1 <= K <= MAX_TOP_K:
         raise ValueError(f"expanded_idx_to_permuted_idx: top_k {K} out of range 1..{MAX_TOP_K}")
-    routed = _meta_tensor("allreduce_in", allreduce_in, (dtype,), 2, device)
+    routed = _meta_tensor("allreduce_in", a["allreduce_in"], (dtype,), 2, device)
     torch._check_with(ValueError, routed.shape[1] == H,
                       lambda: f"allreduce_in: hidden {routed.shape[1]}, residual_in has hidden {H}")
     torch._check_with(ValueError, routed.shape[0] >= T * K,
                       lambda: f"allreduce_in: {routed.shape[0]} rows, fewer than tokens * top_k = {T} * {K}")
-    _check_shape("norm_weight", _meta_tensor("norm_weight", norm_weight, (dtype,), 1, device), (H,))
-    if expert_scale_factor is not None:
-        scale = _meta_tensor("expert_scale_factor", expert_scale_factor, (dtype, torch.float32), 2, device)
+    _check_shape("norm_weight", _meta_tensor("norm_weight", a["norm_weight"], (dtype,), 1, device), (H,))
+    if a["expert_scale_factor"] is not None:
+        scale = _meta_tensor("expert_scale_factor", a["expert_scale_factor"], (dtype, torch.float32), 2, device)
         _check_shape("expert_scale_factor", scale, (T, K))
-    if shared_expert_output is not None:
+    if a["shared_expert_output"] is not None:
         _check_shape("shared_expert_output",
-                     _meta_tensor("shared_expert_output", shared_expert_output, (dtype,), 2, device), (T, H))
+                     _meta_tensor("shared_expert_output", a["shared_expert_output"], (dtype,), 2, device), (T, H))
     profile_for_quant(quant)  # ValueError naming quant unless the manifest has a profile for it
-    if weight_bias not in (0, 1):
-        raise ValueError(f"weight_bias: {weight_bias!r}, expected 0 or 1")
-    check_unused(quant, global_scale, fp8_scale, None, None, fp8_scale_layout, fp8_pow2_scales)
-    norm_out = residual.new_empty((T, H))
-    residual_out = residual.new_empty((T, H))
+    if a["weight_bias"] not in (0, 1):
+        raise ValueError(f"weight_bias: {a['weight_bias']!r}, expected 0 or 1")
+    check_unused(quant, a)
+    layout = a["fp8_scale_layout"]
     if quant == "nvfp4":
-        if global_scale is None:
+        if a["global_scale"] is None:
             raise ValueError("global_scale: required for quant='nvfp4' (a [1] float32 device tensor)")
-        _check_shape("global_scale", _meta_tensor("global_scale", global_scale, (torch.float32,), 1, device), (1,))
-        quant_out = residual.new_empty((T, H // 2), dtype=torch.uint8)
-        scale_out = residual.new_empty((scale_out_bytes(T, H),), dtype=torch.uint8)
+        _check_shape("global_scale", _meta_tensor("global_scale", a["global_scale"], (torch.float32,), 1, device),
+                     (1,))
     elif quant in ("fp8_group128", "fp8_tensor"):
-        if fp8_scale_layout not in FP8_SCALE_LAYOUTS:
-            raise ValueError(f"fp8_scale_layout: {fp8_scale_layout!r}, expected 'row' or 'column'")
-        quant_out = residual.new_empty((T, H), dtype=torch.float8_e4m3fn)
+        if layout not in FP8_SCALE_LAYOUTS:
+            raise ValueError(f"fp8_scale_layout: {layout!r}, expected 'row' or 'column'")
         if quant == "fp8_tensor":
-            if fp8_scale is None:
+            if a["fp8_scale"] is None:
                 raise ValueError("fp8_scale: required for quant='fp8_tensor' (a [1] float32 device tensor)")
-            _check_shape("fp8_scale", _meta_tensor("fp8_scale", fp8_scale, (torch.float32,), 1, device), (1,))
-            scale_out = residual.new_empty((0,), dtype=torch.float32)
+            _check_shape("fp8_scale", _meta_tensor("fp8_scale", a["fp8_scale"], (torch.float32,), 1, device), (1,))
         else:
             torch._check_with(ValueError, H % FP8_GROUP == 0,
                               lambda: f"quant: 'fp8_group128' needs hidden to be a multiple of {FP8_GROUP}, got {H}")
-            scale_out = residual.new_empty(fp8_scale_shape(T, H, fp8_scale_layout), dtype=torch.float32)
-    else:
-        quant_out = residual.new_empty((0,), dtype=torch.uint8)
-        scale_out = residual.new_empty((0,), dtype=torch.uint8)
-    return norm_out, residual_out, quant_out, scale_out
+    quant_outputs = [residual.new_empty(shape(T, H, layout) if shape is not None else (0,), dtype=dtype)
+                     for dtype, shape in QUANT_OUTPUTS[quant]]
+    return (residual.new_empty((T, H)), residual.new_empty((T, H)), *quant_outputs)
+
+
+_moe_finalize_allreduce_fake.__signature__ = _FUNCTIONAL_SIGNATURE
 
 
 @torch.library.register_fake(OP_NAME + "_out", lib=_lib)
@@ -305,32 +371,3 @@ EFFECT_REGISTERED = _register_effect(OP_NAME)
 
 moe_finalize_allreduce_custom_op = torch.ops.moe_ar.moe_finalize_allreduce
 moe_finalize_allreduce_out_custom_op = torch.ops.moe_ar.moe_finalize_allreduce_out
-
-
-def moe_finalize_allreduce_op(workspace, *, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
-                              expert_scale_factor=None, routed_scaling_factor: float = 1.0,
-                              shared_expert_output=None, eps: float = 1e-6, weight_bias: int = 0, quant=None,
-                              global_scale=None, launch_with_pdl: bool = False,
-                              program: Optional[str] = None, fp8_scale=None, fp8_scale_layout: str = "row",
-                              fp8_pow2_scales: bool = False) -> MoeFinalizeOutputs:
-    """dispatch.moe_finalize_allreduce through the custom op (compiles without a graph break).
-
-    `workspace`: an int handle from workspace_handle(ws), or the workspace itself (its handle is
-    read from an attribute; under torch.compile pass a workspace that already has a handle, or
-    the int). Other arguments as dispatch.moe_finalize_allreduce, except that outputs are always
-    new tensors (no norm_out= etc.). Returns MoeFinalizeOutputs; quant_out and scale_out are
-    None when quant is None, scale_out is None for quant="fp8_tensor".
-    """
-    # The op's schema converts; a bool, a string or a NaN must be refused here, not converted.
-    check_scalar("routed_scaling_factor", routed_scaling_factor)
-    check_scalar("eps", eps, positive=True)
-    check_weight_bias(weight_bias)
-    check_flag("launch_with_pdl", launch_with_pdl)
-    check_flag("fp8_pow2_scales", fp8_pow2_scales)
-    norm_out, residual_out, quant_out, scale_out = moe_finalize_allreduce_custom_op(
-        as_handle(workspace), allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,
-        expert_scale_factor, float(routed_scaling_factor), shared_expert_output, float(eps), int(weight_bias),
-        quant, global_scale, bool(launch_with_pdl), program, fp8_scale, fp8_scale_layout, bool(fp8_pow2_scales))
-    if quant is None:
-        return MoeFinalizeOutputs(norm_out, residual_out, None, None)
-    return MoeFinalizeOutputs(norm_out, residual_out, quant_out, None if quant == "fp8_tensor" else scale_out)
