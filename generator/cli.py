@@ -233,9 +233,8 @@ def tables(ctx, width):
     axes = manifest["axes"]
     families, profiles = axes["families"], axes["output_profiles"]
     profile_names = [profile["name"] for profile in profiles]
-    click.echo("program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>")
-    _print_rows([("  " + family["code"], family["name"], family["title"]) for family in families],
-                ("  family code", "family", "what it is"), width)
+    click.echo("program names: moe_ar_<family>_<dtype>_ws<world size>_<output profile>")
+    _print_rows([("  " + family["name"], family["title"]) for family in families], ("  family", "what it is"), width)
     _print_rows([("  " + profile["name"], "None" if profile["quant"] is None else profile["quant"])
                  for profile in profiles], ("  output profile", "quant="), width)
     click.echo()

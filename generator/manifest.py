@@ -116,11 +116,11 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
             "dtypes": list(spec.DTYPES),
             "world_sizes": list(spec.WORLD_SIZES),
             "table_index": ["dtype", "world_size", "profile"],
-            # Records in table order; program names spell a family by its `code`, a profile by its name.
+            # Records in table order; program names spell a family and a profile by their names.
             "output_profiles": [{"name": p.name, "quant": p.quant, "meaning": p.meaning,
                                  "outputs": ["norm_out", "residual_out", *p.extra_outputs]}
                                 for p in spec.PROFILE_BY_NAME.values()],
-            "families": [{"name": f.name, "code": f.code, "title": f.title, "meaning": f.meaning, "base": f.base,
+            "families": [{"name": f.name, "title": f.title, "meaning": f.meaning, "base": f.base,
                           "protocol": f.protocol, "regime": f.regime, "shared_prefetch": f.shared_prefetch}
                          for f in spec.FAMILY_BY_NAME.values()],
         },

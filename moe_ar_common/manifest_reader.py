@@ -5,7 +5,7 @@ jinja2, torch or cupy): the generator and the runtime both read generated/
 through it (they never import each other).
 
     manifest = load_verified_manifest(generated_dir)   # raises ManifestError
-    text = source_for(manifest, generated_dir, "moe_ar_ts_bf16_ws4_plain")
+    text = source_for(manifest, generated_dir, "moe_ar_twoshot_bf16_ws4_plain")
 
 `source_for` returns one self-contained translation unit: the program with each
 `#include "name"` line replaced by the text of the body header

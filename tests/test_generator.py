@@ -89,23 +89,56 @@ def test_names_round_trip(cell):
     assert cell.symbol == cell.name and cell.file_name == f"programs/{cell.name}.cu"
 
 
-@pytest.mark.parametrize("bad", ["moe_ar_xx_bf16_ws4_plain", "moe_ar_ts_bf32_ws4_plain", "moe_ar_ts_bf16_ws3_plain",
-                                 "moe_ar_ts_bf16_ws4_o112", "moe_ar_ts_bf16_ws4_o110", "ts_bf16_ws4_o110", "moe_ar_ts_bf16_ws4_plain.cu"])
+@pytest.mark.parametrize("bad", ["moe_ar_xx_bf16_ws4_plain", "moe_ar_twoshot_bf32_ws4_plain", "moe_ar_twoshot_bf16_ws3_plain",
+                                 "moe_ar_twoshot_bf16_ws4_o112", "moe_ar_twoshot_bf16_ws4_o110", "ts_bf16_ws4_o110",
+                                 "moe_ar_twoshot_bf16_ws4_plain.cu", "moe_ar_twoshot_bf16_ws04_plain",
+                                 "moe_ar_twoshot__bf16_ws4_plain", "moe_ar_ts_bf16_ws4_plain", "moe_ar_tses_bf16_ws4_plain"])
 def test_parse_rejects(bad):
     with pytest.raises(ValueError):
         spec.parse(bad)
+
+
+def test_program_names_spell_the_family_in_words(manifest):
+    """A name reads without a decoder: moe_ar_<family>_<dtype>_ws<world size>_<profile>, every part
+    by its name, none of them one of the family codes names had before (FAMILY_CODES_BEFORE_WORDS)."""
+    codes = set(spec.FAMILY_CODES_BEFORE_WORDS)
+    for cell in spec.all_cells():
+        assert cell.name == f"moe_ar_{cell.family}_{cell.dtype}_ws{cell.world_size}_{cell.profile}"
+        assert not codes & set(cell.name.split("_")), cell.name
+    for entry in manifest["programs"]:
+        for name in (entry["name"], entry["symbol"], entry["cluster_symbol"] or entry["name"], entry["file"]):
+            assert not codes & set(re.split(r"[_/.]", name)), name
+    assert all("code" not in family for family in manifest["axes"]["families"])
+
+
+def test_the_code_form_of_a_name_is_read_only_from_measurements():
+    """Measurement files keep the names they were measured under: parse_recorded reads the code form
+    as the family it stood for; parse (what names programs) does not."""
+    assert spec.FAMILY_CODES_BEFORE_WORDS == {
+        "lc": "local", "lcs": "local_streaming", "os": "oneshot", "ts": "twoshot", "tse": "twoshot_early",
+        "tss": "twoshot_shared", "tses": "twoshot_early_shared", "tsp": "twoshot_pipelined",
+        "tspl": "twoshot_pipelined_loads"}
+    for code, family in spec.FAMILY_CODES_BEFORE_WORDS.items():
+        cell = spec.ProgramSpec(family, "bf16", 1 if not spec.exchanges(family) else 2, "nvfp4")
+        old = f"moe_ar_{code}_bf16_ws{cell.world_size}_nvfp4"
+        assert spec.parse_recorded(old) == cell == spec.parse_recorded(cell.name) == spec.parse(cell.name)
+        with pytest.raises(ValueError):
+            spec.parse(old)
+    for bad in ("moe_ar_xx_bf16_ws2_plain", "moe_ar_os_bf16_ws3_plain", "nccl+torch", "auto"):
+        with pytest.raises(ValueError):
+            spec.parse_recorded(bad)
 
 
 def test_family_records_are_consistent():
     """One record per family; everything else derives from the records."""
     families = spec.FAMILY_BY_NAME.values()
     assert spec.FAMILIES == tuple(f.name for f in families)
-    for field in ("code", "title", "cpp_name"):
+    for field in ("title", "cpp_name"):
         assert len({getattr(f, field) for f in families}) == len(spec.FAMILIES), field
     for family in families:
         assert family.base in spec.FAMILY_BY_NAME and family.regime in spec.REGIME_BY_NAME
         assert spec.FAMILY_BY_NAME[family.base].protocol == family.protocol
-        assert re.fullmatch(r"[a-z]+", family.code) and re.fullmatch(r"[A-Z][A-Za-z]*", family.cpp_name)
+        assert re.fullmatch(r"[a-z]+(_[a-z]+)*", family.name) and re.fullmatch(r"[A-Z][A-Za-z]*", family.cpp_name)
         assert spec.family_for(family.regime, family.shared_prefetch) == family.name
     # every rung of the ladder has a family of its own name, without the shared-expert prefetch
     for regime in spec.LADDER:
@@ -123,8 +156,8 @@ def test_profile_records_are_consistent():
     assert [p.quant for p in profiles] == [None, "nvfp4", "fp8_group128", "fp8_tensor"]
     assert dict(spec.PROFILE_QUANT) == {p.name: p.quant for p in profiles}
     # program names spell the profile by its name
-    assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_tss_bf16_ws4_nvfp4"
-    assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_os_bf16_ws2_plain"
+    assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_twoshot_shared_bf16_ws4_nvfp4"
+    assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_oneshot_bf16_ws2_plain"
     # the pipelined two-shot with register loads is generated for the profiles with loads, a hole elsewhere
     for profile in profiles:
         cell = spec.ProgramSpec("twoshot_pipelined_loads", "bf16", 2, profile.name)
@@ -525,7 +558,7 @@ def test_diff_shows_a_renamed_program_as_a_rename(tmp_path):
             continue
         before = entry["name"].removesuffix("_plain") + "_o110"
         text = (gen / entry["file"]).read_text().replace(entry["name"], before)
-        if entry["name"] == "moe_ar_os_bf16_ws2_plain":
+        if entry["name"] == "moe_ar_oneshot_bf16_ws2_plain":
             text = text.replace("/*shared_prefetch=*/false", "/*shared_prefetch=*/true")  # a code change too
         (gen / entry["file"]).unlink()
         entry["file"] = f"programs/{before}.cu"
@@ -541,11 +574,11 @@ def test_diff_shows_a_renamed_program_as_a_rename(tmp_path):
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 1 and len(lines) == renamed + 1, r.stdout + r.stderr
     assert lines[-1] == f"summary: {renamed} programs renamed", lines
-    assert "~ oneshot bf16 ws2 plain: renamed moe_ar_os_bf16_ws2_o110 -> moe_ar_os_bf16_ws2_plain, code sha256 " \
+    assert "~ oneshot bf16 ws2 plain: renamed moe_ar_oneshot_bf16_ws2_o110 -> moe_ar_oneshot_bf16_ws2_plain, code sha256 " \
         in r.stdout, r.stdout
     same = [line for line in lines if line.endswith(", same code but the name")]
     assert len(same) == renamed - 1, r.stdout
-    assert "~ twoshot fp16 ws8 plain: renamed moe_ar_ts_fp16_ws8_o110 -> moe_ar_ts_fp16_ws8_plain, same code but " \
+    assert "~ twoshot fp16 ws8 plain: renamed moe_ar_twoshot_fp16_ws8_o110 -> moe_ar_twoshot_fp16_ws8_plain, same code but " \
            "the name" in lines, r.stdout
 
 
@@ -787,14 +820,14 @@ def test_check_catches_a_tampered_and_a_stale_file(tmp_path):
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
     table = repo / "generated" / "tables" / "twoshot.h"
-    table.write_text(table.read_text().replace('"moe_ar_ts_bf16_ws4_plain"', "nullptr"))
-    (repo / "generated" / "programs" / "moe_ar_ts_bf16_ws16_plain.cu").write_text("// old\n")
+    table.write_text(table.read_text().replace('"moe_ar_twoshot_bf16_ws4_plain"', "nullptr"))
+    (repo / "generated" / "programs" / "moe_ar_twoshot_bf16_ws16_plain.cu").write_text("// old\n")
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 1
     assert "--- generated/tables/twoshot.h" in r.stdout
     assert '-            nullptr,  // bf16 ws4 plain' in r.stdout
-    assert '+            "moe_ar_ts_bf16_ws4_plain",  // bf16 ws4 plain' in r.stdout
-    assert "programs/moe_ar_ts_bf16_ws16_plain.cu" in r.stdout
+    assert '+            "moe_ar_twoshot_bf16_ws4_plain",  // bf16 ws4 plain' in r.stdout
+    assert "programs/moe_ar_twoshot_bf16_ws16_plain.cu" in r.stdout
     assert "run `gen-programs` to regenerate" in r.stderr
     assert run_cli([], cwd=repo).returncode == 0
     assert run_cli(["--check"], cwd=repo).returncode == 0
@@ -854,7 +887,7 @@ def test_diff_reports_changed_cells(tmp_path):
     r = run_cli(["diff", "HEAD"], cwd=repo)
     assert r.returncode == 1, r.stderr
     lines = r.stdout.splitlines()
-    assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_tses_fp16_ws8_plain (was a hole: " \
+    assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_twoshot_early_shared_fp16_ws8_plain (was a hole: " \
            "no early shared variant from world size 8 (the early range is short there))" in lines
     assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == len(spec.OUTPUT_PROFILES)
     assert "~ selection model bf16 ws4 nvfp4: oneshot_max_tokens 64 -> 128" in lines
@@ -864,7 +897,7 @@ def test_diff_reports_changed_cells(tmp_path):
     policy_py.write_text(policy_py.read_text().replace('lambda s: s.world_size == 2),', 'lambda s: s.world_size <= 4),', 1))
     assert run_cli([], cwd=repo).returncode == 0
     r = run_cli(["diff", "HEAD"], cwd=repo)
-    assert any(line.startswith("- twoshot_shared bf16 ws4 plain: vanished, moe_ar_tss_bf16_ws4_plain (now a hole -> "
+    assert any(line.startswith("- twoshot_shared bf16 ws4 plain: vanished, moe_ar_twoshot_shared_bf16_ws4_plain (now a hole -> "
                                "twoshot") for line in r.stdout.splitlines()), r.stdout
 
 
@@ -940,9 +973,9 @@ def test_list_filters():
     assert r.returncode == 0, r.stderr
     rows = r.stdout.splitlines()
     assert rows[0].split() == ["name", "family", "profile", "protocol", "class", "file"]
-    assert [row.split()[:3] for row in rows[1:]] == [["moe_ar_tss_bf16_ws4_nvfp4", "twoshot_shared", "nvfp4"],
-                                                     ["moe_ar_tss_bf16_ws4_plain", "twoshot_shared", "plain"]]
-    assert "lamport2_bf16_ws4" in rows[2] and "generated/programs/moe_ar_tss_bf16_ws4_plain.cu" in rows[2]
+    assert [row.split()[:3] for row in rows[1:]] == [["moe_ar_twoshot_shared_bf16_ws4_nvfp4", "twoshot_shared", "nvfp4"],
+                                                     ["moe_ar_twoshot_shared_bf16_ws4_plain", "twoshot_shared", "plain"]]
+    assert "lamport2_bf16_ws4" in rows[2] and "generated/programs/moe_ar_twoshot_shared_bf16_ws4_plain.cu" in rows[2]
     r = run_cli(["list", "--profile", "110"], cwd=ROOT)  # an old name code is not a profile's name
     assert r.returncode != 0 and "'110' is not one of 'plain', 'nvfp4'" in r.stderr, r.stderr
 
@@ -960,9 +993,9 @@ def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
 def test_tables_marks_holes_and_fallbacks():
     r = run_cli(["tables", "--width", "0"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    # the table of short codes in program names
-    assert "program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>" in r.stdout
-    assert re.search(r"^  tses +twoshot_early_shared +two-shot, early, shared prefetch$", r.stdout, re.M), r.stdout
+    # how program names spell the families and profiles
+    assert "program names: moe_ar_<family>_<dtype>_ws<world size>_<output profile>" in r.stdout
+    assert re.search(r"^  twoshot_early_shared +two-shot, early, shared prefetch$", r.stdout, re.M), r.stdout
     assert re.search(r"^  plain +None$", r.stdout, re.M) and re.search(r"^  nvfp4 +nvfp4$", r.stdout, re.M)
     assert re.search(r"^ +plain +nvfp4 +fp8_group128 +fp8_tensor$", r.stdout, re.M)  # grid columns by name
     for family in spec.FAMILIES:
@@ -980,7 +1013,7 @@ def test_tables_marks_holes_and_fallbacks():
 
     # world size 1: local for every T; every other family a hole there that falls back to local, and
     # local a hole (never selected, no arrow) elsewhere
-    assert re.search(r"bf16 ws1 +moe_ar_lc_bf16_ws1_plain +moe_ar_lc_bf16_ws1_nvfp4 ", r.stdout), r.stdout
+    assert re.search(r"bf16 ws1 +moe_ar_local_bf16_ws1_plain +moe_ar_local_bf16_ws1_nvfp4 ", r.stdout), r.stdout
     assert re.search(r"bf16 ws2 +-- hole\[1\] +-- hole\[1\] ", r.stdout), r.stdout
     assert "hole[1]: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T" in r.stdout
     assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout

@@ -344,7 +344,7 @@ def test_holes_of_several_reasons_each_get_a_line():
 
 def test_a_filter_with_programs_lists_them():
     r = invoke("list", "--family", "twoshot_pipelined", "--dtype", "bf16")
-    assert r.exit_code == 0 and "moe_ar_tsp_bf16_ws2_plain" in r.output, r.output
+    assert r.exit_code == 0 and "moe_ar_twoshot_pipelined_bf16_ws2_plain" in r.output, r.output
 
 
 @pytest.fixture
@@ -355,7 +355,7 @@ def installed(monkeypatch):
 
 
 def test_installed_gen_programs_reads_the_installed_tree(installed):
-    assert "moe_ar_os_bf16_ws2_plain" in invoke("list").output
+    assert "moe_ar_oneshot_bf16_ws2_plain" in invoke("list").output
     assert invoke("tables").exit_code == 0
     r = invoke("--check")
     assert r.exit_code == 0 and "up to date" in r.output, r.output
@@ -432,6 +432,6 @@ def test_runtime_compile_without_a_cuda_extra_names_it(monkeypatch):
     monkeypatch.setattr(cuda_env, "suggested_extra", lambda: "cu12")
     monkeypatch.setattr(registry.cuda_env, "suggested_extra", lambda: "cu12")
     with pytest.raises(registry.cuda_env.MissingToolchain, match=r"pip install '\.\[cu12\]'"):
-        registry.LoadedProgram("moe_ar_os_bf16_ws2_plain", 0)
+        registry.LoadedProgram("moe_ar_oneshot_bf16_ws2_plain", 0)
     with pytest.raises(registry.cuda_env.MissingToolchain, match=r"pip install '\.\[cu12\]'"):
-        registry.compile_cubin("", "moe_ar_os_bf16_ws2_plain", "sm_90a")
+        registry.compile_cubin("", "moe_ar_oneshot_bf16_ws2_plain", "sm_90a")

@@ -10,10 +10,10 @@
 static const char* const kLocalKernels[2][5][4] = {
     {  // fp16
         {  // fp16 ws1
-            "moe_ar_lc_fp16_ws1_plain",  // fp16 ws1 plain
-            "moe_ar_lc_fp16_ws1_nvfp4",  // fp16 ws1 nvfp4
-            "moe_ar_lc_fp16_ws1_fp8_group128",  // fp16 ws1 fp8_group128
-            "moe_ar_lc_fp16_ws1_fp8_tensor",  // fp16 ws1 fp8_tensor
+            "moe_ar_local_fp16_ws1_plain",  // fp16 ws1 plain
+            "moe_ar_local_fp16_ws1_nvfp4",  // fp16 ws1 nvfp4
+            "moe_ar_local_fp16_ws1_fp8_group128",  // fp16 ws1 fp8_group128
+            "moe_ar_local_fp16_ws1_fp8_tensor",  // fp16 ws1 fp8_tensor
         },
         {  // fp16 ws2
             nullptr,  // fp16 ws2 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
@@ -42,10 +42,10 @@ static const char* const kLocalKernels[2][5][4] = {
     },
     {  // bf16
         {  // bf16 ws1
-            "moe_ar_lc_bf16_ws1_plain",  // bf16 ws1 plain
-            "moe_ar_lc_bf16_ws1_nvfp4",  // bf16 ws1 nvfp4
-            "moe_ar_lc_bf16_ws1_fp8_group128",  // bf16 ws1 fp8_group128
-            "moe_ar_lc_bf16_ws1_fp8_tensor",  // bf16 ws1 fp8_tensor
+            "moe_ar_local_bf16_ws1_plain",  // bf16 ws1 plain
+            "moe_ar_local_bf16_ws1_nvfp4",  // bf16 ws1 nvfp4
+            "moe_ar_local_bf16_ws1_fp8_group128",  // bf16 ws1 fp8_group128
+            "moe_ar_local_bf16_ws1_fp8_tensor",  // bf16 ws1 fp8_tensor
         },
         {  // bf16 ws2
             nullptr,  // bf16 ws2 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)

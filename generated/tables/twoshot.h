@@ -16,28 +16,28 @@ static const char* const kTwoShotKernels[2][5][4] = {
             nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // fp16 ws2
-            "moe_ar_ts_fp16_ws2_plain",  // fp16 ws2 plain
-            "moe_ar_ts_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
-            "moe_ar_ts_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
-            "moe_ar_ts_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
+            "moe_ar_twoshot_fp16_ws2_plain",  // fp16 ws2 plain
+            "moe_ar_twoshot_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
+            "moe_ar_twoshot_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
+            "moe_ar_twoshot_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
         },
         {  // fp16 ws4
-            "moe_ar_ts_fp16_ws4_plain",  // fp16 ws4 plain
-            "moe_ar_ts_fp16_ws4_nvfp4",  // fp16 ws4 nvfp4
-            "moe_ar_ts_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
-            "moe_ar_ts_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
+            "moe_ar_twoshot_fp16_ws4_plain",  // fp16 ws4 plain
+            "moe_ar_twoshot_fp16_ws4_nvfp4",  // fp16 ws4 nvfp4
+            "moe_ar_twoshot_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
+            "moe_ar_twoshot_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
         },
         {  // fp16 ws8
-            "moe_ar_ts_fp16_ws8_plain",  // fp16 ws8 plain
-            "moe_ar_ts_fp16_ws8_nvfp4",  // fp16 ws8 nvfp4
-            "moe_ar_ts_fp16_ws8_fp8_group128",  // fp16 ws8 fp8_group128
-            "moe_ar_ts_fp16_ws8_fp8_tensor",  // fp16 ws8 fp8_tensor
+            "moe_ar_twoshot_fp16_ws8_plain",  // fp16 ws8 plain
+            "moe_ar_twoshot_fp16_ws8_nvfp4",  // fp16 ws8 nvfp4
+            "moe_ar_twoshot_fp16_ws8_fp8_group128",  // fp16 ws8 fp8_group128
+            "moe_ar_twoshot_fp16_ws8_fp8_tensor",  // fp16 ws8 fp8_tensor
         },
         {  // fp16 ws16
-            "moe_ar_ts_fp16_ws16_plain",  // fp16 ws16 plain
-            "moe_ar_ts_fp16_ws16_nvfp4",  // fp16 ws16 nvfp4
-            "moe_ar_ts_fp16_ws16_fp8_group128",  // fp16 ws16 fp8_group128
-            "moe_ar_ts_fp16_ws16_fp8_tensor",  // fp16 ws16 fp8_tensor
+            "moe_ar_twoshot_fp16_ws16_plain",  // fp16 ws16 plain
+            "moe_ar_twoshot_fp16_ws16_nvfp4",  // fp16 ws16 nvfp4
+            "moe_ar_twoshot_fp16_ws16_fp8_group128",  // fp16 ws16 fp8_group128
+            "moe_ar_twoshot_fp16_ws16_fp8_tensor",  // fp16 ws16 fp8_tensor
         },
     },
     {  // bf16
@@ -48,28 +48,28 @@ static const char* const kTwoShotKernels[2][5][4] = {
             nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // bf16 ws2
-            "moe_ar_ts_bf16_ws2_plain",  // bf16 ws2 plain
-            "moe_ar_ts_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
-            "moe_ar_ts_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
-            "moe_ar_ts_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
+            "moe_ar_twoshot_bf16_ws2_plain",  // bf16 ws2 plain
+            "moe_ar_twoshot_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
+            "moe_ar_twoshot_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
+            "moe_ar_twoshot_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
         },
         {  // bf16 ws4
-            "moe_ar_ts_bf16_ws4_plain",  // bf16 ws4 plain
-            "moe_ar_ts_bf16_ws4_nvfp4",  // bf16 ws4 nvfp4
-            "moe_ar_ts_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
-            "moe_ar_ts_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
+            "moe_ar_twoshot_bf16_ws4_plain",  // bf16 ws4 plain
+            "moe_ar_twoshot_bf16_ws4_nvfp4",  // bf16 ws4 nvfp4
+            "moe_ar_twoshot_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
+            "moe_ar_twoshot_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
         },
         {  // bf16 ws8
-            "moe_ar_ts_bf16_ws8_plain",  // bf16 ws8 plain
-            "moe_ar_ts_bf16_ws8_nvfp4",  // bf16 ws8 nvfp4
-            "moe_ar_ts_bf16_ws8_fp8_group128",  // bf16 ws8 fp8_group128
-            "moe_ar_ts_bf16_ws8_fp8_tensor",  // bf16 ws8 fp8_tensor
+            "moe_ar_twoshot_bf16_ws8_plain",  // bf16 ws8 plain
+            "moe_ar_twoshot_bf16_ws8_nvfp4",  // bf16 ws8 nvfp4
+            "moe_ar_twoshot_bf16_ws8_fp8_group128",  // bf16 ws8 fp8_group128
+            "moe_ar_twoshot_bf16_ws8_fp8_tensor",  // bf16 ws8 fp8_tensor
         },
         {  // bf16 ws16
-            "moe_ar_ts_bf16_ws16_plain",  // bf16 ws16 plain
-            "moe_ar_ts_bf16_ws16_nvfp4",  // bf16 ws16 nvfp4
-            "moe_ar_ts_bf16_ws16_fp8_group128",  // bf16 ws16 fp8_group128
-            "moe_ar_ts_bf16_ws16_fp8_tensor",  // bf16 ws16 fp8_tensor
+            "moe_ar_twoshot_bf16_ws16_plain",  // bf16 ws16 plain
+            "moe_ar_twoshot_bf16_ws16_nvfp4",  // bf16 ws16 nvfp4
+            "moe_ar_twoshot_bf16_ws16_fp8_group128",  // bf16 ws16 fp8_group128
+            "moe_ar_twoshot_bf16_ws16_fp8_tensor",  // bf16 ws16 fp8_tensor
         },
     },
 };

@@ -22,10 +22,10 @@ static const char* const kTwoShotEarlySharedKernels[2][5][4] = {
             nullptr,  // fp16 ws2 fp8_tensor hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // fp16 ws4
-            "moe_ar_tses_fp16_ws4_plain",  // fp16 ws4 plain
-            "moe_ar_tses_fp16_ws4_nvfp4",  // fp16 ws4 nvfp4
-            "moe_ar_tses_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
-            "moe_ar_tses_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
+            "moe_ar_twoshot_early_shared_fp16_ws4_plain",  // fp16 ws4 plain
+            "moe_ar_twoshot_early_shared_fp16_ws4_nvfp4",  // fp16 ws4 nvfp4
+            "moe_ar_twoshot_early_shared_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
+            "moe_ar_twoshot_early_shared_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
         },
         {  // fp16 ws8
             nullptr,  // fp16 ws8 plain hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)
@@ -54,10 +54,10 @@ static const char* const kTwoShotEarlySharedKernels[2][5][4] = {
             nullptr,  // bf16 ws2 fp8_tensor hole -> twoshot_early: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // bf16 ws4
-            "moe_ar_tses_bf16_ws4_plain",  // bf16 ws4 plain
-            "moe_ar_tses_bf16_ws4_nvfp4",  // bf16 ws4 nvfp4
-            "moe_ar_tses_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
-            "moe_ar_tses_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
+            "moe_ar_twoshot_early_shared_bf16_ws4_plain",  // bf16 ws4 plain
+            "moe_ar_twoshot_early_shared_bf16_ws4_nvfp4",  // bf16 ws4 nvfp4
+            "moe_ar_twoshot_early_shared_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
+            "moe_ar_twoshot_early_shared_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
         },
         {  // bf16 ws8
             nullptr,  // bf16 ws8 plain hole -> twoshot_early: no early shared variant from world size 8 (the early range is short there)

@@ -16,10 +16,10 @@ static const char* const kTwoShotPipelinedKernels[2][5][4] = {
             nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // fp16 ws2
-            "moe_ar_tsp_fp16_ws2_plain",  // fp16 ws2 plain
-            "moe_ar_tsp_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
-            "moe_ar_tsp_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
-            "moe_ar_tsp_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
+            "moe_ar_twoshot_pipelined_fp16_ws2_plain",  // fp16 ws2 plain
+            "moe_ar_twoshot_pipelined_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
+            "moe_ar_twoshot_pipelined_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
+            "moe_ar_twoshot_pipelined_fp16_ws2_fp8_tensor",  // fp16 ws2 fp8_tensor
         },
         {  // fp16 ws4
             nullptr,  // fp16 ws4 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on
@@ -48,10 +48,10 @@ static const char* const kTwoShotPipelinedKernels[2][5][4] = {
             nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
         },
         {  // bf16 ws2
-            "moe_ar_tsp_bf16_ws2_plain",  // bf16 ws2 plain
-            "moe_ar_tsp_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
-            "moe_ar_tsp_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
-            "moe_ar_tsp_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
+            "moe_ar_twoshot_pipelined_bf16_ws2_plain",  // bf16 ws2 plain
+            "moe_ar_twoshot_pipelined_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
+            "moe_ar_twoshot_pipelined_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
+            "moe_ar_twoshot_pipelined_bf16_ws2_fp8_tensor",  // bf16 ws2 fp8_tensor
         },
         {  // bf16 ws4
             nullptr,  // bf16 ws4 plain hole -> twoshot: written for world size 2 (one peer); 4, 8 and 16 have no hardware here to measure it on

@@ -17,8 +17,8 @@ static const char* const kTwoShotPipelinedLoadsKernels[2][5][4] = {
         },
         {  // fp16 ws2
             nullptr,  // fp16 ws2 plain hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
-            "moe_ar_tspl_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
-            "moe_ar_tspl_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
+            "moe_ar_twoshot_pipelined_loads_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
+            "moe_ar_twoshot_pipelined_loads_fp16_ws2_fp8_group128",  // fp16 ws2 fp8_group128
             nullptr,  // fp16 ws2 fp8_tensor hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
         },
         {  // fp16 ws4
@@ -49,8 +49,8 @@ static const char* const kTwoShotPipelinedLoadsKernels[2][5][4] = {
         },
         {  // bf16 ws2
             nullptr,  // bf16 ws2 plain hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
-            "moe_ar_tspl_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
-            "moe_ar_tspl_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
+            "moe_ar_twoshot_pipelined_loads_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4
+            "moe_ar_twoshot_pipelined_loads_bf16_ws2_fp8_group128",  // bf16 ws2 fp8_group128
             nullptr,  // bf16 ws2 fp8_tensor hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
         },
         {  // bf16 ws4

@@ -22,22 +22,22 @@ static const char* const kTwoShotSharedKernels[2][5][4] = {
             nullptr,  // fp16 ws2 fp8_tensor hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // fp16 ws4
-            "moe_ar_tss_fp16_ws4_plain",  // fp16 ws4 plain
-            "moe_ar_tss_fp16_ws4_nvfp4",  // fp16 ws4 nvfp4
-            "moe_ar_tss_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
-            "moe_ar_tss_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
+            "moe_ar_twoshot_shared_fp16_ws4_plain",  // fp16 ws4 plain
+            "moe_ar_twoshot_shared_fp16_ws4_nvfp4",  // fp16 ws4 nvfp4
+            "moe_ar_twoshot_shared_fp16_ws4_fp8_group128",  // fp16 ws4 fp8_group128
+            "moe_ar_twoshot_shared_fp16_ws4_fp8_tensor",  // fp16 ws4 fp8_tensor
         },
         {  // fp16 ws8
-            "moe_ar_tss_fp16_ws8_plain",  // fp16 ws8 plain
-            "moe_ar_tss_fp16_ws8_nvfp4",  // fp16 ws8 nvfp4
-            "moe_ar_tss_fp16_ws8_fp8_group128",  // fp16 ws8 fp8_group128
-            "moe_ar_tss_fp16_ws8_fp8_tensor",  // fp16 ws8 fp8_tensor
+            "moe_ar_twoshot_shared_fp16_ws8_plain",  // fp16 ws8 plain
+            "moe_ar_twoshot_shared_fp16_ws8_nvfp4",  // fp16 ws8 nvfp4
+            "moe_ar_twoshot_shared_fp16_ws8_fp8_group128",  // fp16 ws8 fp8_group128
+            "moe_ar_twoshot_shared_fp16_ws8_fp8_tensor",  // fp16 ws8 fp8_tensor
         },
         {  // fp16 ws16
-            "moe_ar_tss_fp16_ws16_plain",  // fp16 ws16 plain
-            "moe_ar_tss_fp16_ws16_nvfp4",  // fp16 ws16 nvfp4
-            "moe_ar_tss_fp16_ws16_fp8_group128",  // fp16 ws16 fp8_group128
-            "moe_ar_tss_fp16_ws16_fp8_tensor",  // fp16 ws16 fp8_tensor
+            "moe_ar_twoshot_shared_fp16_ws16_plain",  // fp16 ws16 plain
+            "moe_ar_twoshot_shared_fp16_ws16_nvfp4",  // fp16 ws16 nvfp4
+            "moe_ar_twoshot_shared_fp16_ws16_fp8_group128",  // fp16 ws16 fp8_group128
+            "moe_ar_twoshot_shared_fp16_ws16_fp8_tensor",  // fp16 ws16 fp8_tensor
         },
     },
     {  // bf16
@@ -54,22 +54,22 @@ static const char* const kTwoShotSharedKernels[2][5][4] = {
             nullptr,  // bf16 ws2 fp8_tensor hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
         },
         {  // bf16 ws4
-            "moe_ar_tss_bf16_ws4_plain",  // bf16 ws4 plain
-            "moe_ar_tss_bf16_ws4_nvfp4",  // bf16 ws4 nvfp4
-            "moe_ar_tss_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
-            "moe_ar_tss_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
+            "moe_ar_twoshot_shared_bf16_ws4_plain",  // bf16 ws4 plain
+            "moe_ar_twoshot_shared_bf16_ws4_nvfp4",  // bf16 ws4 nvfp4
+            "moe_ar_twoshot_shared_bf16_ws4_fp8_group128",  // bf16 ws4 fp8_group128
+            "moe_ar_twoshot_shared_bf16_ws4_fp8_tensor",  // bf16 ws4 fp8_tensor
         },
         {  // bf16 ws8
-            "moe_ar_tss_bf16_ws8_plain",  // bf16 ws8 plain
-            "moe_ar_tss_bf16_ws8_nvfp4",  // bf16 ws8 nvfp4
-            "moe_ar_tss_bf16_ws8_fp8_group128",  // bf16 ws8 fp8_group128
-            "moe_ar_tss_bf16_ws8_fp8_tensor",  // bf16 ws8 fp8_tensor
+            "moe_ar_twoshot_shared_bf16_ws8_plain",  // bf16 ws8 plain
+            "moe_ar_twoshot_shared_bf16_ws8_nvfp4",  // bf16 ws8 nvfp4
+            "moe_ar_twoshot_shared_bf16_ws8_fp8_group128",  // bf16 ws8 fp8_group128
+            "moe_ar_twoshot_shared_bf16_ws8_fp8_tensor",  // bf16 ws8 fp8_tensor
         },
         {  // bf16 ws16
-            "moe_ar_tss_bf16_ws16_plain",  // bf16 ws16 plain
-            "moe_ar_tss_bf16_ws16_nvfp4",  // bf16 ws16 nvfp4
-            "moe_ar_tss_bf16_ws16_fp8_group128",  // bf16 ws16 fp8_group128
-            "moe_ar_tss_bf16_ws16_fp8_tensor",  // bf16 ws16 fp8_tensor
+            "moe_ar_twoshot_shared_bf16_ws16_plain",  // bf16 ws16 plain
+            "moe_ar_twoshot_shared_bf16_ws16_nvfp4",  // bf16 ws16 nvfp4
+            "moe_ar_twoshot_shared_bf16_ws16_fp8_group128",  // bf16 ws16 fp8_group128
+            "moe_ar_twoshot_shared_bf16_ws16_fp8_tensor",  // bf16 ws16 fp8_tensor
         },
     },
 };
