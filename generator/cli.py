@@ -103,14 +103,26 @@ def _select(manifest: dict, families, dtypes, world_sizes, profiles) -> list[dic
 
 def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> str:
     """Why the filters select no program: the holes they match, each with its reason and the family
-    whose program runs there instead."""
+    whose program runs there instead; the world sizes they name outside a family's own."""
     def keep(values, value):
         return not values or value in values
     holes = [h for h in manifest["holes"]
              if keep(families, h["family"]) and keep(dtypes, h["dtype"])
              and keep(world_sizes, str(h["world_size"])) and keep(profiles, h["profile"])]
+    no_peers = manifest["selection"]["no_peers"]
+    outside = []
+    for family in manifest["axes"]["families"]:
+        missing = [w for w in world_sizes if int(w) not in family["world_sizes"]] if families else []
+        if family["name"] not in families or not missing:
+            continue
+        own = "/".join(str(w) for w in family["world_sizes"])
+        instead = (f"with no peers every exchange rung runs {no_peers['family']} there"
+                   if missing == [str(no_peers["world_size"])] else "no call selects it with peers")
+        outside.append(f"{family['name']} has no program at world size{'s' if len(missing) > 1 else ''} "
+                       f"{'/'.join(missing)}: its world size{'s are' if len(family['world_sizes']) > 1 else ' is'} "
+                       f"{own}; {instead}")
     if not holes:
-        return "no program matches the filters"
+        return "\n".join(outside) or "no program matches the filters"
     groups: dict[tuple, list[dict]] = {}
     for h in holes:
         groups.setdefault((h["family"], h["reason"], h["fallback_family"]), []).append(h)
@@ -125,9 +137,9 @@ def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> s
             if given or set(values) != (set(given) or set(order)):
                 where.append(f"{label}{'s' if len(values) > 1 else ''} {'/'.join(values)}")
         at = f" at {', '.join(where)}" if where else ""
-        instead = f"calls there run {fallback}" if fallback else "no call selects it there"
+        instead = f"calls there run {fallback}"
         lines.append(f"{family} has no program{at} (hole: {reason}); {instead}")
-    return "\n".join(lines)
+    return "\n".join(lines + outside)
 
 
 def _print_rows(rows: list[tuple], header: tuple, width: int | None = None) -> None:
@@ -240,28 +252,24 @@ def tables(ctx, width):
     click.echo()
     programs = {_cell(entry): entry for entry in manifest["programs"]}
     holes = {_cell(hole): hole for hole in manifest["holes"]}
+    no_peers = manifest["selection"]["no_peers"]
+    spaces: dict[tuple, list[dict]] = {}  # world size 1's families, then the exchange families
     for family in families:
-        name = family["name"]
-        _echo_wrapped(f"{name}  (tables/{name}.h, base {family['base']}, protocol {family['protocol']})", width)
-        _echo_wrapped(f"  {family['meaning']}", width)
-        rows, reasons = [], {}
-        for dtype in axes["dtypes"]:
-            for world_size in axes["world_sizes"]:
-                row = [f"  {dtype} ws{world_size}"]
-                for profile in profile_names:
-                    key = (name, dtype, world_size, profile)
-                    if key in programs:
-                        row.append(programs[key]["name"])
-                    else:
-                        hole = holes[key]
-                        mark = reasons.setdefault(hole["reason"], f"[{len(reasons) + 1}]")
-                        fallback = hole["fallback_family"]  # None: no T selects the family there
-                        row.append(f"-- hole{mark}" + (f" -> {fallback}" if fallback else ""))
-                rows.append(row)
-        _print_rows(rows, ("  ", *profile_names), width)
-        for reason, mark in reasons.items():
-            _echo_wrapped(f"  hole{mark}: {reason}", width)
+        spaces.setdefault(tuple(family["world_sizes"]), []).append(family)
+    for world_sizes, members in spaces.items():
+        names = ", ".join(family["name"] for family in members)
+        where = f"world size{'s' if len(world_sizes) > 1 else ''} {', '.join(map(str, world_sizes))}"
+        if list(world_sizes) == [no_peers["world_size"]]:
+            what = f"nothing to exchange ({names}); every exchange rung of the ladder runs {no_peers['family']} here"
+        else:
+            what = f"the exchange families ({names})"
+        _echo_wrapped(f"== {where}: {what}", width)
         click.echo()
+        for family in members:
+            _print_family(family, world_sizes, axes["dtypes"], profile_names, programs, holes, width)
+    _echo_wrapped(f"{len(programs)} programs, {len(holes)} holes (a hole: a cell of a family's world sizes without "
+                  f"a program)", width)
+    click.echo()
     selection = manifest["selection"]
     fields = [field for _regime, field in selection["ladder"] if field is not None]
     _echo_wrapped(f"selection: {selection['rule']}", width)
@@ -270,6 +278,32 @@ def tables(ctx, width):
                   "per rank (KiB, MiB: T x hidden x element bytes); all: no bound", width)
     for table_set in selection["sets"]:
         _print_set(table_set, axes, profile_names, fields, width)
+
+
+def _print_family(family: dict, world_sizes, dtypes, profile_names, programs: dict, holes: dict,
+                  width: int | None) -> None:
+    """One family as a grid over its world sizes (rows dtype x world size, columns output profiles),
+    holes marked with their reason and fallback."""
+    name = family["name"]
+    _echo_wrapped(f"{name}  (tables/{name}.h, base {family['base']}, protocol {family['protocol']})", width)
+    _echo_wrapped(f"  {family['meaning']}", width)
+    rows, reasons = [], {}
+    for dtype in dtypes:
+        for world_size in world_sizes:
+            row = [f"  {dtype} ws{world_size}"]
+            for profile in profile_names:
+                key = (name, dtype, world_size, profile)
+                if key in programs:
+                    row.append(programs[key]["name"])
+                else:
+                    hole = holes[key]
+                    mark = reasons.setdefault(hole["reason"], f"[{len(reasons) + 1}]")
+                    row.append(f"-- hole{mark} -> {hole['fallback_family']}")
+            rows.append(row)
+    _print_rows(rows, ("  ", *profile_names), width)
+    for reason, mark in reasons.items():
+        _echo_wrapped(f"  hole{mark}: {reason}", width)
+    click.echo()
 
 
 def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list, width: int | None = None) -> None:

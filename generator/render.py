@@ -168,17 +168,18 @@ def _cell_label(dtype: str, world_size: int, profile: str) -> str:
     return f"{dtype} ws{world_size} {profile}"
 
 
-def _index_comment() -> str:
+def _index_comment(world_sizes=spec.WORLD_SIZES) -> str:
     return (f"// [dtype: {', '.join(spec.DTYPES)}]"
-            f"[world size: {', '.join(str(w) for w in spec.WORLD_SIZES)}]"
+            f"[world size: {', '.join(str(w) for w in world_sizes)}]"
             f"[output profile: {', '.join(spec.OUTPUT_PROFILES)}]")
 
 
 def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict:
     rows = []
+    world_sizes = spec.world_sizes_of(family.name)
     for dtype in spec.DTYPES:
         worlds = []
-        for world_size in spec.WORLD_SIZES:
+        for world_size in world_sizes:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
                 cell = enumeration.cell(spec.ProgramSpec(family.name, dtype, world_size, profile))
@@ -186,8 +187,8 @@ def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict
                 if isinstance(cell, spec.ProgramSpec):
                     entries.append({"value": f'"{cell.symbol}"', "comment": label})
                 else:
-                    instead = f"-> {cell.fallback_family}" if cell.fallback_family else "(never selected)"
-                    entries.append({"value": "nullptr", "comment": f"{label} hole {instead}: {cell.reason}"})
+                    entries.append({"value": "nullptr",
+                                    "comment": f"{label} hole -> {cell.fallback_family}: {cell.reason}"})
             worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
     return {
@@ -196,8 +197,8 @@ def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict
         "meaning": family.meaning,
         "base_family": family.base,
         "protocol": family.protocol,
-        "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
-        "index_comment": _index_comment(),
+        "dims": [len(spec.DTYPES), len(world_sizes), len(spec.OUTPUT_PROFILES)],
+        "index_comment": _index_comment(world_sizes),
         "rows": rows,
     }
 

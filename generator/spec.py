@@ -29,11 +29,12 @@ DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 DTYPES = tuple(DTYPE_CPP)
 # Bytes of one element of each dtype (a fitted boundary counts bytes per rank: T x hidden x these).
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
-# World size 1 exchanges nothing: there the local families (`local`, `local_streaming`) share T and no
-# exchange family has a program (generator/policy.py); from 2 on the exchange families share T and the
-# local families have none.
+# World size 1 exchanges nothing, so the programs fall into two spaces: the local families
+# (`local`, `local_streaming`) at world size 1 only, the exchange families at the others
+# (world_sizes_of). A family's tables cover its own world sizes; a cell outside them is no hole.
 WORLD_SIZES = (1, 2, 4, 8, 16)
 LOCAL_WORLD_SIZE = 1
+EXCHANGE_WORLD_SIZES = tuple(w for w in WORLD_SIZES if w != LOCAL_WORLD_SIZE)
 
 
 # ---- output profiles ----------------------------------------------------------------
@@ -192,7 +193,7 @@ FAMILY_BY_NAME = _by_name(
            cpp_name="TwoShotPipelinedLoads"),
 )
 FAMILIES = tuple(FAMILY_BY_NAME)
-# The root family of world size 1: there it runs in place of every exchange family.
+# The root family of world size 1: with no peers there, every exchange rung of the ladder runs it.
 LOCAL_FAMILY = "local"
 # Family name -> protocol (a view of the records, for the tests that mix programs of one class).
 PROTOCOL = types.MappingProxyType({f.name: f.protocol for f in FAMILY_BY_NAME.values()})
@@ -201,6 +202,11 @@ PROTOCOL = types.MappingProxyType({f.name: f.protocol for f in FAMILY_BY_NAME.va
 def exchanges(family: str) -> bool:
     """Whether a family's programs exchange anything: all but those of world size 1."""
     return REGIME_BY_NAME[FAMILY_BY_NAME[family].regime].exchange
+
+
+def world_sizes_of(family: str) -> tuple[int, ...]:
+    """The world sizes of a family's space: world size 1 for a local family, the others for an exchange."""
+    return EXCHANGE_WORLD_SIZES if exchanges(family) else (LOCAL_WORLD_SIZE,)
 
 
 def family_for(regime: str, shared_prefetch: bool) -> str | None:
@@ -296,7 +302,7 @@ PREFIX = "moe_ar"
 
 @dataclasses.dataclass(frozen=True, order=True)
 class ProgramSpec:
-    """One cell of the program space: family, dtype, world size and output profile (by name)."""
+    """One cell of a family's space: family, dtype, one of its world sizes, output profile (by name)."""
     family: str
     dtype: str
     world_size: int
@@ -309,6 +315,9 @@ class ProgramSpec:
             raise ValueError(f"dtype: unknown {self.dtype!r}")
         if self.world_size not in WORLD_SIZES:
             raise ValueError(f"world_size: unknown {self.world_size!r}")
+        if self.world_size not in world_sizes_of(self.family):
+            raise ValueError(f"world_size: {self.world_size} is outside family {self.family}'s world sizes "
+                             f"({', '.join(map(str, world_sizes_of(self.family)))})")
         if self.profile not in PROFILE_BY_NAME:
             raise ValueError(f"profile: unknown {self.profile!r} (one of {', '.join(OUTPUT_PROFILES)})")
 
@@ -382,6 +391,7 @@ def parse_recorded(name: str) -> ProgramSpec:
 
 
 def all_cells():
-    """Every (family, dtype, world_size, profile) in fixed table order."""
-    for family, dtype, world_size, profile in itertools.product(FAMILIES, DTYPES, WORLD_SIZES, OUTPUT_PROFILES):
-        yield ProgramSpec(family, dtype, world_size, profile)
+    """Every cell of every family's space (family, dtype, world size, profile), in fixed table order."""
+    for family in FAMILIES:
+        for dtype, world_size, profile in itertools.product(DTYPES, world_sizes_of(family), OUTPUT_PROFILES):
+            yield ProgramSpec(family, dtype, world_size, profile)

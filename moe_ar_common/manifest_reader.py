@@ -26,7 +26,9 @@ MANIFEST_NAME = "manifest.json"
 # 3: the body is a set of headers (`body`: entry, include_dir, headers), inlined recursively.
 # 4: the selection boundaries come in table sets (`selection.sets`, the written model last), each
 # cell counted in its own key (tokens or bytes per rank) with its measured range.
-FORMAT = 4
+# 5: program names spell the family; each family lists its world sizes, holes are cells of those
+# only, and `selection.no_peers` names the family every exchange rung runs at world size 1.
+FORMAT = 5
 REGENERATE = "run `gen-programs` to regenerate"
 
 

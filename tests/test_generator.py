@@ -57,25 +57,49 @@ def manifest(rendered):
 # ---- enumeration and names ----------------------------------------------------------
 
 def test_enumeration_is_product_minus_holes():
+    """Each family's space (its world sizes) x dtype x profile, less the holes; a hole falls back along
+    its base chain to a family of the same protocol, within the same world sizes."""
     enumeration = enumerate_programs()
-    product = [spec.ProgramSpec(*cell) for cell in itertools.product(
-        spec.FAMILIES, spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES)]
+    product = [spec.ProgramSpec(family, dtype, world_size, profile) for family in spec.FAMILIES
+               for dtype, world_size, profile in itertools.product(
+                   spec.DTYPES, spec.world_sizes_of(family), spec.OUTPUT_PROFILES)]
     holes = {h.spec for h in enumeration.holes}
-    assert {h.spec for h in enumeration.holes} == {c for c in product if policy.hole_reason(c)}
-    assert list(enumeration.programs) == [c for c in product if c not in holes]
+    assert holes == {c for c in product if policy.hole_reason(c)}
+    assert list(enumeration.programs) == [c for c in product if c not in holes] == \
+        [c for c in spec.all_cells() if c not in holes]
     assert len(enumeration.programs) + len(enumeration.holes) == len(product)
     for hole in enumeration.holes:
         assert hole.reason == policy.hole_reason(hole.spec)
-        world_one = hole.spec.world_size == spec.LOCAL_WORLD_SIZE
-        if hole.fallback_family is None:  # a world-size-1 family elsewhere: no T selects it there
-            assert not spec.exchanges(hole.spec.family) and not world_one, hole
-            continue
         fallback = spec.ProgramSpec(hole.fallback_family, hole.spec.dtype, hole.spec.world_size, hole.spec.profile)
         assert policy.is_supported(fallback)
-        if world_one and spec.exchanges(hole.spec.family):  # no peer to agree on a protocol with
-            assert hole.fallback_family == spec.LOCAL_FAMILY, hole
-        else:
-            assert spec.FAMILY_BY_NAME[hole.fallback_family].protocol == spec.FAMILY_BY_NAME[hole.spec.family].protocol
+        assert spec.FAMILY_BY_NAME[hole.fallback_family].protocol == spec.FAMILY_BY_NAME[hole.spec.family].protocol
+
+
+def test_world_size_one_and_the_exchanges_are_two_spaces(manifest):
+    """World size 1 exchanges nothing: the local families have programs there only, the exchange
+    families at the others only. A cell across that line is no hole (no program could stand there, and
+    none is a ProgramSpec); the holes are cells where a program could exist and does not, each with
+    its reason, and selection's world-size-1 rule is the manifest's selection.no_peers."""
+    local = [f for f in spec.FAMILIES if not spec.exchanges(f)]
+    assert local == ["local", "local_streaming"]
+    for family in spec.FAMILIES:
+        mine = spec.world_sizes_of(family)
+        assert mine == ((spec.LOCAL_WORLD_SIZE,) if family in local else spec.EXCHANGE_WORLD_SIZES)
+        for world_size in set(spec.WORLD_SIZES) - set(mine):
+            with pytest.raises(ValueError, match="outside family"):
+                spec.ProgramSpec(family, "bf16", world_size, "plain")
+            with pytest.raises(ValueError):
+                spec.parse(f"moe_ar_{family}_bf16_ws{world_size}_plain")
+    for family in manifest["axes"]["families"]:
+        assert family["world_sizes"] == list(spec.world_sizes_of(family["name"]))
+    for hole in manifest["holes"]:
+        assert hole["world_size"] in spec.world_sizes_of(hole["family"]) and hole["reason"], hole
+        assert hole["world_size"] in spec.world_sizes_of(hole["fallback_family"]), hole
+    assert manifest["selection"]["no_peers"] == {"world_size": 1, "family": "local"}
+    # 84 holes against 156 programs, every one a variant missing where its base runs
+    assert (len(manifest["programs"]), len(manifest["holes"])) == (156, 84)
+    assert {h["family"] for h in manifest["holes"]} == {"twoshot_shared", "twoshot_early_shared", "twoshot_pipelined",
+                                                         "twoshot_pipelined_loads"}
 
 
 def test_root_family_hole_is_refused():
@@ -582,6 +606,27 @@ def test_diff_shows_a_renamed_program_as_a_rename(tmp_path):
            "the name" in lines, r.stdout
 
 
+def test_diff_names_holes_that_left_the_tables_without_a_program(manifest):
+    """A revision whose grid had cells across the world-size-1 line (holes of no program, and no
+    no_peers rule) shows those holes as gone, grouped by family, and the rule as new; no cell of a
+    program changes."""
+    import copy
+    old = copy.deepcopy(manifest)
+    del old["selection"]["no_peers"]
+    for family in ("oneshot", "local"):
+        for world_size in ((1,) if family == "oneshot" else (2, 4)):
+            old["holes"].append({"family": family, "dtype": "bf16", "world_size": world_size, "profile": "plain",
+                                 "reason": "across the line", "fallback_family": None})
+    lines = diff_manifests(old, manifest)
+    assert lines == ["- local: 2 holes gone at world sizes 2/4 (no longer cells of the family)",
+                     "- oneshot: 1 hole gone at world size 1 (no longer cells of the family)",
+                     "~ selection without peers: absent -> world size 1 runs local for every exchange rung",
+                     "summary: 3 holes gone, 1 table-wide change"], lines
+    assert diff_manifests(manifest, old)[:2] == [
+        "+ local: 2 holes added at world sizes 2/4 (new cells of the family)",
+        "+ oneshot: 1 hole added at world size 1 (new cells of the family)"]
+
+
 def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
     """A revision of manifest format 2 had the body in one file: `diff` hashes its programs as that
     layout compiles them (the program and the body), and says that the layouts differ instead of
@@ -633,15 +678,17 @@ def _cells():
 def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
     programs = {(p["family"], p["dtype"], p["world_size"], p["profile"]): p["symbol"] for p in manifest["programs"]}
     holes = {(h["family"], h["dtype"], h["world_size"], h["profile"]): h for h in manifest["holes"]}
-    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}]"
     for family, rel in manifest["tables"].items():
         text = rendered.outputs[rel].decode()
+        world_sizes = spec.world_sizes_of(family)
+        dims = f"[{len(spec.DTYPES)}][{len(world_sizes)}][{len(spec.OUTPUT_PROFILES)}]"
         assert f"static const char* const k{spec.FAMILY_BY_NAME[family].cpp_name}Kernels{dims} = {{" in text
-        world_sizes = ", ".join(str(w) for w in spec.WORLD_SIZES)
-        assert f"// [dtype: fp16, bf16][world size: {world_sizes}][output profile: {', '.join(spec.OUTPUT_PROFILES)}]" in text
+        shown = ", ".join(str(w) for w in world_sizes)
+        assert f"// [dtype: fp16, bf16][world size: {shown}][output profile: {', '.join(spec.OUTPUT_PROFILES)}]" in text
         entries = [m for m in map(_ENTRY_RE.match, text.splitlines()) if m]
         # one entry a line, in index order
-        assert [(m["dtype"], int(m["ws"]), m["profile"]) for m in entries] == _cells()
+        assert [(m["dtype"], int(m["ws"]), m["profile"]) for m in entries] == list(
+            itertools.product(spec.DTYPES, world_sizes, spec.OUTPUT_PROFILES))
         for m in entries:
             key = (family, m["dtype"], int(m["ws"]), m["profile"])
             if m["null"]:
@@ -649,7 +696,7 @@ def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
                 assert (m["fallback"], m["reason"]) == (holes[key]["fallback_family"], holes[key]["reason"])
             else:
                 assert programs[key] == m["symbol"]
-    assert len(programs) + len(holes) == len(spec.FAMILIES) * len(_cells())
+    assert len(programs) + len(holes) == len(list(spec.all_cells()))
 
 
 def test_selection_tables_parse_back_to_the_manifest(rendered, manifest):
@@ -1011,12 +1058,17 @@ def test_tables_marks_holes_and_fallbacks():
     # measured, in bytes per rank: no model mark
     assert re.search(r"bf16 ws2 +0 / 0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
 
-    # world size 1: local for every T; every other family a hole there that falls back to local, and
-    # local a hole (never selected, no arrow) elsewhere
+    # two spaces: world size 1's local families, then the exchange families, no hole across the line
+    world_one = ("== world size 1: nothing to exchange (local, local_streaming); every exchange rung of the ladder "
+                 "runs local here")
+    exchanges = "== world sizes 2, 4, 8, 16: the exchange families (oneshot, twoshot, "
+    assert world_one in r.stdout and exchanges in r.stdout, r.stdout
+    assert (r.stdout.index(world_one) < r.stdout.index("local  (") < r.stdout.index("local_streaming  (")
+            < r.stdout.index(exchanges) < r.stdout.index("oneshot  ("))
     assert re.search(r"bf16 ws1 +moe_ar_local_bf16_ws1_plain +moe_ar_local_bf16_ws1_nvfp4 ", r.stdout), r.stdout
-    assert re.search(r"bf16 ws2 +-- hole\[1\] +-- hole\[1\] ", r.stdout), r.stdout
-    assert "hole[1]: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T" in r.stdout
-    assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout
+    assert not re.search(r"^  (fp16|bf16) ws1 +-- hole", r.stdout, re.M), r.stdout
+    assert not re.search(r"^  (fp16|bf16) ws(2|4|8|16) +moe_ar_local", r.stdout, re.M), r.stdout
+    assert "156 programs, 84 holes (a hole: a cell of a family's world sizes without a program)" in r.stdout
     assert re.search(r"bf16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
 
 

@@ -79,6 +79,8 @@ class FakeMachine:
         for rank in range(self.world_size):
             mine = {}
             for family in dict.fromkeys(generator_sets.tuning.LADDER_FAMILIES):
+                if unit.world_size not in spec.world_sizes_of(family):
+                    continue
                 name = spec.ProgramSpec(family, unit.dtype, unit.world_size, unit.profile).name
                 if name in names:
                     us = _times(unit, family)

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from generator import abi, policy, spec, tuning
+from generator import abi, spec, tuning
 from generator.enumeration import enumerate_programs
 from moe_ar_tools import reference as ref
 
@@ -46,21 +46,16 @@ def test_world_size_one_has_the_local_programs_per_dtype_and_profile():
     assert spec.parse("moe_ar_local_streaming_bf16_ws1_plain") == spec.ProgramSpec("local_streaming", "bf16", 1, "plain")
 
 
-def test_every_hole_across_the_world_size_one_line_has_its_reason_and_fallback():
-    """Every exchange family is a hole at world size 1 (nothing to exchange) that falls back to
-    local; the local families are holes at every other world size, with no fallback (no T selects
-    them there)."""
-    holes = {h.spec: h for h in enumerate_programs().holes}
-    for cell in spec.all_cells():
-        if spec.exchanges(cell.family) == (cell.world_size != 1):
-            continue  # on its side of the line
-        hole = holes[cell]
-        assert hole.reason == policy.hole_reason(cell) and hole.reason, cell
-        if cell.world_size == 1:
-            assert (hole.reason, hole.fallback_family) == (policy.NOTHING_TO_EXCHANGE, "local"), hole
-        else:
-            assert (hole.reason, hole.fallback_family) == (policy.WORLD_ONE_ONLY, None), hole
-    assert all(h.reason for h in holes.values())
+def test_no_hole_across_the_world_size_one_line():
+    """World size 1 and the exchange world sizes are two spaces: the local families have every cell of
+    world size 1 and none elsewhere, the exchange families none at world size 1; no hole stands across
+    the line (the local programs serving every exchange rung at world size 1 is selection.no_peers)."""
+    enumeration = enumerate_programs()
+    for hole in enumeration.holes:
+        assert spec.exchanges(hole.spec.family) == (hole.spec.world_size != 1), hole
+    assert {p for p in enumeration.programs if p.world_size == 1} == {
+        spec.ProgramSpec(f, d, 1, p) for f in LOCAL_FAMILIES for d in spec.DTYPES for p in spec.OUTPUT_PROFILES}
+    assert all(spec.exchanges(p.family) for p in enumeration.programs if p.world_size != 1)
 
 
 def test_the_ladder_starts_with_the_local_rungs_and_they_serve_world_size_one_only():
@@ -87,15 +82,15 @@ def test_the_manifest_and_tables_carry_world_size_one():
     assert manifest["selection"]["ladder"][:2] == [["local", "local_max_tokens"],
                                                    ["local_streaming", "streaming_max_tokens"]]
     assert manifest["tables"]["local"] == "tables/local.h"
+    assert manifest["selection"]["no_peers"] == {"world_size": 1, "family": "local"}
     local = next(f for f in manifest["axes"]["families"] if f["name"] == "local")
     assert (local["base"], local["protocol"], local["regime"]) == ("local", "local", "local")
     streaming = next(f for f in manifest["axes"]["families"] if f["name"] == "local_streaming")
     assert (streaming["base"], streaming["protocol"]) == ("local", "local")
     text = (ROOT / "generated" / "tables" / "local.h").read_text()
     assert '"moe_ar_local_bf16_ws1_nvfp4",  // bf16 ws1 nvfp4' in text
-    assert "nullptr,  // bf16 ws2 nvfp4 hole (never selected): world size 1 only" in text
-    assert "nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange" in \
-        (ROOT / "generated" / "tables" / "oneshot.h").read_text()
+    assert not re.search(r"\bws2\b", text)
+    assert not re.search(r"\bws1\b", (ROOT / "generated" / "tables" / "oneshot.h").read_text())
     program = (ROOT / "generated" / "programs" / "moe_ar_local_bf16_ws1_nvfp4.cu").read_text()
     assert ("moe_ar::run<__nv_bfloat16, 1, moe_ar::Profile::kNvfp4, moe_ar::Regime::kLocal, /*shared_prefetch=*/false, "
             "/*routes_in_flight=*/4, /*shared_row_first=*/true>(p);") in program
@@ -123,8 +118,8 @@ def test_gen_programs_list_and_tables_at_world_size_one():
                                    for d in spec.DTYPES for p in spec.OUTPUT_PROFILES)
     assert all(" local_bf16_ws1 " in row or " local_fp16_ws1 " in row for row in r.stdout.splitlines()[1:])
     r = run_cli("list", "--family", "twoshot", "--world-size", "1")
-    assert r.returncode == 1 and f"twoshot has no program at world size 1 (hole: {policy.NOTHING_TO_EXCHANGE}); " \
-                                  "calls there run local" in r.stderr, r.stderr
+    assert r.returncode == 1 and ("twoshot has no program at world size 1: its world sizes are 2/4/8/16; with no "
+                                  "peers every exchange rung runs local there") in r.stderr, r.stderr
     r = run_cli("tables")
     assert r.returncode == 0, r.stderr
     assert re.search(r"^  local +local, world size 1$", r.stdout, re.M), r.stdout
@@ -314,9 +309,9 @@ def test_reference_bracket_at_world_size_one_holds_an_fp32_evaluation(seed_for):
     assert outside.any(), "rounding the partial first is not told apart from the world-size-1 rule"
 
 
-def test_an_exchange_rung_at_world_size_one_runs_its_hole_fallback_the_latency_program():
-    """The tables say every exchange family's hole at world size 1 falls back to `local`; selection does
-    the same, so a fitted world-size-1 ladder may return to the latency layout after the streaming one."""
+def test_an_exchange_rung_at_world_size_one_runs_the_latency_program():
+    """With no peers every exchange rung runs `local` (the manifest's selection.no_peers), so a fitted
+    world-size-1 ladder may return to the latency layout after the streaming one."""
     from dispatch import registry
     for family in ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined", "twoshot_pipelined_loads",
                    "twoshot_shared"):

@@ -6,38 +6,14 @@
 //   world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 tokens, four routes at a time above, the token's indices read first (few T)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
-static const char* const kLocalKernels[2][5][4] = {
+// [dtype: fp16, bf16][world size: 1][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kLocalKernels[2][1][4] = {
     {  // fp16
         {  // fp16 ws1
             "moe_ar_local_fp16_ws1_plain",  // fp16 ws1 plain
             "moe_ar_local_fp16_ws1_nvfp4",  // fp16 ws1 nvfp4
             "moe_ar_local_fp16_ws1_fp8_group128",  // fp16 ws1 fp8_group128
             "moe_ar_local_fp16_ws1_fp8_tensor",  // fp16 ws1 fp8_tensor
-        },
-        {  // fp16 ws2
-            nullptr,  // fp16 ws2 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws2 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-        },
-        {  // fp16 ws4
-            nullptr,  // fp16 ws4 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws4 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-        },
-        {  // fp16 ws8
-            nullptr,  // fp16 ws8 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws8 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-        },
-        {  // fp16 ws16
-            nullptr,  // fp16 ws16 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws16 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // fp16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
     },
     {  // bf16
@@ -46,30 +22,6 @@ static const char* const kLocalKernels[2][5][4] = {
             "moe_ar_local_bf16_ws1_nvfp4",  // bf16 ws1 nvfp4
             "moe_ar_local_bf16_ws1_fp8_group128",  // bf16 ws1 fp8_group128
             "moe_ar_local_bf16_ws1_fp8_tensor",  // bf16 ws1 fp8_tensor
-        },
-        {  // bf16 ws2
-            nullptr,  // bf16 ws2 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws2 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws2 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws2 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-        },
-        {  // bf16 ws4
-            nullptr,  // bf16 ws4 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws4 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws4 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws4 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-        },
-        {  // bf16 ws8
-            nullptr,  // bf16 ws8 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws8 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws8 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws8 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-        },
-        {  // bf16 ws16
-            nullptr,  // bf16 ws16 plain hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws16 nvfp4 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws16 fp8_group128 hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
-            nullptr,  // bf16 ws16 fp8_tensor hole (never selected): world size 1 only: with peers the exchange families serve every T (the local boundaries are 0)
         },
     },
 };

@@ -11,9 +11,9 @@
 // <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
 // twoshot_max_tokens: twoshot; T <= loads_max_tokens: twoshot_pipelined_loads;
 // else twoshot_pipelined; then the shared-expert variant where the rank has a
-// shared operand; a hole falls back to its fallback_family (at world size 1
-// every exchange rung is a hole that runs local: a ladder may return to the
-// latency layout after the streaming one)
+// shared operand; a hole falls back to its fallback_family; at world size 1
+// (no peers) every exchange rung runs local, so a ladder may return to the
+// latency layout after the streaming one
 // Each cell: {key, measured from, measured to, {local_max_tokens,
 // streaming_max_tokens, oneshot_max_tokens, early_max_tokens,
 // twoshot_max_tokens, loads_max_tokens}}. kTokens counts T; kBytesPerRank

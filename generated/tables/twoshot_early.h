@@ -6,15 +6,9 @@
 //   two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill the GPU (lower two-shot range)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
-static const char* const kTwoShotEarlyKernels[2][5][4] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kTwoShotEarlyKernels[2][4][4] = {
     {  // fp16
-        {  // fp16 ws1
-            nullptr,  // fp16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-        },
         {  // fp16 ws2
             "moe_ar_twoshot_early_fp16_ws2_plain",  // fp16 ws2 plain
             "moe_ar_twoshot_early_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
@@ -41,12 +35,6 @@ static const char* const kTwoShotEarlyKernels[2][5][4] = {
         },
     },
     {  // bf16
-        {  // bf16 ws1
-            nullptr,  // bf16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-        },
         {  // bf16 ws2
             "moe_ar_twoshot_early_bf16_ws2_plain",  // bf16 ws2 plain
             "moe_ar_twoshot_early_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4

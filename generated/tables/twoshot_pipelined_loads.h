@@ -6,15 +6,9 @@
 //   twoshot_pipelined with the partials' rows loaded into registers instead of the ring: more blocks a multiprocessor, for the profiles whose norm step is heavy, below the T where the ring takes over (world size 2)
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
-static const char* const kTwoShotPipelinedLoadsKernels[2][5][4] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kTwoShotPipelinedLoadsKernels[2][4][4] = {
     {  // fp16
-        {  // fp16 ws1
-            nullptr,  // fp16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-        },
         {  // fp16 ws2
             nullptr,  // fp16 ws2 plain hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
             "moe_ar_twoshot_pipelined_loads_fp16_ws2_nvfp4",  // fp16 ws2 nvfp4
@@ -41,12 +35,6 @@ static const char* const kTwoShotPipelinedLoadsKernels[2][5][4] = {
         },
     },
     {  // bf16
-        {  // bf16 ws1
-            nullptr,  // bf16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-        },
         {  // bf16 ws2
             nullptr,  // bf16 ws2 plain hole -> twoshot_pipelined: the row ring (twoshot_pipelined) was faster at every measured T (bench_results/pipelined/row_ring/)
             "moe_ar_twoshot_pipelined_loads_bf16_ws2_nvfp4",  // bf16 ws2 nvfp4

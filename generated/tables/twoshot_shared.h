@@ -6,15 +6,9 @@
 //   twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
 // Each entry is a program's kernel symbol; nullptr is a hole, and selection
 // runs the fallback family named in the entry's comment instead.
-// [dtype: fp16, bf16][world size: 1, 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
-static const char* const kTwoShotSharedKernels[2][5][4] = {
+// [dtype: fp16, bf16][world size: 2, 4, 8, 16][output profile: plain, nvfp4, fp8_group128, fp8_tensor]
+static const char* const kTwoShotSharedKernels[2][4][4] = {
     {  // fp16
-        {  // fp16 ws1
-            nullptr,  // fp16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // fp16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-        },
         {  // fp16 ws2
             nullptr,  // fp16 ws2 plain hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
             nullptr,  // fp16 ws2 nvfp4 hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
@@ -41,12 +35,6 @@ static const char* const kTwoShotSharedKernels[2][5][4] = {
         },
     },
     {  // bf16
-        {  // bf16 ws1
-            nullptr,  // bf16 ws1 plain hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 fp8_group128 hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-            nullptr,  // bf16 ws1 fp8_tensor hole -> local: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T
-        },
         {  // bf16 ws2
             nullptr,  // bf16 ws2 plain hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
             nullptr,  // bf16 ws2 nvfp4 hole -> twoshot: no shared-expert prefetch at world size 2 (one-shot covers most of its range)
