@@ -285,7 +285,7 @@ def _print_family(family: dict, world_sizes, dtypes, profile_names, programs: di
     """One family as a grid over its world sizes (rows dtype x world size, columns output profiles),
     holes marked with their reason and fallback."""
     name = family["name"]
-    _echo_wrapped(f"{name}  (tables/{name}.h, base {family['base']}, protocol {family['protocol']})", width)
+    _echo_wrapped(f"{name}  (base {family['base']}, protocol {family['protocol']})", width)
     _echo_wrapped(f"  {family['meaning']}", width)
     rows, reasons = [], {}
     for dtype in dtypes:

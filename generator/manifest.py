@@ -72,7 +72,7 @@ def selection_set(table_set: TableSet) -> dict:
 
 
 def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, code_sha256: dict,
-          generated_info: dict, body: dict, table_files: dict) -> dict:
+          generated_info: dict, body: dict) -> dict:
     """files: relative path -> bytes of every other generated file.
     body: entry (the header a program includes), include_dir, headers (every body header, in the
     order a program inlines them), sources (header -> the file it comes from).
@@ -168,6 +168,5 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
         },
         "programs": programs,
         "holes": holes,
-        "tables": dict(table_files),
         "files": {rel: {"sha256": sha256_bytes(data), "bytes": len(data)} for rel, data in sorted(files.items())},
     }

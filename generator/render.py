@@ -35,7 +35,6 @@ GENERATOR = "gen-programs, generator/"
 
 PARAMS_TEMPLATE = "params.cuh.j2"
 PROGRAM_TEMPLATE = "program.cu.j2"
-FAMILY_TABLE_TEMPLATE = "family_table.h.j2"
 SELECTION_TEMPLATE = "selection.h.j2"
 SELECTION_MAP_TEMPLATE = "selection_map.svg.j2"
 
@@ -46,10 +45,6 @@ BODY_DIR = "kernels"
 BODY_ENTRY = f"{BODY_DIR}/moe_finalize_allreduce.cuh"
 PARAMS_FILE = f"{BODY_DIR}/params.cuh"
 SELECTION_MAP_FILE = "selection_map.svg"
-
-
-def table_file(family: str) -> str:
-    return f"tables/{family}.h"
 
 
 # ---- inputs -------------------------------------------------------------------------
@@ -168,39 +163,10 @@ def _cell_label(dtype: str, world_size: int, profile: str) -> str:
     return f"{dtype} ws{world_size} {profile}"
 
 
-def _index_comment(world_sizes=spec.WORLD_SIZES) -> str:
+def _index_comment() -> str:
     return (f"// [dtype: {', '.join(spec.DTYPES)}]"
-            f"[world size: {', '.join(str(w) for w in world_sizes)}]"
+            f"[world size: {', '.join(str(w) for w in spec.WORLD_SIZES)}]"
             f"[output profile: {', '.join(spec.OUTPUT_PROFILES)}]")
-
-
-def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict:
-    rows = []
-    world_sizes = spec.world_sizes_of(family.name)
-    for dtype in spec.DTYPES:
-        worlds = []
-        for world_size in world_sizes:
-            entries = []
-            for profile in spec.OUTPUT_PROFILES:
-                cell = enumeration.cell(spec.ProgramSpec(family.name, dtype, world_size, profile))
-                label = _cell_label(dtype, world_size, profile)
-                if isinstance(cell, spec.ProgramSpec):
-                    entries.append({"value": f'"{cell.symbol}"', "comment": label})
-                else:
-                    entries.append({"value": "nullptr",
-                                    "comment": f"{label} hole -> {cell.fallback_family}: {cell.reason}"})
-            worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
-        rows.append({"label": dtype, "worlds": worlds})
-    return {
-        "family": family.name,
-        "array": f"k{family.cpp_name}Kernels",
-        "meaning": family.meaning,
-        "base_family": family.base,
-        "protocol": family.protocol,
-        "dims": [len(spec.DTYPES), len(world_sizes), len(spec.OUTPUT_PROFILES)],
-        "index_comment": _index_comment(world_sizes),
-        "rows": rows,
-    }
 
 
 def _stamp_line(source: dict) -> str:
@@ -348,19 +314,13 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
         out.add(program.file_name, cpp_header(PROGRAM_TEMPLATE) + text)
         code_hashes[program.name] = code_sha256(text, *(body_texts[rel] for rel in inlined(text, program.file_name)))
 
-    table_files = {}
-    for family in spec.FAMILY_BY_NAME.values():
-        table_files[family.name] = table_file(family.name)
-        out.add(table_file(family.name), cpp_header(FAMILY_TABLE_TEMPLATE)
-                + render(FAMILY_TABLE_TEMPLATE, **_family_table_context(family, enumeration)))
     for table_set in sets:
         out.add(table_set.table, cpp_header(SELECTION_TEMPLATE)
                 + render(SELECTION_TEMPLATE, **_selection_context(table_set)))
     out.add(SELECTION_MAP_FILE, svg_header(SELECTION_MAP_TEMPLATE)
             + render(SELECTION_MAP_TEMPLATE, **selection_map.context(sets, enumeration)))
 
-    doc = manifest.build(enumeration, sets, out.as_dict(), code_hashes, json_header(inputs),
-                         body, table_files)
+    doc = manifest.build(enumeration, sets, out.as_dict(), code_hashes, json_header(inputs), body)
     out.add(MANIFEST_NAME, manifest.dumps(doc))
     return Result(out, enumeration, inputs)
 

@@ -143,7 +143,6 @@ class Family:
     protocol: str
     regime: str                 # a REGIME_BY_NAME name
     shared_prefetch: bool       # the shared-expert row is prefetched into L2 and loaded read-only
-    cpp_name: str               # tables/<name>.h declares k<cpp_name>Kernels
 
 
 _SHARED_MEANING = "+ shared-expert row prefetched into L2 before the exchange and loaded read-only"
@@ -152,45 +151,40 @@ FAMILY_BY_NAME = _by_name(
            meaning="world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the "
                    "residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 "
                    "tokens, four routes at a time above, the token's indices read first (few T)",
-           base="local", protocol="local", regime="local", shared_prefetch=False, cpp_name="Local"),
+           base="local", protocol="local", regime="local", shared_prefetch=False),
     Family("local_streaming", title="local, world size 1, streaming",
            meaning="the local program for many tokens: two blocks a multiprocessor, each loading its row a few "
                    "routes at a time while the other normalizes (FP8 group-128: the rows come into a ring in "
                    "shared memory by bulk copies) (large T)",
-           base="local", protocol="local", regime="local_streaming", shared_prefetch=False,
-           cpp_name="LocalStreaming"),
+           base="local", protocol="local", regime="local_streaming", shared_prefetch=False),
     Family("oneshot", title="one-shot",
            meaning="Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself "
                    "(small T)",
-           base="oneshot", protocol="lamport1", regime="oneshot", shared_prefetch=False, cpp_name="OneShot"),
+           base="oneshot", protocol="lamport1", regime="oneshot", shared_prefetch=False),
     Family("twoshot", title="two-shot",
            meaning="Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather "
                    "residual_out; one block per token row in every phase (large T)",
-           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=False, cpp_name="TwoShot"),
+           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=False),
     Family("twoshot_early", title="two-shot, early",
            meaning="two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill "
                    "the GPU (lower two-shot range)",
-           base="twoshot", protocol="lamport2", regime="twoshot_early", shared_prefetch=False,
-           cpp_name="TwoShotEarly"),
+           base="twoshot", protocol="lamport2", regime="twoshot_early", shared_prefetch=False),
     Family("twoshot_shared", title="two-shot, shared prefetch", meaning=f"twoshot {_SHARED_MEANING}",
-           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=True, cpp_name="TwoShotShared"),
+           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=True),
     Family("twoshot_early_shared", title="two-shot, early, shared prefetch",
            meaning=f"twoshot_early {_SHARED_MEANING}",
-           base="twoshot_early", protocol="lamport2", regime="twoshot_early", shared_prefetch=True,
-           cpp_name="TwoShotEarlyShared"),
+           base="twoshot_early", protocol="lamport2", regime="twoshot_early", shared_prefetch=True),
     Family("twoshot_pipelined", title="pipelined two-shot, row ring",
            meaning="two-shot with its phases pipelined over token columns, so one column's reads overlap the "
                    "exchange of the columns before; no self-traffic through its own buffer, every received vector "
                    "cleared as it is read; the partials' rows come through a ring in shared memory (largest T; "
                    "world size 2)",
-           base="twoshot", protocol="lamport2", regime="twoshot_pipelined", shared_prefetch=False,
-           cpp_name="TwoShotPipelined"),
+           base="twoshot", protocol="lamport2", regime="twoshot_pipelined", shared_prefetch=False),
     Family("twoshot_pipelined_loads", title="pipelined two-shot, register loads",
            meaning="twoshot_pipelined with the partials' rows loaded into registers instead of the ring: more "
                    "blocks a multiprocessor, for the profiles whose norm step is heavy, below the T where the ring "
                    "takes over (world size 2)",
-           base="twoshot_pipelined", protocol="lamport2", regime="twoshot_pipelined_loads", shared_prefetch=False,
-           cpp_name="TwoShotPipelinedLoads"),
+           base="twoshot_pipelined", protocol="lamport2", regime="twoshot_pipelined_loads", shared_prefetch=False),
 )
 FAMILIES = tuple(FAMILY_BY_NAME)
 # The root family of world size 1: with no peers there, every exchange rung of the ladder runs it.

@@ -157,12 +157,11 @@ def test_family_records_are_consistent():
     """One record per family; everything else derives from the records."""
     families = spec.FAMILY_BY_NAME.values()
     assert spec.FAMILIES == tuple(f.name for f in families)
-    for field in ("title", "cpp_name"):
-        assert len({getattr(f, field) for f in families}) == len(spec.FAMILIES), field
+    assert len({f.title for f in families}) == len(spec.FAMILIES)
     for family in families:
         assert family.base in spec.FAMILY_BY_NAME and family.regime in spec.REGIME_BY_NAME
         assert spec.FAMILY_BY_NAME[family.base].protocol == family.protocol
-        assert re.fullmatch(r"[a-z]+(_[a-z]+)*", family.name) and re.fullmatch(r"[A-Z][A-Za-z]*", family.cpp_name)
+        assert re.fullmatch(r"[a-z]+(_[a-z]+)*", family.name)
         assert spec.family_for(family.regime, family.shared_prefetch) == family.name
     # every rung of the ladder has a family of its own name, without the shared-expert prefetch
     for regime in spec.LADDER:
@@ -298,7 +297,9 @@ def test_manifest_contents(rendered, manifest):
     assert len(manifest["holes"]) == len(enumeration.holes)
     assert manifest["targets"] == list(spec.ARCH_TARGETS)
     assert manifest["param_plan"] == [[n, c, t] for n, c, t, _ in render.abi.PARAMS]
-    assert manifest["tables"] == {f: f"tables/{f}.h" for f in spec.FAMILIES}
+    assert "tables" not in manifest  # no per-family header: the programs and holes are the manifest's
+    assert sorted(rel for rel in manifest["files"] if rel.startswith("tables/")) == sorted(
+        s["table"] for s in manifest["selection"]["sets"])
     for p in manifest["programs"]:
         cell = spec.parse(p["name"])
         assert (p["family"], p["dtype"], p["world_size"], p["profile"]) == (
@@ -661,8 +662,6 @@ def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
 
 # ---- the emitted C++ tables ---------------------------------------------------------
 
-_ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
-                       r'(?P<profile>\w+)(?: hole (?:-> (?P<fallback>\w+)|\(never selected\)): (?P<reason>.+))?$')
 _BOUNDS_RE = re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{"
                         + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
                         + r"\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
@@ -673,30 +672,6 @@ _OWN_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \{"
 
 def _cells():
     return list(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
-
-
-def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
-    programs = {(p["family"], p["dtype"], p["world_size"], p["profile"]): p["symbol"] for p in manifest["programs"]}
-    holes = {(h["family"], h["dtype"], h["world_size"], h["profile"]): h for h in manifest["holes"]}
-    for family, rel in manifest["tables"].items():
-        text = rendered.outputs[rel].decode()
-        world_sizes = spec.world_sizes_of(family)
-        dims = f"[{len(spec.DTYPES)}][{len(world_sizes)}][{len(spec.OUTPUT_PROFILES)}]"
-        assert f"static const char* const k{spec.FAMILY_BY_NAME[family].cpp_name}Kernels{dims} = {{" in text
-        shown = ", ".join(str(w) for w in world_sizes)
-        assert f"// [dtype: fp16, bf16][world size: {shown}][output profile: {', '.join(spec.OUTPUT_PROFILES)}]" in text
-        entries = [m for m in map(_ENTRY_RE.match, text.splitlines()) if m]
-        # one entry a line, in index order
-        assert [(m["dtype"], int(m["ws"]), m["profile"]) for m in entries] == list(
-            itertools.product(spec.DTYPES, world_sizes, spec.OUTPUT_PROFILES))
-        for m in entries:
-            key = (family, m["dtype"], int(m["ws"]), m["profile"])
-            if m["null"]:
-                assert key in holes and key not in programs
-                assert (m["fallback"], m["reason"]) == (holes[key]["fallback_family"], holes[key]["reason"])
-            else:
-                assert programs[key] == m["symbol"]
-    assert len(programs) + len(holes) == len(list(spec.all_cells()))
 
 
 def test_selection_tables_parse_back_to_the_manifest(rendered, manifest):
@@ -832,7 +807,7 @@ def test_verify_refuses_a_tampered_file(generated_copy, manifest):
 @pytest.mark.parametrize("which", ["program", "body", "table"])
 def test_verify_refuses_a_missing_file(generated_copy, manifest, which):
     rel = {"program": manifest["programs"][0]["file"], "body": manifest["body"]["headers"][-1]["file"],
-           "table": manifest["tables"]["twoshot"]}[which]
+           "table": manifest["selection"]["sets"][0]["table"]}[which]
     (generated_copy / rel).unlink()
     with pytest.raises(manifest_reader.ManifestError) as e:
         manifest_reader.load_verified_manifest(generated_copy)
@@ -866,14 +841,16 @@ def test_check_catches_a_tampered_and_a_stale_file(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
-    table = repo / "generated" / "tables" / "twoshot.h"
-    table.write_text(table.read_text().replace('"moe_ar_twoshot_bf16_ws4_plain"', "nullptr"))
+    table = repo / "generated" / "tables" / "selection_model.h"
+    cell = next(line for line in table.read_text().splitlines() if line.endswith("// bf16 ws4 plain: written model"))
+    assert ", 1024, kAllTokens" in cell
+    table.write_text(table.read_text().replace(cell, cell.replace(", 1024, kAllTokens", ", 1025, kAllTokens")))
     (repo / "generated" / "programs" / "moe_ar_twoshot_bf16_ws16_plain.cu").write_text("// old\n")
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 1
-    assert "--- generated/tables/twoshot.h" in r.stdout
-    assert '-            nullptr,  // bf16 ws4 plain' in r.stdout
-    assert '+            "moe_ar_twoshot_bf16_ws4_plain",  // bf16 ws4 plain' in r.stdout
+    assert "--- generated/tables/selection_model.h" in r.stdout
+    assert "-" + cell.replace(", 1024, kAllTokens", ", 1025, kAllTokens") in r.stdout.splitlines()
+    assert "+" + cell in r.stdout.splitlines()
     assert "programs/moe_ar_twoshot_bf16_ws16_plain.cu" in r.stdout
     assert "run `gen-programs` to regenerate" in r.stderr
     assert run_cli([], cwd=repo).returncode == 0
@@ -1045,8 +1022,8 @@ def test_tables_marks_holes_and_fallbacks():
     assert re.search(r"^  twoshot_early_shared +two-shot, early, shared prefetch$", r.stdout, re.M), r.stdout
     assert re.search(r"^  plain +None$", r.stdout, re.M) and re.search(r"^  nvfp4 +nvfp4$", r.stdout, re.M)
     assert re.search(r"^ +plain +nvfp4 +fp8_group128 +fp8_tensor$", r.stdout, re.M)  # grid columns by name
-    for family in spec.FAMILIES:
-        assert f"{family}  (tables/{family}.h" in r.stdout
+    for family in spec.FAMILY_BY_NAME.values():
+        assert f"{family.name}  (base {family.base}, protocol {family.protocol})" in r.stdout
     assert "-- hole[2] -> twoshot_early" in r.stdout
     assert "no shared-expert prefetch at world size 2" in r.stdout
     assert "set h200_nvlink (tables/selection_h200_nvlink.h): " in r.stdout
