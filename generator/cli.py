@@ -271,13 +271,17 @@ def tables(ctx, width):
                   f"a program)", width)
     click.echo()
     selection = manifest["selection"]
-    fields = [field for _regime, field in selection["ladder"] if field is not None]
+    # each space's boundaries: those of the rungs whose family has its world sizes
+    world_sizes_of_rung = {f["regime"]: tuple(f["world_sizes"]) for f in families if not f["shared_prefetch"]}
+    fields = {world_sizes: [field for regime, field in selection["ladder"]
+                            if field is not None and world_sizes_of_rung[regime] == world_sizes]
+              for world_sizes in spaces}
     _echo_wrapped(f"selection: {selection['rule']}", width)
     _echo_wrapped("  per device the runtime takes the first set whose key matches (exact product, then the same "
                   "compute capability and interconnect), then the written model; boundaries in tokens, or in bytes "
                   "per rank (KiB, MiB: T x hidden x element bytes); all: no bound", width)
     for table_set in selection["sets"]:
-        _print_set(table_set, axes, profile_names, fields, width)
+        _print_set(table_set, axes, profile_names, fields, selection["no_peers"], width)
 
 
 def _print_family(family: dict, world_sizes, dtypes, profile_names, programs: dict, holes: dict,
@@ -306,8 +310,10 @@ def _print_family(family: dict, world_sizes, dtypes, profile_names, programs: di
     click.echo()
 
 
-def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list, width: int | None = None) -> None:
-    """One table set: its key, its measurement files, its boundaries as a grid."""
+def _print_set(table_set: dict, axes: dict, profile_names: list, fields: dict, no_peers: dict,
+               width: int | None = None) -> None:
+    """One table set: its key, its measurement files, its boundaries as a grid per space ({world sizes:
+    the boundary fields of the rungs that run there})."""
     from .tuning import shown_limit
 
     match = table_set["match"]
@@ -318,24 +324,29 @@ def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list, w
                       f"{match['interconnect']}", width)
     for source in table_set["sources"]:
         _echo_wrapped(f"  measured in {source['file']}", width)
-    _echo_wrapped(f"  {' / '.join(fields)}", width)
     bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in table_set["boundaries"]}
-    rows = []
-    for dtype in axes["dtypes"]:
-        for world_size in axes["world_sizes"]:
-            row = [f"  {dtype} ws{world_size}"]
-            for profile in profile_names:
-                cell = bounds[(dtype, world_size, profile)]
-                mark = "" if cell["source"].startswith("measured") else " (model)"
-                row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in fields) + mark)
-            rows.append(row)
-    _print_rows(rows, ("  ", *profile_names), width)
-    for (dtype, world_size, profile), cell in bounds.items():  # the hidden sizes with boundaries of their own
-        for hidden, own in cell.get("by_hidden", {}).items():
-            _echo_wrapped(f"  {dtype} ws{world_size} {profile} at hidden {hidden}: "
-                          + " / ".join(shown_limit(own["limits"][field], cell["key"]) for field in fields)
-                          + " (measured " + " to ".join(shown_limit(v, cell["key"]) for v in own["measured"]) + ")",
-                          width)
+    for world_sizes, space_fields in fields.items():
+        where = f"world size{'s' if len(world_sizes) > 1 else ''} {', '.join(map(str, world_sizes))}"
+        above = (f" (above: {no_peers['family']} again, no peers)" if list(world_sizes) == [no_peers["world_size"]]
+                 else "")
+        _echo_wrapped(f"  {where}: {' / '.join(space_fields)}{above}", width)
+        rows = []
+        for dtype in axes["dtypes"]:
+            for world_size in world_sizes:
+                row = [f"  {dtype} ws{world_size}"]
+                for profile in profile_names:
+                    cell = bounds[(dtype, world_size, profile)]
+                    mark = "" if cell["source"].startswith("measured") else " (model)"
+                    row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in space_fields)
+                               + mark)
+                rows.append(row)
+        _print_rows(rows, ("  ", *profile_names), width)
+        for (dtype, world_size, profile), cell in bounds.items():  # the hidden sizes with boundaries of their own
+            for hidden, own in cell.get("by_hidden", {}).items() if world_size in world_sizes else ():
+                _echo_wrapped(f"  {dtype} ws{world_size} {profile} at hidden {hidden}: "
+                              + " / ".join(shown_limit(own["limits"][field], cell["key"]) for field in space_fields)
+                              + " (measured " + " to ".join(shown_limit(v, cell["key"]) for v in own["measured"])
+                              + ")", width)
     if any(not cell["source"].startswith("measured") for cell in bounds.values()):
         _echo_wrapped("  (model): no measurement covers the cell; the written model in generator/tuning.py decides",
                       width)

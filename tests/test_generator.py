@@ -662,53 +662,88 @@ def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
 
 # ---- the emitted C++ tables ---------------------------------------------------------
 
-_BOUNDS_RE = re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{"
-                        + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
-                        + r"\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
-_OWN_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \{"
-                     + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
-                     + r"\}\},\s*// (\w+) ws(\d+) (\w+) at hidden (\d+)$")
+def _bounds_re(fields: int) -> re.Pattern:
+    return re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{" + ", ".join([r"(\d+|kAllTokens)"] * fields)
+                      + r"\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
 
 
-def _cells():
-    return list(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
+def _own_re(indexes: int, fields: int) -> re.Pattern:
+    return re.compile(r"^\s*\{" + ", ".join([r"(\d+)"] * (indexes + 3)) + r", \{"
+                      + ", ".join([r"(\d+|kAllTokens)"] * fields) + r"\}\},\s*// (\w+) ws(\d+) (\w+) at hidden (\d+)$")
 
 
-def test_selection_tables_parse_back_to_the_manifest(rendered, manifest):
-    """Every set's header holds each cell's key, measured range, boundaries and source, as the manifest does."""
+def _with_own_rows(table_set):
+    """The set with boundaries of their own at hidden 4096 in a world-size-1 and a world-size-2 cell."""
+    import dataclasses
+    cells = dict(table_set.boundaries)
+    for cell, own in ((("bf16", 1, "plain"), (256, 4096) + (tuning.ALL_TOKENS,) * 4),
+                      (("fp16", 2, "nvfp4"), (0, 0, 1 << 22, 1 << 22, 1 << 22, 1 << 23))):
+        cells[cell] = dataclasses.replace(cells[cell], by_hidden=((4096, own, (8192, 1 << 27)),))
+    return dataclasses.replace(table_set, boundaries=cells)
+
+
+@pytest.mark.parametrize("own_rows", [False, True], ids=["committed", "with_own_rows"])
+def test_selection_tables_parse_back_to_the_manifest(own_rows):
+    """Every set's header holds each cell's key, measured range, source and the boundaries of the rungs
+    that run there, as the manifest does: world size 1's grid the local rungs', the exchange world
+    sizes' grid the exchange rungs' (the local ones are 0 there); the hidden sizes' own rows alike."""
     keys = {"kTokens": "tokens", "kBytesPerRank": "bytes_per_rank"}
-    for table_set in manifest["selection"]["sets"]:
-        text = rendered.outputs[table_set["table"]].decode()
-        dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}]"
-        assert f"static const CellBoundaries kRegimeBoundaries{dims} = {{" in text
+    env = render.make_environment(ROOT)
+    for table_set in table_sets.table_sets(ROOT):
+        table_set = _with_own_rows(table_set) if own_rows else table_set
+        text = env.get_template(render.SELECTION_TEMPLATE).render(**render._selection_context(table_set))
+        row = manifest_mod.selection_set(table_set)
         assert f"constexpr int kAllTokens = {tuning.ALL_TOKENS};" in text
-        assert f"long long max[{len(spec.BOUNDARY_FIELDS)}]; }};" in text
-        for source in table_set["sources"]:
+        for source in row["sources"]:
             assert f"// Measured in {source['file']}: " in text
-        rows = [m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m]
-        assert [(dtype, int(ws), p) for *_, dtype, ws, p, _source in rows] == _cells()
-        expected = {(b["dtype"], b["world_size"], b["profile"]):
-                    (b["key"], tuple(b["measured"] or (0, 0)), tuple(b["limits"][f] for f in spec.BOUNDARY_FIELDS),
-                     b["source"])
-                    for b in table_set["boundaries"]}
-        parsed = {(dtype, int(ws), p): (keys[key], (int(low), int(high)),
-                                        tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds),
-                                        source)
-                  for key, low, high, *bounds, dtype, ws, p, source in rows}
-        assert parsed == expected, table_set["name"]
-        # the hidden sizes' own boundaries: kHiddenBoundaries, indexes and comment agreeing with the manifest
-        own = {(b["dtype"], b["world_size"], b["profile"], int(hidden)):
-               (tuple(row["measured"]), tuple(row["limits"][f] for f in spec.BOUNDARY_FIELDS))
-               for b in table_set["boundaries"] for hidden, row in b.get("by_hidden", {}).items()}
-        parsed_own = {}
-        for d, w, p, hidden, low, high, *bounds, dtype, ws, profile, comment_hidden in (
-                m.groups() for m in map(_OWN_RE.match, text.splitlines()) if m):
-            cell = (spec.DTYPES[int(d)], spec.WORLD_SIZES[int(w)], spec.OUTPUT_PROFILES[int(p)])
-            assert cell == (dtype, int(ws), profile) and hidden == comment_hidden
-            parsed_own[(*cell, int(hidden))] = ((int(low), int(high)), tuple(
-                tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds))
-        assert parsed_own == own, table_set["name"]
-        assert ("static const HiddenBoundaries kHiddenBoundaries[] = {" in text) == bool(own)
+        head, exchange_text = text.split("static const ExchangeBoundaries ", 1)
+        local_text = head.split("static const LocalBoundaries ", 1)[1]
+        for local, part in ((True, local_text), (False, exchange_text)):
+            fields = spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS] if local else spec.BOUNDARY_FIELDS[spec.LOCAL_RUNGS:]
+            world_sizes = (1,) if local else spec.EXCHANGE_WORLD_SIZES
+            dims = f"[{len(spec.DTYPES)}]" + ("" if local else f"[{len(world_sizes)}]") + f"[{len(spec.OUTPUT_PROFILES)}]"
+            assert part.startswith(f"k{'Local' if local else 'Exchange'}Boundaries{dims} = {{")
+            rows = [m.groups() for m in map(_bounds_re(len(fields)).match, part.splitlines()) if m]
+            assert [(dtype, int(ws), p) for *_, dtype, ws, p, _source in rows] == list(
+                itertools.product(spec.DTYPES, world_sizes, spec.OUTPUT_PROFILES))
+            expected = {(b["dtype"], b["world_size"], b["profile"]):
+                        (b["key"], tuple(b["measured"] or (0, 0)), tuple(b["limits"][f] for f in fields), b["source"])
+                        for b in row["boundaries"] if b["world_size"] in world_sizes}
+            parsed = {(dtype, int(ws), p): (keys[key], (int(low), int(high)),
+                                            tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds),
+                                            source)
+                      for key, low, high, *bounds, dtype, ws, p, source in rows}
+            assert parsed == expected, table_set.name
+            own = {(b["dtype"], b["world_size"], b["profile"], int(hidden)):
+                   (tuple(r["measured"]), tuple(r["limits"][f] for f in fields))
+                   for b in row["boundaries"] if b["world_size"] in world_sizes
+                   for hidden, r in b.get("by_hidden", {}).items()}
+            parsed_own = {}
+            k = 2 if local else 3  # indexes: dtype, (world,) profile
+            for groups in (m.groups() for m in map(_own_re(k, len(fields)).match, part.splitlines()) if m):
+                hidden, low, high = groups[k:k + 3]
+                bounds, (dtype, ws, profile, comment_hidden) = groups[k + 3:-4], groups[-4:]
+                d, *w, p = (int(i) for i in groups[:k])
+                cell = (spec.DTYPES[d], world_sizes[w[0]] if w else 1, spec.OUTPUT_PROFILES[p])
+                assert cell == (dtype, int(ws), profile) and hidden == comment_hidden
+                parsed_own[(*cell, int(hidden))] = ((int(low), int(high)), tuple(
+                    tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds))
+            assert parsed_own == own, table_set.name
+            assert bool(own) == own_rows
+        for b in row["boundaries"]:  # what the exchange grid leaves out: the local rungs serve no T with peers
+            if b["world_size"] != 1:
+                assert all(b["limits"][f] == 0 for f in spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS]), b
+
+
+def test_a_local_rung_with_a_range_at_an_exchange_world_size_is_refused():
+    """The exchange grid leaves out the local rungs' boundaries, so they must serve no T there."""
+    import dataclasses
+    table_set = table_sets.table_sets(ROOT)[-1]
+    cells = dict(table_set.boundaries)
+    cell = cells[("bf16", 4, "plain")]
+    cells[("bf16", 4, "plain")] = dataclasses.replace(cell, limits=(1, 1, *cell.limits[2:]))
+    with pytest.raises(render.GenerateError, match="model, bf16 ws4 plain: a local rung has a range with peers"):
+        render._selection_context(dataclasses.replace(table_set, boundaries=cells))
 
 
 # ---- the manifest verifier ----------------------------------------------------------
@@ -1007,11 +1042,13 @@ def test_list_filters():
 def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
     from generator import cli
     _, table_set, _ = _with_own_row_at_4096(manifest)
-    fields = [field for _regime, field in manifest["selection"]["ladder"] if field is not None]
+    local, exchange = spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS], spec.BOUNDARY_FIELDS[spec.LOCAL_RUNGS:]
+    fields = {(1,): list(local), spec.EXCHANGE_WORLD_SIZES: list(exchange)}
     profiles = [profile["name"] for profile in manifest["axes"]["output_profiles"]]
-    cli._print_set(table_set, manifest["axes"], profiles, fields)
-    assert "  bf16 ws1 plain at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in \
-        capsys.readouterr().out
+    cli._print_set(table_set, manifest["axes"], profiles, fields, manifest["selection"]["no_peers"])
+    out = capsys.readouterr().out
+    assert "  bf16 ws1 plain at hidden 4096: all / all (measured 8KiB to 128MiB)" in out, out
+    assert out.index("  world size 1: ") < out.index("  bf16 ws1 plain at hidden 4096") < out.index("  world sizes 2,")
 
 
 def test_tables_marks_holes_and_fallbacks():
@@ -1030,10 +1067,14 @@ def test_tables_marks_holes_and_fallbacks():
     assert "  for product 'NVIDIA H200', compute capability 9.0, interconnect nvlink" in r.stdout
     assert f"  measured in {table_sets.COMMITTED_SETS[0].files[0]}" in r.stdout
     assert "set model (tables/selection_model.h): the written model" in r.stdout
-    assert re.search(r"bf16 ws8 +0 / 0 / 16 / 2048 / all / all \(model\)", r.stdout), r.stdout
+    assert re.search(r"^  bf16 ws8 +16 / 2048 / all / all \(model\)", r.stdout, re.M), r.stdout
     assert "hole[2]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
     # measured, in bytes per rank: no model mark
-    assert re.search(r"bf16 ws2 +0 / 0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
+    assert re.search(r"^  bf16 ws2 +\d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout, re.M), r.stdout
+    # each set as two grids: world size 1 with the local rungs' boundaries, then the exchanges' with theirs
+    local, exchange = spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS], spec.BOUNDARY_FIELDS[spec.LOCAL_RUNGS:]
+    assert r.stdout.count(f"  world size 1: {' / '.join(local)} (above: local again, no peers)\n") == 2
+    assert r.stdout.count(f"  world sizes 2, 4, 8, 16: {' / '.join(exchange)}\n") == 2
 
     # two spaces: world size 1's local families, then the exchange families, no hole across the line
     world_one = ("== world size 1: nothing to exchange (local, local_streaming); every exchange rung of the ladder "
@@ -1046,7 +1087,7 @@ def test_tables_marks_holes_and_fallbacks():
     assert not re.search(r"^  (fp16|bf16) ws1 +-- hole", r.stdout, re.M), r.stdout
     assert not re.search(r"^  (fp16|bf16) ws(2|4|8|16) +moe_ar_local", r.stdout, re.M), r.stdout
     assert "156 programs, 84 holes (a hole: a cell of a family's world sizes without a program)" in r.stdout
-    assert re.search(r"bf16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
+    assert re.search(r"^  bf16 ws1 +256 / all \(model\) +256 / all \(model\)", r.stdout, re.M), r.stdout
 
 
 @pytest.mark.parametrize("width", [120, 80])
