@@ -323,8 +323,9 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             counts["selection cell{s} changed"] += len(lines) > cell_start
     table_wide_start = len(lines)
     if old.get("selection", {}).get("no_peers") != new["selection"].get("no_peers"):
-        shown = [("absent" if rule is None else f"world size {rule['world_size']} runs {rule['family']} for every "
-                  f"exchange rung") for rule in (old.get("selection", {}).get("no_peers"), new["selection"].get("no_peers"))]
+        rules = (old.get("selection", {}).get("no_peers"), new["selection"].get("no_peers"))
+        shown = [("absent" if rule is None else
+                  f"world size {rule['world_size']} runs {rule['family']} for every exchange rung") for rule in rules]
         lines.append(f"~ selection without peers: {shown[0]} -> {shown[1]}")
     if old.get("selection", {}).get("ladder") not in (None, new["selection"]["ladder"]):
         lines.append(f"~ regime ladder: {json.dumps(old['selection']['ladder'])} -> "

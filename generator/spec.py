@@ -348,7 +348,8 @@ FAMILY_CODES_BEFORE_WORDS = types.MappingProxyType({
     "lc": "local", "lcs": "local_streaming", "os": "oneshot", "ts": "twoshot", "tse": "twoshot_early",
     "tss": "twoshot_shared", "tses": "twoshot_early_shared", "tsp": "twoshot_pipelined",
     "tspl": "twoshot_pipelined_loads"})
-if set(FAMILY_CODES_BEFORE_WORDS.values()) - set(FAMILY_BY_NAME) or set(FAMILY_CODES_BEFORE_WORDS) & set(FAMILY_BY_NAME):
+if (set(FAMILY_CODES_BEFORE_WORDS.values()) - set(FAMILY_BY_NAME)
+        or set(FAMILY_CODES_BEFORE_WORDS) & set(FAMILY_BY_NAME)):
     raise ValueError("spec: an old family code names no family, or is a family name itself")
 _FAMILY_NAMES = types.MappingProxyType({family: family for family in FAMILY_BY_NAME})
 # <prefix>_<family>_<dtype>_ws<world size>_<profile>; a family name may hold underscores, a dtype none.

@@ -11,8 +11,9 @@ disassembles them, and the two programs of a cell (family, dtype, world size, pr
 manifests, so a renamed program is paired with its old name) are compared after normalization
 (each program's own symbol -> a placeholder, blank and fat-binary banner lines dropped, runs of
 blanks made one). Per (program, arch): identical / renamed, identical (the same SASS but the
-symbol) / DIFFERENT (with the first differing lines) / FAILED, plus the cells only one tree has. Exit 1 when a paired program differs or fails to compile or disassemble, 2 when the
-trees cannot be compared (a missing tool, a bad revision, a stale manifest).
+symbol) / DIFFERENT (with the first differing lines) / FAILED, plus the cells only one tree has.
+Exit 1 when a paired program differs or fails to compile or disassemble, 2 when the trees cannot
+be compared (a missing tool, a bad revision, a stale manifest).
 
 cuobjdump and the nvdisasm it runs come with the `test` extra (nvidia-cuda-cuobjdump,
 nvidia-cuda-nvdisasm), or from a CUDA toolkit ($CUDA_HOME/bin, PATH). SASS is cached per
