@@ -17,7 +17,7 @@ import pathlib
 import sys
 import tempfile
 
-PROGRAM = "moe_ar_os_bf16_ws2_plain"
+PROGRAM = "moe_ar_oneshot_bf16_ws2_plain"
 
 
 def main() -> int:

@@ -47,7 +47,8 @@ class _Launcher:
             # An SM holds blocks of two kernels at once only in one split of its memory between L1
             # and shared memory, chosen per kernel. Two-shot blocks spinning on a peer rank, in a
             # split with little shared memory, on every SM, left no SM for that rank's pipelined
-            # blocks with their row ring: a timeout (seen on one GPU: tse and tsp at 303 tokens).
+            # blocks with their row ring: a timeout (seen on one GPU: twoshot_early and
+            # twoshot_pipelined at 303 tokens).
             # So here every program asks for the largest shared memory. The attribute stays with
             # the loaded program for the process (tests that also run one rank a GPU).
             prog.prefer_largest_shared_memory()

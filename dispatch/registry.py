@@ -76,10 +76,12 @@ class _ProgramSet:
         # (regime, shared_prefetch) -> family
         self.family_of = {(f["regime"], f["shared_prefetch"]): f["name"] for f in families}
         # (family, dtype, world_size, profile) of a hole -> the family that runs there instead (the
-        # manifest's holes: the base chain; at world size 1 an exchange family's hole runs `local`),
-        # None where no T selects the family
+        # manifest's holes: the base chain, within the family's world sizes)
         self.hole_fallback = {(h["family"], h["dtype"], h["world_size"], h["profile"]): h["fallback_family"]
                               for h in self.manifest["holes"]}
+        # each family's world sizes, and the family every exchange rung runs at the world size without peers
+        self.world_sizes = {f["name"]: tuple(f["world_sizes"]) for f in families}
+        self.no_peers = (selection["no_peers"]["world_size"], selection["no_peers"]["family"])
         # quant argument -> output profile
         self.profile_of_quant = {p["quant"]: p["name"] for p in self.manifest["axes"]["output_profiles"]}
 
@@ -165,7 +167,8 @@ def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_sh
 
 def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
     """The program of a cell, falling back explicitly from a hole to the family the manifest names for it
-    (the tables' `hole -> family` comments)."""
+    (the tables' `hole -> family`), and at world size 1 from an exchange family to the local one
+    (the manifest's selection.no_peers)."""
     generated = program_set()
     tried = []
     while True:
@@ -174,6 +177,9 @@ def program_for(family: str, dtype: str, world_size: int, profile: str) -> str:
             return name
         tried.append(family)
         fallback = generated.hole_fallback.get((family, dtype, world_size, profile))
+        no_peers, local = generated.no_peers
+        if fallback is None and world_size == no_peers and world_size not in generated.world_sizes.get(family, ()):
+            fallback = local
         if fallback is None or fallback in tried:
             raise ValueError(f"program: no program for {dtype} world size {world_size} output profile {profile} "
                              f"(tried families {tried})")

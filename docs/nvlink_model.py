@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 
 HIDDEN = 7168
 ELEM_BYTES = 2  # bf16
@@ -144,6 +145,11 @@ def mb(x: float) -> str:
     return f"{x / 1e6:.2f}" if x < 1e8 else f"{x / 1e6:.0f}"
 
 
+# The benchmark names a program as it was measured: the committed one spells the family by its code
+# (moe_ar_os_bf16_ws2_plain), later ones by its name (bench_results/README.md).
+FAMILY_OF_CODE = {"os": "oneshot", "ts": "twoshot", "tse": "twoshot_early", "tsp": "twoshot_pipelined"}
+
+
 def calibration(s: Shape, alpha, fixed):
     if not BENCH.exists():
         print(f"(no {BENCH.name}: calibration table skipped)\n")
@@ -152,9 +158,11 @@ def calibration(s: Shape, alpha, fixed):
     beta, hbm = doc["bandwidth"]["nvlink_GBps"], doc["bandwidth"]["hbm_GBps"]
     meas = {}
     for r in doc["records"]:
+        program = re.match(r"moe_ar_([a-z_]+?)_(?:bf16|fp16)_ws\d+_", r["system"])
         if (r["hidden"], r["top_k"], bool(r["shared"]), r["profile"]) == (s.hidden, s.top_k, s.shared, "plain") \
-                and r["system"].startswith("moe_ar_") and r.get("valid", True):
-            meas[(r["system"].split("_")[2], r["tokens"])] = r["median_us"]
+                and program and r.get("valid", True):
+            family = FAMILY_OF_CODE.get(program.group(1), program.group(1))
+            meas[(family, r["tokens"])] = r["median_us"]
     if not meas:
         print(f"(no point of {BENCH.name} at this shape: calibration table skipped)\n")
         return
@@ -167,7 +175,8 @@ def calibration(s: Shape, alpha, fixed):
         os_ = oneshot(T, 2, s, beta, hbm, alpha, fixed)[0]
         ts = twoshot(T, 2, s, beta, hbm, alpha, fixed)[0]
         tp = twoshot(T, 2, s, beta, hbm, alpha, fixed, pipelined=True)[0]
-        print(f"| {T} | {m('os')} | {os_:.1f} | {m('tse')} | {m('ts')} | {ts:.1f} | {m('tsp')} | {tp:.1f} |")
+        print(f"| {T} | {m('oneshot')} | {os_:.1f} | {m('twoshot_early')} | {m('twoshot')} | {ts:.1f} | "
+              f"{m('twoshot_pipelined')} | {tp:.1f} |")
     print()
 
 

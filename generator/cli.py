@@ -103,14 +103,26 @@ def _select(manifest: dict, families, dtypes, world_sizes, profiles) -> list[dic
 
 def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> str:
     """Why the filters select no program: the holes they match, each with its reason and the family
-    whose program runs there instead."""
+    whose program runs there instead; the world sizes they name outside a family's own."""
     def keep(values, value):
         return not values or value in values
     holes = [h for h in manifest["holes"]
              if keep(families, h["family"]) and keep(dtypes, h["dtype"])
              and keep(world_sizes, str(h["world_size"])) and keep(profiles, h["profile"])]
+    no_peers = manifest["selection"]["no_peers"]
+    outside = []
+    for family in manifest["axes"]["families"]:
+        missing = [w for w in world_sizes if int(w) not in family["world_sizes"]] if families else []
+        if family["name"] not in families or not missing:
+            continue
+        own = "/".join(str(w) for w in family["world_sizes"])
+        instead = (f"with no peers every exchange rung runs {no_peers['family']} there"
+                   if missing == [str(no_peers["world_size"])] else "no call selects it with peers")
+        outside.append(f"{family['name']} has no program at world size{'s' if len(missing) > 1 else ''} "
+                       f"{'/'.join(missing)}: its world size{'s are' if len(family['world_sizes']) > 1 else ' is'} "
+                       f"{own}; {instead}")
     if not holes:
-        return "no program matches the filters"
+        return "\n".join(outside) or "no program matches the filters"
     groups: dict[tuple, list[dict]] = {}
     for h in holes:
         groups.setdefault((h["family"], h["reason"], h["fallback_family"]), []).append(h)
@@ -125,9 +137,9 @@ def _none_selected(manifest: dict, families, dtypes, world_sizes, profiles) -> s
             if given or set(values) != (set(given) or set(order)):
                 where.append(f"{label}{'s' if len(values) > 1 else ''} {'/'.join(values)}")
         at = f" at {', '.join(where)}" if where else ""
-        instead = f"calls there run {fallback}" if fallback else "no call selects it there"
+        instead = f"calls there run {fallback}"
         lines.append(f"{family} has no program{at} (hole: {reason}); {instead}")
-    return "\n".join(lines)
+    return "\n".join(lines + outside)
 
 
 def _print_rows(rows: list[tuple], header: tuple, width: int | None = None) -> None:
@@ -233,48 +245,75 @@ def tables(ctx, width):
     axes = manifest["axes"]
     families, profiles = axes["families"], axes["output_profiles"]
     profile_names = [profile["name"] for profile in profiles]
-    click.echo("program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>")
-    _print_rows([("  " + family["code"], family["name"], family["title"]) for family in families],
-                ("  family code", "family", "what it is"), width)
+    click.echo("program names: moe_ar_<family>_<dtype>_ws<world size>_<output profile>")
+    _print_rows([("  " + family["name"], family["title"]) for family in families], ("  family", "what it is"), width)
     _print_rows([("  " + profile["name"], "None" if profile["quant"] is None else profile["quant"])
                  for profile in profiles], ("  output profile", "quant="), width)
     click.echo()
     programs = {_cell(entry): entry for entry in manifest["programs"]}
     holes = {_cell(hole): hole for hole in manifest["holes"]}
+    no_peers = manifest["selection"]["no_peers"]
+    spaces: dict[tuple, list[dict]] = {}  # world size 1's families, then the exchange families
     for family in families:
-        name = family["name"]
-        _echo_wrapped(f"{name}  (tables/{name}.h, base {family['base']}, protocol {family['protocol']})", width)
-        _echo_wrapped(f"  {family['meaning']}", width)
-        rows, reasons = [], {}
-        for dtype in axes["dtypes"]:
-            for world_size in axes["world_sizes"]:
-                row = [f"  {dtype} ws{world_size}"]
-                for profile in profile_names:
-                    key = (name, dtype, world_size, profile)
-                    if key in programs:
-                        row.append(programs[key]["name"])
-                    else:
-                        hole = holes[key]
-                        mark = reasons.setdefault(hole["reason"], f"[{len(reasons) + 1}]")
-                        fallback = hole["fallback_family"]  # None: no T selects the family there
-                        row.append(f"-- hole{mark}" + (f" -> {fallback}" if fallback else ""))
-                rows.append(row)
-        _print_rows(rows, ("  ", *profile_names), width)
-        for reason, mark in reasons.items():
-            _echo_wrapped(f"  hole{mark}: {reason}", width)
+        spaces.setdefault(tuple(family["world_sizes"]), []).append(family)
+    for world_sizes, members in spaces.items():
+        names = ", ".join(family["name"] for family in members)
+        where = f"world size{'s' if len(world_sizes) > 1 else ''} {', '.join(map(str, world_sizes))}"
+        if list(world_sizes) == [no_peers["world_size"]]:
+            what = f"nothing to exchange ({names}); every exchange rung of the ladder runs {no_peers['family']} here"
+        else:
+            what = f"the exchange families ({names})"
+        _echo_wrapped(f"== {where}: {what}", width)
         click.echo()
+        for family in members:
+            _print_family(family, world_sizes, axes["dtypes"], profile_names, programs, holes, width)
+    _echo_wrapped(f"{len(programs)} programs, {len(holes)} holes (a hole: a cell of a family's world sizes without "
+                  f"a program)", width)
+    click.echo()
     selection = manifest["selection"]
-    fields = [field for _regime, field in selection["ladder"] if field is not None]
+    # each space's boundaries: those of the rungs whose family has its world sizes
+    world_sizes_of_rung = {f["regime"]: tuple(f["world_sizes"]) for f in families if not f["shared_prefetch"]}
+    fields = {world_sizes: [field for regime, field in selection["ladder"]
+                            if field is not None and world_sizes_of_rung[regime] == world_sizes]
+              for world_sizes in spaces}
     _echo_wrapped(f"selection: {selection['rule']}", width)
     _echo_wrapped("  per device the runtime takes the first set whose key matches (exact product, then the same "
                   "compute capability and interconnect), then the written model; boundaries in tokens, or in bytes "
                   "per rank (KiB, MiB: T x hidden x element bytes); all: no bound", width)
     for table_set in selection["sets"]:
-        _print_set(table_set, axes, profile_names, fields, width)
+        _print_set(table_set, axes, profile_names, fields, selection["no_peers"], width)
 
 
-def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list, width: int | None = None) -> None:
-    """One table set: its key, its measurement files, its boundaries as a grid."""
+def _print_family(family: dict, world_sizes, dtypes, profile_names, programs: dict, holes: dict,
+                  width: int | None) -> None:
+    """One family as a grid over its world sizes (rows dtype x world size, columns output profiles),
+    holes marked with their reason and fallback."""
+    name = family["name"]
+    _echo_wrapped(f"{name}  (base {family['base']}, protocol {family['protocol']})", width)
+    _echo_wrapped(f"  {family['meaning']}", width)
+    rows, reasons = [], {}
+    for dtype in dtypes:
+        for world_size in world_sizes:
+            row = [f"  {dtype} ws{world_size}"]
+            for profile in profile_names:
+                key = (name, dtype, world_size, profile)
+                if key in programs:
+                    row.append(programs[key]["name"])
+                else:
+                    hole = holes[key]
+                    mark = reasons.setdefault(hole["reason"], f"[{len(reasons) + 1}]")
+                    row.append(f"-- hole{mark} -> {hole['fallback_family']}")
+            rows.append(row)
+    _print_rows(rows, ("  ", *profile_names), width)
+    for reason, mark in reasons.items():
+        _echo_wrapped(f"  hole{mark}: {reason}", width)
+    click.echo()
+
+
+def _print_set(table_set: dict, axes: dict, profile_names: list, fields: dict, no_peers: dict,
+               width: int | None = None) -> None:
+    """One table set: its key, its measurement files, its boundaries as a grid per space ({world sizes:
+    the boundary fields of the rungs that run there})."""
     from .tuning import shown_limit
 
     match = table_set["match"]
@@ -285,24 +324,29 @@ def _print_set(table_set: dict, axes: dict, profile_names: list, fields: list, w
                       f"{match['interconnect']}", width)
     for source in table_set["sources"]:
         _echo_wrapped(f"  measured in {source['file']}", width)
-    _echo_wrapped(f"  {' / '.join(fields)}", width)
     bounds = {(row["dtype"], row["world_size"], row["profile"]): row for row in table_set["boundaries"]}
-    rows = []
-    for dtype in axes["dtypes"]:
-        for world_size in axes["world_sizes"]:
-            row = [f"  {dtype} ws{world_size}"]
-            for profile in profile_names:
-                cell = bounds[(dtype, world_size, profile)]
-                mark = "" if cell["source"].startswith("measured") else " (model)"
-                row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in fields) + mark)
-            rows.append(row)
-    _print_rows(rows, ("  ", *profile_names), width)
-    for (dtype, world_size, profile), cell in bounds.items():  # the hidden sizes with boundaries of their own
-        for hidden, own in cell.get("by_hidden", {}).items():
-            _echo_wrapped(f"  {dtype} ws{world_size} {profile} at hidden {hidden}: "
-                          + " / ".join(shown_limit(own["limits"][field], cell["key"]) for field in fields)
-                          + " (measured " + " to ".join(shown_limit(v, cell["key"]) for v in own["measured"]) + ")",
-                          width)
+    for world_sizes, space_fields in fields.items():
+        where = f"world size{'s' if len(world_sizes) > 1 else ''} {', '.join(map(str, world_sizes))}"
+        above = (f" (above: {no_peers['family']} again, no peers)" if list(world_sizes) == [no_peers["world_size"]]
+                 else "")
+        _echo_wrapped(f"  {where}: {' / '.join(space_fields)}{above}", width)
+        rows = []
+        for dtype in axes["dtypes"]:
+            for world_size in world_sizes:
+                row = [f"  {dtype} ws{world_size}"]
+                for profile in profile_names:
+                    cell = bounds[(dtype, world_size, profile)]
+                    mark = "" if cell["source"].startswith("measured") else " (model)"
+                    row.append(" / ".join(shown_limit(cell["limits"][field], cell["key"]) for field in space_fields)
+                               + mark)
+                rows.append(row)
+        _print_rows(rows, ("  ", *profile_names), width)
+        for (dtype, world_size, profile), cell in bounds.items():  # the hidden sizes with boundaries of their own
+            for hidden, own in cell.get("by_hidden", {}).items() if world_size in world_sizes else ():
+                _echo_wrapped(f"  {dtype} ws{world_size} {profile} at hidden {hidden}: "
+                              + " / ".join(shown_limit(own["limits"][field], cell["key"]) for field in space_fields)
+                              + " (measured " + " to ".join(shown_limit(v, cell["key"]) for v in own["measured"])
+                              + ")", width)
     if any(not cell["source"].startswith("measured") for cell in bounds.values()):
         _echo_wrapped("  (model): no measurement covers the cell; the written model in generator/tuning.py decides",
                       width)

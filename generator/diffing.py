@@ -221,7 +221,8 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
     old = old or {"programs": [], "holes": [], "selection": {"boundaries": []}}
     lines = []
     counts = dict.fromkeys(("program{s} appeared", "program{s} vanished", "program{s} renamed",
-                            "program{s} changed code", "hole{s} changed", "selection set{s} added",
+                            "program{s} changed code", "hole{s} changed", "hole{s} gone", "hole{s} added",
+                            "selection set{s} added",
                             "selection set{s} removed", "selection cell{s} changed", "table-wide change{s}"), 0)
     changed_code: dict[str, list[dict]] = {}  # cause -> the programs it changed
     # Code hashes cover the texts of the body's files, so they compare only within one split of the body.
@@ -266,6 +267,19 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
             counts["hole{s} changed"] += 1
             lines.append(f"~ {_label(key)}: hole now falls back to {after['fallback_family']} ({after['reason']}), "
                          f"was {before['fallback_family']} ({before['reason']})")
+    # Holes that left the tables (or came) without a program taking their cell, by family: cells that
+    # are no longer (or are now) a family's cells, such as the world-size-1 line before it split the spaces.
+    for sign, keys, what in (("-", [k for k in old_holes if k not in new_holes and k not in new_programs], "gone"),
+                             ("+", [k for k in new_holes if k not in old_holes and k not in old_programs], "added")):
+        by_family: dict[str, list[tuple]] = {}
+        for key in sorted(keys):
+            by_family.setdefault(key[0], []).append(key)
+        for family, cells in by_family.items():
+            sizes = "/".join(str(w) for w in sorted({w for _, _, w, _ in cells}))
+            counts[f"hole{{s}} {what}"] += len(cells)
+            lines.append(f"{sign} {family}: {len(cells)} hole{'s' if len(cells) > 1 else ''} {what} at world "
+                         f"size{'s' if '/' in sizes else ''} {sizes} ("
+                         + ("no longer cells of the family)" if what == "gone" else "new cells of the family)"))
 
     old_sets, new_sets = selection_sets(old), selection_sets(new)
     for name in sorted(set(old_sets) - set(new_sets)):
@@ -308,6 +322,11 @@ def diff_manifests(old: dict | None, new: dict) -> list[str]:
                 lines.append(f"~ {label}: source {before.get('source')!r} -> {after.get('source')!r}")
             counts["selection cell{s} changed"] += len(lines) > cell_start
     table_wide_start = len(lines)
+    if old.get("selection", {}).get("no_peers") != new["selection"].get("no_peers"):
+        rules = (old.get("selection", {}).get("no_peers"), new["selection"].get("no_peers"))
+        shown = [("absent" if rule is None else
+                  f"world size {rule['world_size']} runs {rule['family']} for every exchange rung") for rule in rules]
+        lines.append(f"~ selection without peers: {shown[0]} -> {shown[1]}")
     if old.get("selection", {}).get("ladder") not in (None, new["selection"]["ladder"]):
         lines.append(f"~ regime ladder: {json.dumps(old['selection']['ladder'])} -> "
                      f"{json.dumps(new['selection']['ladder'])}")

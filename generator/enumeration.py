@@ -1,14 +1,13 @@
-"""Which programs exist: the product of the axes, filtered by one predicate.
+"""Which programs exist: each family's space, filtered by one predicate.
 
-`enumerate_programs()` walks `spec.all_cells()` (itertools.product of the axis
-tuples, in table order) and keeps the cells `policy.is_supported` accepts; every
-other cell is a hole, with the reason from `policy.hole_reason` and the family
-selection falls back to: the first supported family along the chain of base
-families (same protocol class), except across the world-size-1 line, where
-there are no peers to agree on a protocol with: an exchange family's hole at
-world size 1 falls back to `local`, and a world-size-1 family's hole elsewhere
-to nothing (selection gives it no T there). (Named `enumeration`, not
-`enumerate`, so that importing it never shadows the builtin.)
+`enumerate_programs()` walks `spec.all_cells()` (every family over its own world sizes: world size
+1 for the local families, the others for the exchanges; in table order) and keeps the cells
+`policy.is_supported` accepts; every other cell is a hole, with the reason from
+`policy.hole_reason` and the family selection falls back to: the first supported family along
+the chain of base families (same protocol class, same space). World size 1 running the local
+programs for every exchange rung is no hole but the selection's rule for a world without peers
+(the manifest's `selection.no_peers`). (Named `enumeration`, not `enumerate`, so that importing
+it never shadows the builtin.)
 """
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ class Hole:
     spec: ProgramSpec
     reason: str
     # The family whose program runs in this cell instead: the first family along the chain of
-    # base families that has this cell, same protocol class by construction; at world size 1 the
-    # local family; None for a world-size-1 family at the other world sizes, where no T selects it.
-    fallback_family: str | None
+    # base families that has this cell, same protocol class by construction.
+    fallback_family: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +33,7 @@ class Enumeration:
     holes: tuple[Hole, ...]            # table order
 
     def cell(self, cell: ProgramSpec) -> ProgramSpec | Hole:
-        """The program in this cell, or the hole that stands there."""
+        """The program in this cell, or the hole that stands there (KeyError for neither)."""
         for hole in self.holes:
             if hole.spec == cell:
                 return hole
@@ -44,9 +42,7 @@ class Enumeration:
         raise KeyError(cell)
 
 
-def _fallback(cell: ProgramSpec, is_supported: Callable[[ProgramSpec], bool]) -> str | None:
-    if spec.exchanges(cell.family) != (cell.world_size != spec.LOCAL_WORLD_SIZE):
-        return spec.LOCAL_FAMILY if cell.world_size == spec.LOCAL_WORLD_SIZE else None
+def _fallback(cell: ProgramSpec, is_supported: Callable[[ProgramSpec], bool]) -> str:
     family = cell.family
     protocol = spec.FAMILY_BY_NAME[family].protocol
     seen = [family]

@@ -32,8 +32,8 @@ def selection_rule() -> str:
     """The ladder in words (the manifest's `selection.rule`, the selection table's comment)."""
     rungs = [f"T <= {regime.max_tokens_field}: {regime.name}" for regime in spec.LADDER[:-1]]
     return ("; ".join(rungs) + f"; else {spec.LADDER[-1].name}; then the shared-expert variant where the rank "
-            "has a shared operand; a hole falls back to its fallback_family (at world size 1 every exchange rung "
-            "is a hole that runs local: a ladder may return to the latency layout after the streaming one)")
+            "has a shared operand; a hole falls back to its fallback_family; at world size 1 (no peers) every "
+            "exchange rung runs local, so a ladder may return to the latency layout after the streaming one")
 
 
 def dumps(obj) -> str:
@@ -72,7 +72,7 @@ def selection_set(table_set: TableSet) -> dict:
 
 
 def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, code_sha256: dict,
-          generated_info: dict, body: dict, table_files: dict) -> dict:
+          generated_info: dict, body: dict) -> dict:
     """files: relative path -> bytes of every other generated file.
     body: entry (the header a program includes), include_dir, headers (every body header, in the
     order a program inlines them), sources (header -> the file it comes from).
@@ -116,12 +116,15 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
             "dtypes": list(spec.DTYPES),
             "world_sizes": list(spec.WORLD_SIZES),
             "table_index": ["dtype", "world_size", "profile"],
-            # Records in table order; program names spell a family by its `code`, a profile by its name.
+            # Records in table order; program names spell a family and a profile by their names.
             "output_profiles": [{"name": p.name, "quant": p.quant, "meaning": p.meaning,
                                  "outputs": ["norm_out", "residual_out", *p.extra_outputs]}
                                 for p in spec.PROFILE_BY_NAME.values()],
-            "families": [{"name": f.name, "code": f.code, "title": f.title, "meaning": f.meaning, "base": f.base,
-                          "protocol": f.protocol, "regime": f.regime, "shared_prefetch": f.shared_prefetch}
+            # world_sizes: the family's space (world size 1 for the local families, the others for the
+            # exchanges); its programs and holes are cells of these world sizes only.
+            "families": [{"name": f.name, "title": f.title, "meaning": f.meaning, "base": f.base,
+                          "protocol": f.protocol, "regime": f.regime, "shared_prefetch": f.shared_prefetch,
+                          "world_sizes": list(spec.world_sizes_of(f.name))}
                          for f in spec.FAMILY_BY_NAME.values()],
         },
         # The kernel body: a program's `#include "name"` lines are replaced by include_dir/name,
@@ -153,6 +156,8 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
             # The regime ladder: a call runs the first regime whose boundary field's value T does
             # not exceed (null: the last rung, every larger T).
             "ladder": [[regime.name, regime.max_tokens_field] for regime in spec.LADDER],
+            # A world without peers exchanges nothing: there every exchange rung runs this family.
+            "no_peers": {"world_size": spec.LOCAL_WORLD_SIZE, "family": spec.LOCAL_FAMILY},
             "all_tokens": ALL_TOKENS,
             "keys": KEY_MEANINGS,
             # what `gen-programs tune` writes, which the runtime reads (a user's table set)
@@ -163,6 +168,5 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
         },
         "programs": programs,
         "holes": holes,
-        "tables": dict(table_files),
         "files": {rel: {"sha256": sha256_bytes(data), "bytes": len(data)} for rel, data in sorted(files.items())},
     }

@@ -35,7 +35,6 @@ GENERATOR = "gen-programs, generator/"
 
 PARAMS_TEMPLATE = "params.cuh.j2"
 PROGRAM_TEMPLATE = "program.cu.j2"
-FAMILY_TABLE_TEMPLATE = "family_table.h.j2"
 SELECTION_TEMPLATE = "selection.h.j2"
 SELECTION_MAP_TEMPLATE = "selection_map.svg.j2"
 
@@ -46,10 +45,6 @@ BODY_DIR = "kernels"
 BODY_ENTRY = f"{BODY_DIR}/moe_finalize_allreduce.cuh"
 PARAMS_FILE = f"{BODY_DIR}/params.cuh"
 SELECTION_MAP_FILE = "selection_map.svg"
-
-
-def table_file(family: str) -> str:
-    return f"tables/{family}.h"
 
 
 # ---- inputs -------------------------------------------------------------------------
@@ -168,40 +163,6 @@ def _cell_label(dtype: str, world_size: int, profile: str) -> str:
     return f"{dtype} ws{world_size} {profile}"
 
 
-def _index_comment() -> str:
-    return (f"// [dtype: {', '.join(spec.DTYPES)}]"
-            f"[world size: {', '.join(str(w) for w in spec.WORLD_SIZES)}]"
-            f"[output profile: {', '.join(spec.OUTPUT_PROFILES)}]")
-
-
-def _family_table_context(family: spec.Family, enumeration: Enumeration) -> dict:
-    rows = []
-    for dtype in spec.DTYPES:
-        worlds = []
-        for world_size in spec.WORLD_SIZES:
-            entries = []
-            for profile in spec.OUTPUT_PROFILES:
-                cell = enumeration.cell(spec.ProgramSpec(family.name, dtype, world_size, profile))
-                label = _cell_label(dtype, world_size, profile)
-                if isinstance(cell, spec.ProgramSpec):
-                    entries.append({"value": f'"{cell.symbol}"', "comment": label})
-                else:
-                    instead = f"-> {cell.fallback_family}" if cell.fallback_family else "(never selected)"
-                    entries.append({"value": "nullptr", "comment": f"{label} hole {instead}: {cell.reason}"})
-            worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
-        rows.append({"label": dtype, "worlds": worlds})
-    return {
-        "family": family.name,
-        "array": f"k{family.cpp_name}Kernels",
-        "meaning": family.meaning,
-        "base_family": family.base,
-        "protocol": family.protocol,
-        "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
-        "index_comment": _index_comment(),
-        "rows": rows,
-    }
-
-
 def _stamp_line(source: dict) -> str:
     """One measurement file and what its stamp says of the machine, in a line."""
     stamp = source["stamp"]
@@ -221,27 +182,57 @@ def _shown_limits(limits) -> str:
     return ", ".join("kAllTokens" if bound == tuning.ALL_TOKENS else str(bound) for bound in limits)
 
 
-def _selection_context(table_set: table_sets.TableSet) -> dict:
-    rows = []
-    own = []  # the cells' boundaries of their own per hidden size, in table order
+_KEY_CPP = {"tokens": "kTokens", "bytes_per_rank": "kBytesPerRank"}
+
+
+def _space_grid(table_set: table_sets.TableSet, local: bool) -> dict:
+    """One of a selection header's two grids: world size 1 with the local rungs' boundaries (every
+    exchange rung runs local there, so theirs decide nothing), or the exchange world sizes with the
+    exchange rungs' (the local rungs' are 0 there: checked)."""
+    world_sizes = (spec.LOCAL_WORLD_SIZE,) if local else spec.EXCHANGE_WORLD_SIZES
+    rungs = slice(0, spec.LOCAL_RUNGS) if local else slice(spec.LOCAL_RUNGS, None)
+    rows, own = [], []  # own: the cells' boundaries of their own per hidden size, in table order
     for dtype in spec.DTYPES:
         worlds = []
-        for world_size in spec.WORLD_SIZES:
+        for world_size in world_sizes:
             entries = []
             for profile in spec.OUTPUT_PROFILES:
                 cell = table_set.boundaries[(dtype, world_size, profile)]
-                shown = _shown_limits(cell.limits)
-                own += [{"value": f"{{{spec.DTYPES.index(dtype)}, {spec.WORLD_SIZES.index(world_size)}, "
-                                  f"{spec.OUTPUT_PROFILES.index(profile)}, {hidden}, {measured[0]}, {measured[1]}, "
-                                  f"{{{_shown_limits(limits)}}}}}",
-                         "comment": f"{_cell_label(dtype, world_size, profile)} at hidden {hidden}"}
+                label = _cell_label(dtype, world_size, profile)
+                if not local and any(cell.limits_at(hidden)[:spec.LOCAL_RUNGS] != tuning.NO_LOCAL_TOKENS
+                                     for hidden in (None, *(h for h, _, _ in cell.by_hidden))):
+                    raise GenerateError(f"table set {table_set.name}, {label}: a local rung has a range with peers")
+                index = [spec.DTYPES.index(dtype)] + ([] if local else [world_sizes.index(world_size)])
+                index.append(spec.OUTPUT_PROFILES.index(profile))
+                own += [{"value": f"{{{', '.join(map(str, index))}, {hidden}, {measured[0]}, {measured[1]}, "
+                                  f"{{{_shown_limits(limits[rungs])}}}}}",
+                         "comment": f"{label} at hidden {hidden}"}
                         for hidden, limits, measured in cell.by_hidden]
                 measured = cell.measured or (0, 0)
-                key = {"tokens": "kTokens", "bytes_per_rank": "kBytesPerRank"}[cell.key]
-                entries.append({"value": f"{{{key}, {measured[0]}, {measured[1]}, {{{shown}}}}}",
-                                "comment": f"{_cell_label(dtype, world_size, profile)}: {cell.source}"})
+                entries.append({"value": f"{{{_KEY_CPP[cell.key]}, {measured[0]}, {measured[1]}, "
+                                         f"{{{_shown_limits(cell.limits[rungs])}}}}}",
+                                "comment": f"{label}: {cell.source}"})
             worlds.append({"label": f"{dtype} ws{world_size}", "entries": entries})
         rows.append({"label": dtype, "worlds": worlds})
+    fields = spec.BOUNDARY_FIELDS[rungs]
+    sizes = ", ".join(map(str, world_sizes))
+    return {
+        "name": "Local" if local else "Exchange",
+        "what": (f"World size 1, nothing exchanged: the local rungs' boundaries; above them every rung runs "
+                 f"{spec.LOCAL_FAMILY} (no peers)" if local else
+                 f"World sizes {sizes}: the exchange rungs' boundaries (the local rungs serve no T with peers)"),
+        "fields": fields,
+        "index": "[dtype][output profile]" if local else "[dtype][world size][output profile]",
+        "index_comment": (f"// [dtype: {', '.join(spec.DTYPES)}]" + ("" if local else f"[world size: {sizes}]")
+                          + f"[output profile: {', '.join(spec.OUTPUT_PROFILES)}]"),
+        "dims": [len(spec.DTYPES)] + ([] if local else [len(world_sizes)]) + [len(spec.OUTPUT_PROFILES)],
+        "worlds_nested": not local,
+        "rows": rows,
+        "own": own,
+    }
+
+
+def _selection_context(table_set: table_sets.TableSet) -> dict:
     match = table_set.match
     return {
         "name": table_set.name,
@@ -250,12 +241,8 @@ def _selection_context(table_set: table_sets.TableSet) -> dict:
                   f"{match['interconnect']}" if match else "any device (the last fallback)"),
         "sources": [_stamp_line(source) for source in table_set.sources],
         "rule": manifest.selection_rule(),
-        "fields": spec.BOUNDARY_FIELDS,
         "all_tokens": tuning.ALL_TOKENS,
-        "dims": [len(spec.DTYPES), len(spec.WORLD_SIZES), len(spec.OUTPUT_PROFILES)],
-        "own": own,
-        "index_comment": _index_comment(),
-        "rows": rows,
+        "spaces": [_space_grid(table_set, local=True), _space_grid(table_set, local=False)],
     }
 
 
@@ -347,19 +334,13 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
         out.add(program.file_name, cpp_header(PROGRAM_TEMPLATE) + text)
         code_hashes[program.name] = code_sha256(text, *(body_texts[rel] for rel in inlined(text, program.file_name)))
 
-    table_files = {}
-    for family in spec.FAMILY_BY_NAME.values():
-        table_files[family.name] = table_file(family.name)
-        out.add(table_file(family.name), cpp_header(FAMILY_TABLE_TEMPLATE)
-                + render(FAMILY_TABLE_TEMPLATE, **_family_table_context(family, enumeration)))
     for table_set in sets:
         out.add(table_set.table, cpp_header(SELECTION_TEMPLATE)
                 + render(SELECTION_TEMPLATE, **_selection_context(table_set)))
     out.add(SELECTION_MAP_FILE, svg_header(SELECTION_MAP_TEMPLATE)
             + render(SELECTION_MAP_TEMPLATE, **selection_map.context(sets, enumeration)))
 
-    doc = manifest.build(enumeration, sets, out.as_dict(), code_hashes, json_header(inputs),
-                         body, table_files)
+    doc = manifest.build(enumeration, sets, out.as_dict(), code_hashes, json_header(inputs), body)
     out.add(MANIFEST_NAME, manifest.dumps(doc))
     return Result(out, enumeration, inputs)
 

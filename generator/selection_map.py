@@ -18,7 +18,8 @@ LEFT, TOP, WIDTH, ROW, GAP, TITLE = 90, 28, 600, 18, 4, 22
 
 
 def _runs(family: str, cell: tuple, programs: set) -> str:
-    """The family whose program runs for `family` in `cell`: itself, or its base where it is a hole."""
+    """The family whose program runs for a rung's `family` in `cell`: itself, or its base where it is a
+    hole (a rung's family at world size 1 already the local one: tuning.ladder_families)."""
     while (family, *cell) not in programs and spec.FAMILY_BY_NAME[family].base != family:
         family = spec.FAMILY_BY_NAME[family].base
     return family
@@ -37,7 +38,7 @@ def segments(limits: tuple[int, ...], cell: tuple, programs: set) -> list[tuple[
     """(first T, last T, family that runs) along the axis for boundaries in tokens, neighbours of
     one family merged; no shared-expert operand (the ladder's base families)."""
     out, first = [], 1
-    for family, max_tokens in zip(tuning.LADDER_FAMILIES, (*limits, tuning.ALL_TOKENS)):
+    for family, max_tokens in zip(tuning.ladder_families(cell[1]), (*limits, tuning.ALL_TOKENS)):
         last = min(max_tokens, 2 * MAX_TOKENS_SHOWN - 1)
         if last >= first:
             runs = _runs(family, cell, programs)

@@ -3,7 +3,8 @@ spec of one program; its names.
 
 Every table of the generator, the manifest and (through the manifest) the runtime derives from
 the records below. Every name a program has (program name = kernel symbol, file name) is derived
-from its ProgramSpec, and `parse(name)` gives the spec back. Adding a value to an axis is one new
+from its ProgramSpec, spelling its family, dtype, world size and profile by their names, and
+`parse(name)` gives the spec back. Adding a value to an axis is one new
 record (and, for a new output profile or regime, its math in the template); nothing else.
 """
 from __future__ import annotations
@@ -28,11 +29,12 @@ DTYPE_CPP = {"fp16": "__half", "bf16": "__nv_bfloat16"}
 DTYPES = tuple(DTYPE_CPP)
 # Bytes of one element of each dtype (a fitted boundary counts bytes per rank: T x hidden x these).
 DTYPE_BYTES = {"fp16": 2, "bf16": 2}
-# World size 1 exchanges nothing: there the local families (`local`, `local_streaming`) share T and no
-# exchange family has a program (generator/policy.py); from 2 on the exchange families share T and the
-# local families have none.
+# World size 1 exchanges nothing, so the programs fall into two spaces: the local families
+# (`local`, `local_streaming`) at world size 1 only, the exchange families at the others
+# (world_sizes_of). A family's tables cover its own world sizes; a cell outside them is no hole.
 WORLD_SIZES = (1, 2, 4, 8, 16)
 LOCAL_WORLD_SIZE = 1
+EXCHANGE_WORLD_SIZES = tuple(w for w in WORLD_SIZES if w != LOCAL_WORLD_SIZE)
 
 
 # ---- output profiles ----------------------------------------------------------------
@@ -112,6 +114,8 @@ LADDER = (
     Regime("twoshot_early", max_tokens_field="early_max_tokens", cpp="moe_ar::Regime::kTwoShotEarly",
            work_unit="slice"),
     Regime("twoshot", max_tokens_field="twoshot_max_tokens", cpp="moe_ar::Regime::kTwoShot", work_unit="row"),
+    # The two pipelined rungs share one kernel regime: the same exchange, and the program's row_stages
+    # (row_stages()) picks how the partials' rows arrive: 0 into registers, > 0 through the row ring.
     Regime("twoshot_pipelined_loads", max_tokens_field="loads_max_tokens", cpp="moe_ar::Regime::kTwoShotPipelined",
            work_unit="column"),
     Regime("twoshot_pipelined", max_tokens_field=None, cpp="moe_ar::Regime::kTwoShotPipelined", work_unit="column"),
@@ -130,8 +134,7 @@ if any(not r.exchange for r in LADDER[LOCAL_RUNGS:]) or not 0 < LOCAL_RUNGS < le
 @dataclasses.dataclass(frozen=True)
 class Family:
     """A token regime plus how the shared-expert row is loaded: one table of programs."""
-    name: str
-    code: str                   # its part of program names (moe_ar_<code>_...)
+    name: str                   # also its part of program names (moe_ar_<name>_...): words, nothing to decode
     title: str                  # a readable short name
     meaning: str
     base: str                   # the family a hole of this one falls back to (itself for a root)
@@ -140,57 +143,51 @@ class Family:
     protocol: str
     regime: str                 # a REGIME_BY_NAME name
     shared_prefetch: bool       # the shared-expert row is prefetched into L2 and loaded read-only
-    cpp_name: str               # tables/<name>.h declares k<cpp_name>Kernels
 
 
 _SHARED_MEANING = "+ shared-expert row prefetched into L2 before the exchange and loaded read-only"
 FAMILY_BY_NAME = _by_name(
-    Family("local", code="lc", title="local, world size 1",
+    Family("local", title="local, world size 1",
            meaning="world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the "
                    "residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 "
                    "tokens, four routes at a time above, the token's indices read first (few T)",
-           base="local", protocol="local", regime="local", shared_prefetch=False, cpp_name="Local"),
-    Family("local_streaming", code="lcs", title="local, world size 1, streaming",
+           base="local", protocol="local", regime="local", shared_prefetch=False),
+    Family("local_streaming", title="local, world size 1, streaming",
            meaning="the local program for many tokens: two blocks a multiprocessor, each loading its row a few "
                    "routes at a time while the other normalizes (FP8 group-128: the rows come into a ring in "
                    "shared memory by bulk copies) (large T)",
-           base="local", protocol="local", regime="local_streaming", shared_prefetch=False,
-           cpp_name="LocalStreaming"),
-    Family("oneshot", code="os", title="one-shot",
+           base="local", protocol="local", regime="local_streaming", shared_prefetch=False),
+    Family("oneshot", title="one-shot",
            meaning="Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself "
                    "(small T)",
-           base="oneshot", protocol="lamport1", regime="oneshot", shared_prefetch=False, cpp_name="OneShot"),
-    Family("twoshot", code="ts", title="two-shot",
+           base="oneshot", protocol="lamport1", regime="oneshot", shared_prefetch=False),
+    Family("twoshot", title="two-shot",
            meaning="Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather "
                    "residual_out; one block per token row in every phase (large T)",
-           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=False, cpp_name="TwoShot"),
-    Family("twoshot_early", code="tse", title="two-shot, early",
+           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=False),
+    Family("twoshot_early", title="two-shot, early",
            meaning="two-shot with the reduce-scatter phases split into row slices so few owned tokens still fill "
                    "the GPU (lower two-shot range)",
-           base="twoshot", protocol="lamport2", regime="twoshot_early", shared_prefetch=False,
-           cpp_name="TwoShotEarly"),
-    Family("twoshot_shared", code="tss", title="two-shot, shared prefetch", meaning=f"twoshot {_SHARED_MEANING}",
-           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=True, cpp_name="TwoShotShared"),
-    Family("twoshot_early_shared", code="tses", title="two-shot, early, shared prefetch",
+           base="twoshot", protocol="lamport2", regime="twoshot_early", shared_prefetch=False),
+    Family("twoshot_shared", title="two-shot, shared prefetch", meaning=f"twoshot {_SHARED_MEANING}",
+           base="twoshot", protocol="lamport2", regime="twoshot", shared_prefetch=True),
+    Family("twoshot_early_shared", title="two-shot, early, shared prefetch",
            meaning=f"twoshot_early {_SHARED_MEANING}",
-           base="twoshot_early", protocol="lamport2", regime="twoshot_early", shared_prefetch=True,
-           cpp_name="TwoShotEarlyShared"),
-    Family("twoshot_pipelined", code="tsp", title="pipelined two-shot, row ring",
+           base="twoshot_early", protocol="lamport2", regime="twoshot_early", shared_prefetch=True),
+    Family("twoshot_pipelined", title="pipelined two-shot, row ring",
            meaning="two-shot with its phases pipelined over token columns, so one column's reads overlap the "
                    "exchange of the columns before; no self-traffic through its own buffer, every received vector "
                    "cleared as it is read; the partials' rows come through a ring in shared memory (largest T; "
                    "world size 2)",
-           base="twoshot", protocol="lamport2", regime="twoshot_pipelined", shared_prefetch=False,
-           cpp_name="TwoShotPipelined"),
-    Family("twoshot_pipelined_loads", code="tspl", title="pipelined two-shot, register loads",
+           base="twoshot", protocol="lamport2", regime="twoshot_pipelined", shared_prefetch=False),
+    Family("twoshot_pipelined_loads", title="pipelined two-shot, register loads",
            meaning="twoshot_pipelined with the partials' rows loaded into registers instead of the ring: more "
                    "blocks a multiprocessor, for the profiles whose norm step is heavy, below the T where the ring "
                    "takes over (world size 2)",
-           base="twoshot_pipelined", protocol="lamport2", regime="twoshot_pipelined_loads", shared_prefetch=False,
-           cpp_name="TwoShotPipelinedLoads"),
+           base="twoshot_pipelined", protocol="lamport2", regime="twoshot_pipelined_loads", shared_prefetch=False),
 )
 FAMILIES = tuple(FAMILY_BY_NAME)
-# The root family of world size 1: there it runs in place of every exchange family.
+# The root family of world size 1: with no peers there, every exchange rung of the ladder runs it.
 LOCAL_FAMILY = "local"
 # Family name -> protocol (a view of the records, for the tests that mix programs of one class).
 PROTOCOL = types.MappingProxyType({f.name: f.protocol for f in FAMILY_BY_NAME.values()})
@@ -199,6 +196,11 @@ PROTOCOL = types.MappingProxyType({f.name: f.protocol for f in FAMILY_BY_NAME.va
 def exchanges(family: str) -> bool:
     """Whether a family's programs exchange anything: all but those of world size 1."""
     return REGIME_BY_NAME[FAMILY_BY_NAME[family].regime].exchange
+
+
+def world_sizes_of(family: str) -> tuple[int, ...]:
+    """The world sizes of a family's space: world size 1 for a local family, the others for an exchange."""
+    return EXCHANGE_WORLD_SIZES if exchanges(family) else (LOCAL_WORLD_SIZE,)
 
 
 def family_for(regime: str, shared_prefetch: bool) -> str | None:
@@ -294,7 +296,7 @@ PREFIX = "moe_ar"
 
 @dataclasses.dataclass(frozen=True, order=True)
 class ProgramSpec:
-    """One cell of the program space: family, dtype, world size and output profile (by name)."""
+    """One cell of a family's space: family, dtype, one of its world sizes, output profile (by name)."""
     family: str
     dtype: str
     world_size: int
@@ -307,14 +309,16 @@ class ProgramSpec:
             raise ValueError(f"dtype: unknown {self.dtype!r}")
         if self.world_size not in WORLD_SIZES:
             raise ValueError(f"world_size: unknown {self.world_size!r}")
+        if self.world_size not in world_sizes_of(self.family):
+            raise ValueError(f"world_size: {self.world_size} is outside family {self.family}'s world sizes "
+                             f"({', '.join(map(str, world_sizes_of(self.family)))})")
         if self.profile not in PROFILE_BY_NAME:
             raise ValueError(f"profile: unknown {self.profile!r} (one of {', '.join(OUTPUT_PROFILES)})")
 
     @property
     def name(self) -> str:
-        """e.g. moe_ar_tss_bf16_ws4_nvfp4, moe_ar_os_bf16_ws2_plain; also the kernel symbol."""
-        return (f"{PREFIX}_{FAMILY_BY_NAME[self.family].code}_{self.dtype}_ws{self.world_size}_"
-                f"{self.profile}")
+        """e.g. moe_ar_twoshot_shared_bf16_ws4_nvfp4, moe_ar_oneshot_bf16_ws2_plain; also the kernel symbol."""
+        return f"{PREFIX}_{self.family}_{self.dtype}_ws{self.world_size}_{self.profile}"
 
     @property
     def symbol(self) -> str:
@@ -338,19 +342,51 @@ class ProgramSpec:
         return FAMILY_BY_NAME[self.family].base
 
 
-_FAMILY_BY_CODE = {f.code: f.name for f in FAMILY_BY_NAME.values()}
-_NAME_RE = re.compile(rf"^{PREFIX}_([a-z]+)_([a-z0-9]+)_ws(\d+)_([a-z0-9_]+)$")
+# Program names spelled the family by a code until they spelled its name; the measurement files
+# under bench_results/ keep the names they were measured under, which parse_recorded reads.
+FAMILY_CODES_BEFORE_WORDS = types.MappingProxyType({
+    "lc": "local", "lcs": "local_streaming", "os": "oneshot", "ts": "twoshot", "tse": "twoshot_early",
+    "tss": "twoshot_shared", "tses": "twoshot_early_shared", "tsp": "twoshot_pipelined",
+    "tspl": "twoshot_pipelined_loads"})
+if (set(FAMILY_CODES_BEFORE_WORDS.values()) - set(FAMILY_BY_NAME)
+        or set(FAMILY_CODES_BEFORE_WORDS) & set(FAMILY_BY_NAME)):
+    raise ValueError("spec: an old family code names no family, or is a family name itself")
+_FAMILY_NAMES = types.MappingProxyType({family: family for family in FAMILY_BY_NAME})
+# <prefix>_<family>_<dtype>_ws<world size>_<profile>; a family name may hold underscores, a dtype none.
+_NAME_RE = re.compile(rf"^{PREFIX}_([a-z0-9_]+?)_({'|'.join(DTYPES)})_ws(\d+)_([a-z0-9_]+)$")
+
+
+def _parse(name: str, families) -> ProgramSpec | None:
+    match = _NAME_RE.match(name)
+    if not match or match.group(1) not in families or match.group(4) not in PROFILE_BY_NAME:
+        return None
+    try:
+        cell = ProgramSpec(families[match.group(1)], match.group(2), int(match.group(3)), match.group(4))
+    except ValueError:
+        return None
+    return cell if name == f"{PREFIX}_{match.group(1)}_{cell.dtype}_ws{cell.world_size}_{cell.profile}" else None
 
 
 def parse(name: str) -> ProgramSpec:
-    match = _NAME_RE.match(name)
-    if not match or match.group(1) not in _FAMILY_BY_CODE or match.group(4) not in PROFILE_BY_NAME:
-        raise ValueError(f"name: {name!r} is not a program name like {PREFIX}_ts_bf16_ws2_plain")
-    return ProgramSpec(_FAMILY_BY_CODE[match.group(1)], match.group(2), int(match.group(3)),
-                       match.group(4))
+    """The spec of a program name (today's names only)."""
+    cell = _parse(name, _FAMILY_NAMES)
+    if cell is None:
+        raise ValueError(f"name: {name!r} is not a program name like {PREFIX}_twoshot_bf16_ws2_plain")
+    return cell
+
+
+def parse_recorded(name: str) -> ProgramSpec:
+    """parse, and also the names measurement files recorded with a family code (moe_ar_tses_bf16_ws4_plain
+    is moe_ar_twoshot_early_shared_bf16_ws4_plain): for reading measured data, never for naming."""
+    cell = _parse(name, _FAMILY_NAMES) or _parse(name, FAMILY_CODES_BEFORE_WORDS)
+    if cell is None:
+        raise ValueError(f"name: {name!r} is not a program name like {PREFIX}_twoshot_bf16_ws2_plain "
+                         f"(or its code form, {PREFIX}_ts_bf16_ws2_plain)")
+    return cell
 
 
 def all_cells():
-    """Every (family, dtype, world_size, profile) in fixed table order."""
-    for family, dtype, world_size, profile in itertools.product(FAMILIES, DTYPES, WORLD_SIZES, OUTPUT_PROFILES):
-        yield ProgramSpec(family, dtype, world_size, profile)
+    """Every cell of every family's space (family, dtype, world size, profile), in fixed table order."""
+    for family in FAMILIES:
+        for dtype, world_size, profile in itertools.product(DTYPES, world_sizes_of(family), OUTPUT_PROFILES):
+            yield ProgramSpec(family, dtype, world_size, profile)

@@ -72,8 +72,10 @@ class Measurements:
 
 
 def _program_of(name: str) -> spec.ProgramSpec | None:
+    """The program a record names: today's name, or the code form a file measured before names
+    spelled the family (the committed files keep the names they were measured under)."""
     try:
-        return spec.parse(name)
+        return spec.parse_recorded(name)
     except ValueError:
         return None  # a baseline or "auto"
 

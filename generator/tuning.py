@@ -51,9 +51,9 @@ LADDER_FAMILIES = tuple(spec.family_for(regime.name, False) for regime in spec.L
 
 
 def ladder_families(world_size: int) -> tuple[str, ...]:
-    """The family that runs each rung at a world size, holes resolved: at world size 1 every exchange
-    family is a hole that runs `local` (generator/enumeration.py), so a world-size-1 ladder may return to
-    the latency layout after the streaming one (bench_results/world_size_1/small_hidden/: H 4096)."""
+    """The family that runs each rung at a world size: at world size 1, with no peers, every exchange
+    rung runs `local` (the manifest's selection.no_peers), so a world-size-1 ladder may return to the
+    latency layout after the streaming one (bench_results/world_size_1/small_hidden/: H 4096)."""
     if world_size != spec.LOCAL_WORLD_SIZE:
         return LADDER_FAMILIES
     return tuple(spec.LOCAL_FAMILY if spec.exchanges(family) else family for family in LADDER_FAMILIES)

@@ -5,7 +5,7 @@ jinja2, torch or cupy): the generator and the runtime both read generated/
 through it (they never import each other).
 
     manifest = load_verified_manifest(generated_dir)   # raises ManifestError
-    text = source_for(manifest, generated_dir, "moe_ar_ts_bf16_ws4_plain")
+    text = source_for(manifest, generated_dir, "moe_ar_twoshot_bf16_ws4_plain")
 
 `source_for` returns one self-contained translation unit: the program with each
 `#include "name"` line replaced by the text of the body header
@@ -26,7 +26,9 @@ MANIFEST_NAME = "manifest.json"
 # 3: the body is a set of headers (`body`: entry, include_dir, headers), inlined recursively.
 # 4: the selection boundaries come in table sets (`selection.sets`, the written model last), each
 # cell counted in its own key (tokens or bytes per rank) with its measured range.
-FORMAT = 4
+# 5: program names spell the family; each family lists its world sizes, holes are cells of those
+# only, and `selection.no_peers` names the family every exchange rung runs at world size 1.
+FORMAT = 5
 REGENERATE = "run `gen-programs` to regenerate"
 
 

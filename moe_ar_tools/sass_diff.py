@@ -8,11 +8,12 @@ taken with `git archive REV | tar -x`, and that tree's own generator code (its `
 source_for, its `nvrtc_build` options, its manifest's compile options, its `cuda_env` headers:
 found in generator/ or moe_ar_common/, wherever that revision kept them) builds its sources; NVRTC compiles them to cubins as the runtime does, `cuobjdump -sass`
 disassembles them, and the two programs of a cell (family, dtype, world size, profile, from the
-manifests) are compared after normalization (each program's own symbol -> a placeholder, blank and
-fat-binary banner lines dropped, runs of blanks made one). Per (program, arch): identical /
-identical but the name / DIFFERENT (with the first differing lines) / FAILED, plus the cells only
-one tree has. Exit 1 when a paired program differs or fails to compile or disassemble, 2 when the
-trees cannot be compared (a missing tool, a bad revision, a stale manifest).
+manifests, so a renamed program is paired with its old name) are compared after normalization
+(each program's own symbol -> a placeholder, blank and fat-binary banner lines dropped, runs of
+blanks made one). Per (program, arch): identical / renamed, identical (the same SASS but the
+symbol) / DIFFERENT (with the first differing lines) / FAILED, plus the cells only one tree has.
+Exit 1 when a paired program differs or fails to compile or disassemble, 2 when the trees cannot
+be compared (a missing tool, a bad revision, a stale manifest).
 
 cuobjdump and the nvdisasm it runs come with the `test` extra (nvidia-cuda-cuobjdump,
 nvidia-cuda-nvdisasm), or from a CUDA toolkit ($CUDA_HOME/bin, PATH). SASS is cached per
@@ -47,7 +48,7 @@ from generator.spec import ARCH_TARGETS
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PLACEHOLDER = "<program>"
 IDENTICAL = "identical"
-SAME_BUT_NAME = "identical but the name"
+RENAMED = "renamed, identical"  # another symbol, the same SASS once each is the placeholder
 DIFFERENT = "DIFFERENT"
 FAILED = "FAILED"
 DIFF_LINES = 24  # differing lines shown per DIFFERENT (program, arch)
@@ -85,18 +86,18 @@ def normalize(sass: str, symbol: str | None = None) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    status: str               # IDENTICAL, SAME_BUT_NAME or DIFFERENT
+    status: str               # IDENTICAL, RENAMED or DIFFERENT
     diff: tuple[str, ...]     # the first differing lines (unified diff, old -> new) when DIFFERENT
 
 
 def compare(old_sass: str, old_symbol: str, new_sass: str, new_symbol: str) -> Comparison:
-    """identical (the same text), identical but the name (the same once each program's own symbol is
-    the placeholder), or DIFFERENT with the first lines that differ."""
+    """identical (the same text), renamed, identical (the same once each program's own symbol is the
+    placeholder), or DIFFERENT with the first lines that differ."""
     if normalize(old_sass) == normalize(new_sass):
         return Comparison(IDENTICAL, ())
     old, new = normalize(old_sass, old_symbol), normalize(new_sass, new_symbol)
     if old == new:
-        return Comparison(SAME_BUT_NAME, ())
+        return Comparison(RENAMED, ())
     diff = difflib.unified_diff(old, new, "old", "new", n=2, lineterm="")
     return Comparison(DIFFERENT, tuple(line for _, line in zip(range(DIFF_LINES), diff)))
 
@@ -130,7 +131,7 @@ def pair(old: list[dict], new: list[dict]) -> tuple[list[tuple[dict, dict]], lis
 
 def counts(rows: list[dict], archs: list[str]) -> dict[str, dict[str, int]]:
     """Per arch: how many (program, arch) rows have each status."""
-    out = {arch: dict.fromkeys((IDENTICAL, SAME_BUT_NAME, DIFFERENT, FAILED), 0) for arch in archs}
+    out = {arch: dict.fromkeys((IDENTICAL, RENAMED, DIFFERENT, FAILED), 0) for arch in archs}
     for row in rows:
         out[row["arch"]][row["status"]] += 1
     return out
@@ -490,10 +491,10 @@ def summary_lines(report: dict) -> list[str]:
         n = sum(by_status.values())
         lines.append(f"{arch}: {n} paired programs: " + ", ".join(f"{v} {k}" for k, v in by_status.items()))
     total = len(rows)
-    same = sum(r["status"] in (IDENTICAL, SAME_BUT_NAME) for r in rows)
+    same = sum(r["status"] in (IDENTICAL, RENAMED) for r in rows)
     lines.append(f"{same} of {total} (program, arch) the same SASS ("
                  f"{sum(r['status'] == IDENTICAL for r in rows)} identical, "
-                 f"{sum(r['status'] == SAME_BUT_NAME for r in rows)} identical but the symbol name); "
+                 f"{sum(r['status'] == RENAMED for r in rows)} renamed, identical but the symbol name); "
                  f"{total - same} differ or failed; archs {', '.join(archs)}")
     return lines
 

@@ -158,10 +158,10 @@ def _record(**kw):
 
 
 def test_record_schema():
-    r = _record(ratio_vs_nccl_torch=0.5, program="moe_ar_os_bf16_ws2_plain")
+    r = _record(ratio_vs_nccl_torch=0.5, program="moe_ar_oneshot_bf16_ws2_plain")
     assert tuple(r)[:len(records.RECORD_KEYS)] == records.RECORD_KEYS
     assert r["emulated"] is False
-    assert r["ratio_vs_nccl_torch"] == 0.5 and r["program"] == "moe_ar_os_bf16_ws2_plain"
+    assert r["ratio_vs_nccl_torch"] == 0.5 and r["program"] == "moe_ar_oneshot_bf16_ws2_plain"
     json.dumps(r)
     # a voided leg keeps its time, flagged
     assert _record(valid=False)["valid"] is False
@@ -189,10 +189,10 @@ def test_summary_picks_best_and_reports_ratios():
         _record(system="nccl+torch", median_us=40.0),
         _record(system="symm+torch", variant="one_shot", median_us=30.0),
         _record(system="symm+torch", variant="two_shot", median_us=35.0),
-        _record(system="moe_ar_os_bf16_ws2_plain", median_us=12.0),
-        _record(system="moe_ar_ts_bf16_ws2_plain", median_us=9.0, valid=False),  # faster but wrong: ignored
-        _record(system="moe_ar_tse_bf16_ws2_plain", median_us=14.0),
-        _record(system="auto", median_us=12.5, program="moe_ar_os_bf16_ws2_plain", ratio_vs_nccl_torch=0.31,
+        _record(system="moe_ar_oneshot_bf16_ws2_plain", median_us=12.0),
+        _record(system="moe_ar_twoshot_bf16_ws2_plain", median_us=9.0, valid=False),  # faster but wrong: ignored
+        _record(system="moe_ar_twoshot_early_bf16_ws2_plain", median_us=14.0),
+        _record(system="auto", median_us=12.5, program="moe_ar_oneshot_bf16_ws2_plain", ratio_vs_nccl_torch=0.31,
                 ratio_vs_symm_torch=0.42, ratio_vs_best_program=1.04),
     ]
     rows = summary.summary_rows(recs)
@@ -200,12 +200,12 @@ def test_summary_picks_best_and_reports_ratios():
     r = rows[0]
     assert r["auto_us"] == 12.5 and r["nccl_torch_us"] == 40.0
     assert r["symm_torch_us"] == 30.0 and r["symm_variant"] == "one_shot"
-    assert r["best_program"] == "moe_ar_os_bf16_ws2_plain" and r["best_program_us"] == 12.0
+    assert r["best_program"] == "moe_ar_oneshot_bf16_ws2_plain" and r["best_program_us"] == 12.0
     assert r["auto_vs_nccl"] == 0.31 and r["auto_vs_best"] == 1.04
     assert r["roofline_fraction"] == pytest.approx(3.25 / 12.5)
-    assert r["invalid"] == ["moe_ar_ts_bf16_ws2_plain"]
+    assert r["invalid"] == ["moe_ar_twoshot_bf16_ws2_plain"]
     text = summary.format_summary(rows)
-    assert "7168/8s" in text and "os;os" in text and "INVALID:ts" in text and "0.31" in text
+    assert "7168/8s" in text and "oneshot;oneshot" in text and "INVALID:twoshot" in text and "0.31" in text
 
 
 def test_summary_reports_the_strongest_baseline():
@@ -240,7 +240,8 @@ def test_summary_order_follows_the_sweep():
 
 
 def test_short_program():
-    assert summary.short_program("moe_ar_tses_fp16_ws8_nvfp4") == "tses"
+    assert summary.short_program("moe_ar_twoshot_early_shared_fp16_ws8_nvfp4") == "twoshot_early_shared"
+    assert summary.short_program("moe_ar_local_bf16_ws1_fp8_group128") == "local"
     assert summary.short_program("nccl+torch") == "nccl+torch"
     assert summary.short_program(None) == "-"
 

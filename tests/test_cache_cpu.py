@@ -30,8 +30,8 @@ import pytest
 
 from dispatch import registry
 
-PROGRAM = "moe_ar_os_bf16_ws2_plain"
-OTHER = "moe_ar_os_bf16_ws4_plain"
+PROGRAM = "moe_ar_oneshot_bf16_ws2_plain"
+OTHER = "moe_ar_oneshot_bf16_ws4_plain"
 TARGET = "sm_90a"
 EVIL = b"\x7fELF planted cubin" * 16
 

@@ -156,10 +156,10 @@ def test_select_family_follows_the_committed_boundaries(ws, profile):
             if 1 <= T < registry.program_set().all_tokens:
                 assert registry.select_family("bf16", ws, profile, T, False, BIG, bounds=b) == expected(T), (T, bounds)
     # the register-load pipelined program, where a hole, falls back to the ring one, then the two-shot
-    assert registry.program_for("twoshot_pipelined_loads", "bf16", 2, "plain") == "moe_ar_tsp_bf16_ws2_plain"
-    assert registry.program_for("twoshot_pipelined_loads", "bf16", 4, "nvfp4") == "moe_ar_ts_bf16_ws4_nvfp4"
+    assert registry.program_for("twoshot_pipelined_loads", "bf16", 2, "plain") == "moe_ar_twoshot_pipelined_bf16_ws2_plain"
+    assert registry.program_for("twoshot_pipelined_loads", "bf16", 4, "nvfp4") == "moe_ar_twoshot_bf16_ws4_nvfp4"
     # where the pipelined two-shot is a hole, the two-shot runs (named explicitly)
-    assert registry.program_for("twoshot_pipelined", "bf16", 4, profile) == f"moe_ar_ts_bf16_ws4_{profile}"
+    assert registry.program_for("twoshot_pipelined", "bf16", 4, profile) == f"moe_ar_twoshot_bf16_ws4_{profile}"
     # a workspace whose one-shot buffer is smaller than the boundary caps the one-shot range
     if oneshot > 1:
         assert registry.select_family("bf16", ws, profile, oneshot, False, oneshot - 1, bounds=b) != "oneshot"
@@ -174,8 +174,8 @@ def test_shared_variant_only_where_generated_and_holes_fall_back():
     b4 = _bounds("bf16", 4, "plain")
     e4 = b4["early_max_tokens"]
     assert registry.select_family("bf16", 4, "plain", e4 + 1, True, BIG, bounds=b4) == "twoshot_shared"
-    assert registry.program_for("twoshot_shared", "bf16", 2, "plain") == "moe_ar_ts_bf16_ws2_plain"
-    assert registry.program_for("twoshot_early_shared", "fp16", 8, "nvfp4") == "moe_ar_tse_fp16_ws8_nvfp4"
+    assert registry.program_for("twoshot_shared", "bf16", 2, "plain") == "moe_ar_twoshot_bf16_ws2_plain"
+    assert registry.program_for("twoshot_early_shared", "fp16", 8, "nvfp4") == "moe_ar_twoshot_early_fp16_ws8_nvfp4"
     with pytest.raises(ValueError, match="^program: no program for bf16 world size 2 output profile o110"):
         registry.program_for("twoshot", "bf16", 2, "o110")  # an old name code is no profile
 
@@ -185,7 +185,7 @@ def test_profiles_are_named_by_their_quant_value():
     assert registry.program_set().profile_of_quant == {None: "plain", "nvfp4": "nvfp4",
                                                        "fp8_group128": "fp8_group128", "fp8_tensor": "fp8_tensor"}
     assert profile_for_quant(None) == "plain" and profile_for_quant("nvfp4") == "nvfp4"
-    assert registry.program_info("moe_ar_tss_bf16_ws4_nvfp4")["profile"] == "nvfp4"
+    assert registry.program_info("moe_ar_twoshot_shared_bf16_ws4_nvfp4")["profile"] == "nvfp4"
 
 
 @pytest.mark.parametrize("hidden", [1024, 4096, 7168, 8192, 16384])

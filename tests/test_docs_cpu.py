@@ -15,6 +15,7 @@ import re
 import pytest
 
 from dispatch.workspace_sizes import buffer_elems_for
+from generator import spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -73,9 +74,10 @@ def test_model_one_shot_fits_the_benchmark(model):
         if (r["hidden"], r["top_k"], bool(r["shared"]), r["profile"]) != (7168, 8, True, "plain"):
             continue
         T = r["tokens"]
-        if r["system"] == "moe_ar_os_bf16_ws2_plain":
+        system = r["system"] if not r["system"].startswith("moe_ar_") else spec.parse_recorded(r["system"]).name
+        if system == "moe_ar_oneshot_bf16_ws2_plain":
             t = model.oneshot(T, 2, s, beta, hbm, model.ALPHA_US, model.FIXED_US)[0]
-        elif r["system"] == "moe_ar_tsp_bf16_ws2_plain" and T >= model.PIPELINED_MIN_TOKENS:
+        elif system == "moe_ar_twoshot_pipelined_bf16_ws2_plain" and T >= model.PIPELINED_MIN_TOKENS:
             t = model.twoshot(T, 2, s, beta, hbm, model.ALPHA_US, model.FIXED_US, pipelined=True)[0]
         else:
             continue

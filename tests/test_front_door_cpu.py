@@ -26,7 +26,7 @@ def test_the_call_names_a_workspace_that_is_not_one():
 
 def test_warmup_names_one_string_and_a_missing_gpu(monkeypatch):
     with pytest.raises(ValueError, match="names: a list of program names"):
-        dispatch.warmup("moe_ar_lc_bf16_ws1_plain")
+        dispatch.warmup("moe_ar_local_bf16_ws1_plain")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(ValueError, match="device_index: no CUDA GPU"):
         dispatch.warmup([dispatch.programs()[0]])

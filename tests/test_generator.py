@@ -57,25 +57,49 @@ def manifest(rendered):
 # ---- enumeration and names ----------------------------------------------------------
 
 def test_enumeration_is_product_minus_holes():
+    """Each family's space (its world sizes) x dtype x profile, less the holes; a hole falls back along
+    its base chain to a family of the same protocol, within the same world sizes."""
     enumeration = enumerate_programs()
-    product = [spec.ProgramSpec(*cell) for cell in itertools.product(
-        spec.FAMILIES, spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES)]
+    product = [spec.ProgramSpec(family, dtype, world_size, profile) for family in spec.FAMILIES
+               for dtype, world_size, profile in itertools.product(
+                   spec.DTYPES, spec.world_sizes_of(family), spec.OUTPUT_PROFILES)]
     holes = {h.spec for h in enumeration.holes}
-    assert {h.spec for h in enumeration.holes} == {c for c in product if policy.hole_reason(c)}
-    assert list(enumeration.programs) == [c for c in product if c not in holes]
+    assert holes == {c for c in product if policy.hole_reason(c)}
+    assert list(enumeration.programs) == [c for c in product if c not in holes] == \
+        [c for c in spec.all_cells() if c not in holes]
     assert len(enumeration.programs) + len(enumeration.holes) == len(product)
     for hole in enumeration.holes:
         assert hole.reason == policy.hole_reason(hole.spec)
-        world_one = hole.spec.world_size == spec.LOCAL_WORLD_SIZE
-        if hole.fallback_family is None:  # a world-size-1 family elsewhere: no T selects it there
-            assert not spec.exchanges(hole.spec.family) and not world_one, hole
-            continue
         fallback = spec.ProgramSpec(hole.fallback_family, hole.spec.dtype, hole.spec.world_size, hole.spec.profile)
         assert policy.is_supported(fallback)
-        if world_one and spec.exchanges(hole.spec.family):  # no peer to agree on a protocol with
-            assert hole.fallback_family == spec.LOCAL_FAMILY, hole
-        else:
-            assert spec.FAMILY_BY_NAME[hole.fallback_family].protocol == spec.FAMILY_BY_NAME[hole.spec.family].protocol
+        assert spec.FAMILY_BY_NAME[hole.fallback_family].protocol == spec.FAMILY_BY_NAME[hole.spec.family].protocol
+
+
+def test_world_size_one_and_the_exchanges_are_two_spaces(manifest):
+    """World size 1 exchanges nothing: the local families have programs there only, the exchange
+    families at the others only. A cell across that line is no hole (no program could stand there, and
+    none is a ProgramSpec); the holes are cells where a program could exist and does not, each with
+    its reason, and selection's world-size-1 rule is the manifest's selection.no_peers."""
+    local = [f for f in spec.FAMILIES if not spec.exchanges(f)]
+    assert local == ["local", "local_streaming"]
+    for family in spec.FAMILIES:
+        mine = spec.world_sizes_of(family)
+        assert mine == ((spec.LOCAL_WORLD_SIZE,) if family in local else spec.EXCHANGE_WORLD_SIZES)
+        for world_size in set(spec.WORLD_SIZES) - set(mine):
+            with pytest.raises(ValueError, match="outside family"):
+                spec.ProgramSpec(family, "bf16", world_size, "plain")
+            with pytest.raises(ValueError):
+                spec.parse(f"moe_ar_{family}_bf16_ws{world_size}_plain")
+    for family in manifest["axes"]["families"]:
+        assert family["world_sizes"] == list(spec.world_sizes_of(family["name"]))
+    for hole in manifest["holes"]:
+        assert hole["world_size"] in spec.world_sizes_of(hole["family"]) and hole["reason"], hole
+        assert hole["world_size"] in spec.world_sizes_of(hole["fallback_family"]), hole
+    assert manifest["selection"]["no_peers"] == {"world_size": 1, "family": "local"}
+    # 84 holes against 156 programs, every one a variant missing where its base runs
+    assert (len(manifest["programs"]), len(manifest["holes"])) == (156, 84)
+    assert {h["family"] for h in manifest["holes"]} == {"twoshot_shared", "twoshot_early_shared", "twoshot_pipelined",
+                                                         "twoshot_pipelined_loads"}
 
 
 def test_root_family_hole_is_refused():
@@ -89,23 +113,55 @@ def test_names_round_trip(cell):
     assert cell.symbol == cell.name and cell.file_name == f"programs/{cell.name}.cu"
 
 
-@pytest.mark.parametrize("bad", ["moe_ar_xx_bf16_ws4_plain", "moe_ar_ts_bf32_ws4_plain", "moe_ar_ts_bf16_ws3_plain",
-                                 "moe_ar_ts_bf16_ws4_o112", "moe_ar_ts_bf16_ws4_o110", "ts_bf16_ws4_o110", "moe_ar_ts_bf16_ws4_plain.cu"])
+@pytest.mark.parametrize("bad", ["moe_ar_xx_bf16_ws4_plain", "moe_ar_twoshot_bf32_ws4_plain", "moe_ar_twoshot_bf16_ws3_plain",
+                                 "moe_ar_twoshot_bf16_ws4_o112", "moe_ar_twoshot_bf16_ws4_o110", "ts_bf16_ws4_o110",
+                                 "moe_ar_twoshot_bf16_ws4_plain.cu", "moe_ar_twoshot_bf16_ws04_plain",
+                                 "moe_ar_twoshot__bf16_ws4_plain", "moe_ar_ts_bf16_ws4_plain", "moe_ar_tses_bf16_ws4_plain"])
 def test_parse_rejects(bad):
     with pytest.raises(ValueError):
         spec.parse(bad)
+
+
+def test_program_names_spell_the_family_in_words(manifest):
+    """A name reads without a decoder: moe_ar_<family>_<dtype>_ws<world size>_<profile>, every part
+    by its name, none of them one of the family codes names had before (FAMILY_CODES_BEFORE_WORDS)."""
+    codes = set(spec.FAMILY_CODES_BEFORE_WORDS)
+    for cell in spec.all_cells():
+        assert cell.name == f"moe_ar_{cell.family}_{cell.dtype}_ws{cell.world_size}_{cell.profile}"
+        assert not codes & set(cell.name.split("_")), cell.name
+    for entry in manifest["programs"]:
+        for name in (entry["name"], entry["symbol"], entry["cluster_symbol"] or entry["name"], entry["file"]):
+            assert not codes & set(re.split(r"[_/.]", name)), name
+    assert all("code" not in family for family in manifest["axes"]["families"])
+
+
+def test_the_code_form_of_a_name_is_read_only_from_measurements():
+    """Measurement files keep the names they were measured under: parse_recorded reads the code form
+    as the family it stood for; parse (what names programs) does not."""
+    assert spec.FAMILY_CODES_BEFORE_WORDS == {
+        "lc": "local", "lcs": "local_streaming", "os": "oneshot", "ts": "twoshot", "tse": "twoshot_early",
+        "tss": "twoshot_shared", "tses": "twoshot_early_shared", "tsp": "twoshot_pipelined",
+        "tspl": "twoshot_pipelined_loads"}
+    for code, family in spec.FAMILY_CODES_BEFORE_WORDS.items():
+        cell = spec.ProgramSpec(family, "bf16", 1 if not spec.exchanges(family) else 2, "nvfp4")
+        old = f"moe_ar_{code}_bf16_ws{cell.world_size}_nvfp4"
+        assert spec.parse_recorded(old) == cell == spec.parse_recorded(cell.name) == spec.parse(cell.name)
+        with pytest.raises(ValueError):
+            spec.parse(old)
+    for bad in ("moe_ar_xx_bf16_ws2_plain", "moe_ar_os_bf16_ws3_plain", "nccl+torch", "auto"):
+        with pytest.raises(ValueError):
+            spec.parse_recorded(bad)
 
 
 def test_family_records_are_consistent():
     """One record per family; everything else derives from the records."""
     families = spec.FAMILY_BY_NAME.values()
     assert spec.FAMILIES == tuple(f.name for f in families)
-    for field in ("code", "title", "cpp_name"):
-        assert len({getattr(f, field) for f in families}) == len(spec.FAMILIES), field
+    assert len({f.title for f in families}) == len(spec.FAMILIES)
     for family in families:
         assert family.base in spec.FAMILY_BY_NAME and family.regime in spec.REGIME_BY_NAME
         assert spec.FAMILY_BY_NAME[family.base].protocol == family.protocol
-        assert re.fullmatch(r"[a-z]+", family.code) and re.fullmatch(r"[A-Z][A-Za-z]*", family.cpp_name)
+        assert re.fullmatch(r"[a-z]+(_[a-z]+)*", family.name)
         assert spec.family_for(family.regime, family.shared_prefetch) == family.name
     # every rung of the ladder has a family of its own name, without the shared-expert prefetch
     for regime in spec.LADDER:
@@ -123,8 +179,8 @@ def test_profile_records_are_consistent():
     assert [p.quant for p in profiles] == [None, "nvfp4", "fp8_group128", "fp8_tensor"]
     assert dict(spec.PROFILE_QUANT) == {p.name: p.quant for p in profiles}
     # program names spell the profile by its name
-    assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_tss_bf16_ws4_nvfp4"
-    assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_os_bf16_ws2_plain"
+    assert spec.ProgramSpec("twoshot_shared", "bf16", 4, "nvfp4").name == "moe_ar_twoshot_shared_bf16_ws4_nvfp4"
+    assert spec.ProgramSpec("oneshot", "bf16", 2, "plain").name == "moe_ar_oneshot_bf16_ws2_plain"
     # the pipelined two-shot with register loads is generated for the profiles with loads, a hole elsewhere
     for profile in profiles:
         cell = spec.ProgramSpec("twoshot_pipelined_loads", "bf16", 2, profile.name)
@@ -241,7 +297,9 @@ def test_manifest_contents(rendered, manifest):
     assert len(manifest["holes"]) == len(enumeration.holes)
     assert manifest["targets"] == list(spec.ARCH_TARGETS)
     assert manifest["param_plan"] == [[n, c, t] for n, c, t, _ in render.abi.PARAMS]
-    assert manifest["tables"] == {f: f"tables/{f}.h" for f in spec.FAMILIES}
+    assert "tables" not in manifest  # no per-family header: the programs and holes are the manifest's
+    assert sorted(rel for rel in manifest["files"] if rel.startswith("tables/")) == sorted(
+        s["table"] for s in manifest["selection"]["sets"])
     for p in manifest["programs"]:
         cell = spec.parse(p["name"])
         assert (p["family"], p["dtype"], p["world_size"], p["profile"]) == (
@@ -525,7 +583,7 @@ def test_diff_shows_a_renamed_program_as_a_rename(tmp_path):
             continue
         before = entry["name"].removesuffix("_plain") + "_o110"
         text = (gen / entry["file"]).read_text().replace(entry["name"], before)
-        if entry["name"] == "moe_ar_os_bf16_ws2_plain":
+        if entry["name"] == "moe_ar_oneshot_bf16_ws2_plain":
             text = text.replace("/*shared_prefetch=*/false", "/*shared_prefetch=*/true")  # a code change too
         (gen / entry["file"]).unlink()
         entry["file"] = f"programs/{before}.cu"
@@ -541,12 +599,33 @@ def test_diff_shows_a_renamed_program_as_a_rename(tmp_path):
     lines = r.stdout.strip().splitlines()
     assert r.returncode == 1 and len(lines) == renamed + 1, r.stdout + r.stderr
     assert lines[-1] == f"summary: {renamed} programs renamed", lines
-    assert "~ oneshot bf16 ws2 plain: renamed moe_ar_os_bf16_ws2_o110 -> moe_ar_os_bf16_ws2_plain, code sha256 " \
+    assert "~ oneshot bf16 ws2 plain: renamed moe_ar_oneshot_bf16_ws2_o110 -> moe_ar_oneshot_bf16_ws2_plain, code sha256 " \
         in r.stdout, r.stdout
     same = [line for line in lines if line.endswith(", same code but the name")]
     assert len(same) == renamed - 1, r.stdout
-    assert "~ twoshot fp16 ws8 plain: renamed moe_ar_ts_fp16_ws8_o110 -> moe_ar_ts_fp16_ws8_plain, same code but " \
+    assert "~ twoshot fp16 ws8 plain: renamed moe_ar_twoshot_fp16_ws8_o110 -> moe_ar_twoshot_fp16_ws8_plain, same code but " \
            "the name" in lines, r.stdout
+
+
+def test_diff_names_holes_that_left_the_tables_without_a_program(manifest):
+    """A revision whose grid had cells across the world-size-1 line (holes of no program, and no
+    no_peers rule) shows those holes as gone, grouped by family, and the rule as new; no cell of a
+    program changes."""
+    import copy
+    old = copy.deepcopy(manifest)
+    del old["selection"]["no_peers"]
+    for family in ("oneshot", "local"):
+        for world_size in ((1,) if family == "oneshot" else (2, 4)):
+            old["holes"].append({"family": family, "dtype": "bf16", "world_size": world_size, "profile": "plain",
+                                 "reason": "across the line", "fallback_family": None})
+    lines = diff_manifests(old, manifest)
+    assert lines == ["- local: 2 holes gone at world sizes 2/4 (no longer cells of the family)",
+                     "- oneshot: 1 hole gone at world size 1 (no longer cells of the family)",
+                     "~ selection without peers: absent -> world size 1 runs local for every exchange rung",
+                     "summary: 3 holes gone, 1 table-wide change"], lines
+    assert diff_manifests(manifest, old)[:2] == [
+        "+ local: 2 holes added at world sizes 2/4 (new cells of the family)",
+        "+ oneshot: 1 hole added at world size 1 (new cells of the family)"]
 
 
 def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
@@ -583,77 +662,88 @@ def test_diff_reads_a_revision_with_the_body_in_one_file(tmp_path):
 
 # ---- the emitted C++ tables ---------------------------------------------------------
 
-_ENTRY_RE = re.compile(r'^\s*(?:"(?P<symbol>\w+)"|(?P<null>nullptr)),\s*// (?P<dtype>\w+) ws(?P<ws>\d+) '
-                       r'(?P<profile>\w+)(?: hole (?:-> (?P<fallback>\w+)|\(never selected\)): (?P<reason>.+))?$')
-_BOUNDS_RE = re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{"
-                        + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
-                        + r"\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
-_OWN_RE = re.compile(r"^\s*\{(\d+), (\d+), (\d+), (\d+), (\d+), (\d+), \{"
-                     + ", ".join([r"(\d+|kAllTokens)"] * len(spec.BOUNDARY_FIELDS))
-                     + r"\}\},\s*// (\w+) ws(\d+) (\w+) at hidden (\d+)$")
+def _bounds_re(fields: int) -> re.Pattern:
+    return re.compile(r"^\s*\{(kTokens|kBytesPerRank), (\d+), (\d+), \{" + ", ".join([r"(\d+|kAllTokens)"] * fields)
+                      + r"\}\},\s*// (\w+) ws(\d+) (\w+): (\S.*)$")
 
 
-def _cells():
-    return list(itertools.product(spec.DTYPES, spec.WORLD_SIZES, spec.OUTPUT_PROFILES))
+def _own_re(indexes: int, fields: int) -> re.Pattern:
+    return re.compile(r"^\s*\{" + ", ".join([r"(\d+)"] * (indexes + 3)) + r", \{"
+                      + ", ".join([r"(\d+|kAllTokens)"] * fields) + r"\}\},\s*// (\w+) ws(\d+) (\w+) at hidden (\d+)$")
 
 
-def test_cpp_tables_parse_back_to_the_manifest(rendered, manifest):
-    programs = {(p["family"], p["dtype"], p["world_size"], p["profile"]): p["symbol"] for p in manifest["programs"]}
-    holes = {(h["family"], h["dtype"], h["world_size"], h["profile"]): h for h in manifest["holes"]}
-    dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}]"
-    for family, rel in manifest["tables"].items():
-        text = rendered.outputs[rel].decode()
-        assert f"static const char* const k{spec.FAMILY_BY_NAME[family].cpp_name}Kernels{dims} = {{" in text
-        world_sizes = ", ".join(str(w) for w in spec.WORLD_SIZES)
-        assert f"// [dtype: fp16, bf16][world size: {world_sizes}][output profile: {', '.join(spec.OUTPUT_PROFILES)}]" in text
-        entries = [m for m in map(_ENTRY_RE.match, text.splitlines()) if m]
-        # one entry a line, in index order
-        assert [(m["dtype"], int(m["ws"]), m["profile"]) for m in entries] == _cells()
-        for m in entries:
-            key = (family, m["dtype"], int(m["ws"]), m["profile"])
-            if m["null"]:
-                assert key in holes and key not in programs
-                assert (m["fallback"], m["reason"]) == (holes[key]["fallback_family"], holes[key]["reason"])
-            else:
-                assert programs[key] == m["symbol"]
-    assert len(programs) + len(holes) == len(spec.FAMILIES) * len(_cells())
+def _with_own_rows(table_set):
+    """The set with boundaries of their own at hidden 4096 in a world-size-1 and a world-size-2 cell."""
+    import dataclasses
+    cells = dict(table_set.boundaries)
+    for cell, own in ((("bf16", 1, "plain"), (256, 4096) + (tuning.ALL_TOKENS,) * 4),
+                      (("fp16", 2, "nvfp4"), (0, 0, 1 << 22, 1 << 22, 1 << 22, 1 << 23))):
+        cells[cell] = dataclasses.replace(cells[cell], by_hidden=((4096, own, (8192, 1 << 27)),))
+    return dataclasses.replace(table_set, boundaries=cells)
 
 
-def test_selection_tables_parse_back_to_the_manifest(rendered, manifest):
-    """Every set's header holds each cell's key, measured range, boundaries and source, as the manifest does."""
+@pytest.mark.parametrize("own_rows", [False, True], ids=["committed", "with_own_rows"])
+def test_selection_tables_parse_back_to_the_manifest(own_rows):
+    """Every set's header holds each cell's key, measured range, source and the boundaries of the rungs
+    that run there, as the manifest does: world size 1's grid the local rungs', the exchange world
+    sizes' grid the exchange rungs' (the local ones are 0 there); the hidden sizes' own rows alike."""
     keys = {"kTokens": "tokens", "kBytesPerRank": "bytes_per_rank"}
-    for table_set in manifest["selection"]["sets"]:
-        text = rendered.outputs[table_set["table"]].decode()
-        dims = f"[{len(spec.DTYPES)}][{len(spec.WORLD_SIZES)}][{len(spec.OUTPUT_PROFILES)}]"
-        assert f"static const CellBoundaries kRegimeBoundaries{dims} = {{" in text
+    env = render.make_environment(ROOT)
+    for table_set in table_sets.table_sets(ROOT):
+        table_set = _with_own_rows(table_set) if own_rows else table_set
+        text = env.get_template(render.SELECTION_TEMPLATE).render(**render._selection_context(table_set))
+        row = manifest_mod.selection_set(table_set)
         assert f"constexpr int kAllTokens = {tuning.ALL_TOKENS};" in text
-        assert f"long long max[{len(spec.BOUNDARY_FIELDS)}]; }};" in text
-        for source in table_set["sources"]:
+        for source in row["sources"]:
             assert f"// Measured in {source['file']}: " in text
-        rows = [m.groups() for m in map(_BOUNDS_RE.match, text.splitlines()) if m]
-        assert [(dtype, int(ws), p) for *_, dtype, ws, p, _source in rows] == _cells()
-        expected = {(b["dtype"], b["world_size"], b["profile"]):
-                    (b["key"], tuple(b["measured"] or (0, 0)), tuple(b["limits"][f] for f in spec.BOUNDARY_FIELDS),
-                     b["source"])
-                    for b in table_set["boundaries"]}
-        parsed = {(dtype, int(ws), p): (keys[key], (int(low), int(high)),
-                                        tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds),
-                                        source)
-                  for key, low, high, *bounds, dtype, ws, p, source in rows}
-        assert parsed == expected, table_set["name"]
-        # the hidden sizes' own boundaries: kHiddenBoundaries, indexes and comment agreeing with the manifest
-        own = {(b["dtype"], b["world_size"], b["profile"], int(hidden)):
-               (tuple(row["measured"]), tuple(row["limits"][f] for f in spec.BOUNDARY_FIELDS))
-               for b in table_set["boundaries"] for hidden, row in b.get("by_hidden", {}).items()}
-        parsed_own = {}
-        for d, w, p, hidden, low, high, *bounds, dtype, ws, profile, comment_hidden in (
-                m.groups() for m in map(_OWN_RE.match, text.splitlines()) if m):
-            cell = (spec.DTYPES[int(d)], spec.WORLD_SIZES[int(w)], spec.OUTPUT_PROFILES[int(p)])
-            assert cell == (dtype, int(ws), profile) and hidden == comment_hidden
-            parsed_own[(*cell, int(hidden))] = ((int(low), int(high)), tuple(
-                tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds))
-        assert parsed_own == own, table_set["name"]
-        assert ("static const HiddenBoundaries kHiddenBoundaries[] = {" in text) == bool(own)
+        head, exchange_text = text.split("static const ExchangeBoundaries ", 1)
+        local_text = head.split("static const LocalBoundaries ", 1)[1]
+        for local, part in ((True, local_text), (False, exchange_text)):
+            fields = spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS] if local else spec.BOUNDARY_FIELDS[spec.LOCAL_RUNGS:]
+            world_sizes = (1,) if local else spec.EXCHANGE_WORLD_SIZES
+            dims = f"[{len(spec.DTYPES)}]" + ("" if local else f"[{len(world_sizes)}]") + f"[{len(spec.OUTPUT_PROFILES)}]"
+            assert part.startswith(f"k{'Local' if local else 'Exchange'}Boundaries{dims} = {{")
+            rows = [m.groups() for m in map(_bounds_re(len(fields)).match, part.splitlines()) if m]
+            assert [(dtype, int(ws), p) for *_, dtype, ws, p, _source in rows] == list(
+                itertools.product(spec.DTYPES, world_sizes, spec.OUTPUT_PROFILES))
+            expected = {(b["dtype"], b["world_size"], b["profile"]):
+                        (b["key"], tuple(b["measured"] or (0, 0)), tuple(b["limits"][f] for f in fields), b["source"])
+                        for b in row["boundaries"] if b["world_size"] in world_sizes}
+            parsed = {(dtype, int(ws), p): (keys[key], (int(low), int(high)),
+                                            tuple(tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds),
+                                            source)
+                      for key, low, high, *bounds, dtype, ws, p, source in rows}
+            assert parsed == expected, table_set.name
+            own = {(b["dtype"], b["world_size"], b["profile"], int(hidden)):
+                   (tuple(r["measured"]), tuple(r["limits"][f] for f in fields))
+                   for b in row["boundaries"] if b["world_size"] in world_sizes
+                   for hidden, r in b.get("by_hidden", {}).items()}
+            parsed_own = {}
+            k = 2 if local else 3  # indexes: dtype, (world,) profile
+            for groups in (m.groups() for m in map(_own_re(k, len(fields)).match, part.splitlines()) if m):
+                hidden, low, high = groups[k:k + 3]
+                bounds, (dtype, ws, profile, comment_hidden) = groups[k + 3:-4], groups[-4:]
+                d, *w, p = (int(i) for i in groups[:k])
+                cell = (spec.DTYPES[d], world_sizes[w[0]] if w else 1, spec.OUTPUT_PROFILES[p])
+                assert cell == (dtype, int(ws), profile) and hidden == comment_hidden
+                parsed_own[(*cell, int(hidden))] = ((int(low), int(high)), tuple(
+                    tuning.ALL_TOKENS if x == "kAllTokens" else int(x) for x in bounds))
+            assert parsed_own == own, table_set.name
+            assert bool(own) == own_rows
+        for b in row["boundaries"]:  # what the exchange grid leaves out: the local rungs serve no T with peers
+            if b["world_size"] != 1:
+                assert all(b["limits"][f] == 0 for f in spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS]), b
+
+
+def test_a_local_rung_with_a_range_at_an_exchange_world_size_is_refused():
+    """The exchange grid leaves out the local rungs' boundaries, so they must serve no T there."""
+    import dataclasses
+    table_set = table_sets.table_sets(ROOT)[-1]
+    cells = dict(table_set.boundaries)
+    cell = cells[("bf16", 4, "plain")]
+    cells[("bf16", 4, "plain")] = dataclasses.replace(cell, limits=(1, 1, *cell.limits[2:]))
+    with pytest.raises(render.GenerateError, match="model, bf16 ws4 plain: a local rung has a range with peers"):
+        render._selection_context(dataclasses.replace(table_set, boundaries=cells))
 
 
 # ---- the manifest verifier ----------------------------------------------------------
@@ -752,7 +842,7 @@ def test_verify_refuses_a_tampered_file(generated_copy, manifest):
 @pytest.mark.parametrize("which", ["program", "body", "table"])
 def test_verify_refuses_a_missing_file(generated_copy, manifest, which):
     rel = {"program": manifest["programs"][0]["file"], "body": manifest["body"]["headers"][-1]["file"],
-           "table": manifest["tables"]["twoshot"]}[which]
+           "table": manifest["selection"]["sets"][0]["table"]}[which]
     (generated_copy / rel).unlink()
     with pytest.raises(manifest_reader.ManifestError) as e:
         manifest_reader.load_verified_manifest(generated_copy)
@@ -786,15 +876,17 @@ def test_check_catches_a_tampered_and_a_stale_file(tmp_path):
     repo = copy_repo(tmp_path / "repo")
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr
-    table = repo / "generated" / "tables" / "twoshot.h"
-    table.write_text(table.read_text().replace('"moe_ar_ts_bf16_ws4_plain"', "nullptr"))
-    (repo / "generated" / "programs" / "moe_ar_ts_bf16_ws16_plain.cu").write_text("// old\n")
+    table = repo / "generated" / "tables" / "selection_model.h"
+    cell = next(line for line in table.read_text().splitlines() if line.endswith("// bf16 ws4 plain: written model"))
+    assert ", 1024, kAllTokens" in cell
+    table.write_text(table.read_text().replace(cell, cell.replace(", 1024, kAllTokens", ", 1025, kAllTokens")))
+    (repo / "generated" / "programs" / "moe_ar_twoshot_bf16_ws16_plain.cu").write_text("// old\n")
     r = run_cli(["--check"], cwd=repo)
     assert r.returncode == 1
-    assert "--- generated/tables/twoshot.h" in r.stdout
-    assert '-            nullptr,  // bf16 ws4 plain' in r.stdout
-    assert '+            "moe_ar_ts_bf16_ws4_plain",  // bf16 ws4 plain' in r.stdout
-    assert "programs/moe_ar_ts_bf16_ws16_plain.cu" in r.stdout
+    assert "--- generated/tables/selection_model.h" in r.stdout
+    assert "-" + cell.replace(", 1024, kAllTokens", ", 1025, kAllTokens") in r.stdout.splitlines()
+    assert "+" + cell in r.stdout.splitlines()
+    assert "programs/moe_ar_twoshot_bf16_ws16_plain.cu" in r.stdout
     assert "run `gen-programs` to regenerate" in r.stderr
     assert run_cli([], cwd=repo).returncode == 0
     assert run_cli(["--check"], cwd=repo).returncode == 0
@@ -854,7 +946,7 @@ def test_diff_reports_changed_cells(tmp_path):
     r = run_cli(["diff", "HEAD"], cwd=repo)
     assert r.returncode == 1, r.stderr
     lines = r.stdout.splitlines()
-    assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_tses_fp16_ws8_plain (was a hole: " \
+    assert "+ twoshot_early_shared fp16 ws8 plain: appeared, moe_ar_twoshot_early_shared_fp16_ws8_plain (was a hole: " \
            "no early shared variant from world size 8 (the early range is short there))" in lines
     assert sum(line.startswith("+ twoshot_early_shared fp16 ws8") for line in lines) == len(spec.OUTPUT_PROFILES)
     assert "~ selection model bf16 ws4 nvfp4: oneshot_max_tokens 64 -> 128" in lines
@@ -864,7 +956,7 @@ def test_diff_reports_changed_cells(tmp_path):
     policy_py.write_text(policy_py.read_text().replace('lambda s: s.world_size == 2),', 'lambda s: s.world_size <= 4),', 1))
     assert run_cli([], cwd=repo).returncode == 0
     r = run_cli(["diff", "HEAD"], cwd=repo)
-    assert any(line.startswith("- twoshot_shared bf16 ws4 plain: vanished, moe_ar_tss_bf16_ws4_plain (now a hole -> "
+    assert any(line.startswith("- twoshot_shared bf16 ws4 plain: vanished, moe_ar_twoshot_shared_bf16_ws4_plain (now a hole -> "
                                "twoshot") for line in r.stdout.splitlines()), r.stdout
 
 
@@ -940,9 +1032,9 @@ def test_list_filters():
     assert r.returncode == 0, r.stderr
     rows = r.stdout.splitlines()
     assert rows[0].split() == ["name", "family", "profile", "protocol", "class", "file"]
-    assert [row.split()[:3] for row in rows[1:]] == [["moe_ar_tss_bf16_ws4_nvfp4", "twoshot_shared", "nvfp4"],
-                                                     ["moe_ar_tss_bf16_ws4_plain", "twoshot_shared", "plain"]]
-    assert "lamport2_bf16_ws4" in rows[2] and "generated/programs/moe_ar_tss_bf16_ws4_plain.cu" in rows[2]
+    assert [row.split()[:3] for row in rows[1:]] == [["moe_ar_twoshot_shared_bf16_ws4_nvfp4", "twoshot_shared", "nvfp4"],
+                                                     ["moe_ar_twoshot_shared_bf16_ws4_plain", "twoshot_shared", "plain"]]
+    assert "lamport2_bf16_ws4" in rows[2] and "generated/programs/moe_ar_twoshot_shared_bf16_ws4_plain.cu" in rows[2]
     r = run_cli(["list", "--profile", "110"], cwd=ROOT)  # an old name code is not a profile's name
     assert r.returncode != 0 and "'110' is not one of 'plain', 'nvfp4'" in r.stderr, r.stderr
 
@@ -950,41 +1042,52 @@ def test_list_filters():
 def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
     from generator import cli
     _, table_set, _ = _with_own_row_at_4096(manifest)
-    fields = [field for _regime, field in manifest["selection"]["ladder"] if field is not None]
+    local, exchange = spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS], spec.BOUNDARY_FIELDS[spec.LOCAL_RUNGS:]
+    fields = {(1,): list(local), spec.EXCHANGE_WORLD_SIZES: list(exchange)}
     profiles = [profile["name"] for profile in manifest["axes"]["output_profiles"]]
-    cli._print_set(table_set, manifest["axes"], profiles, fields)
-    assert "  bf16 ws1 plain at hidden 4096: all / all / all / all / all / all (measured 8KiB to 128MiB)" in \
-        capsys.readouterr().out
+    cli._print_set(table_set, manifest["axes"], profiles, fields, manifest["selection"]["no_peers"])
+    out = capsys.readouterr().out
+    assert "  bf16 ws1 plain at hidden 4096: all / all (measured 8KiB to 128MiB)" in out, out
+    assert out.index("  world size 1: ") < out.index("  bf16 ws1 plain at hidden 4096") < out.index("  world sizes 2,")
 
 
 def test_tables_marks_holes_and_fallbacks():
     r = run_cli(["tables", "--width", "0"], cwd=ROOT)
     assert r.returncode == 0, r.stderr
-    # the table of short codes in program names
-    assert "program names: moe_ar_<family code>_<dtype>_ws<world size>_<output profile>" in r.stdout
-    assert re.search(r"^  tses +twoshot_early_shared +two-shot, early, shared prefetch$", r.stdout, re.M), r.stdout
+    # how program names spell the families and profiles
+    assert "program names: moe_ar_<family>_<dtype>_ws<world size>_<output profile>" in r.stdout
+    assert re.search(r"^  twoshot_early_shared +two-shot, early, shared prefetch$", r.stdout, re.M), r.stdout
     assert re.search(r"^  plain +None$", r.stdout, re.M) and re.search(r"^  nvfp4 +nvfp4$", r.stdout, re.M)
     assert re.search(r"^ +plain +nvfp4 +fp8_group128 +fp8_tensor$", r.stdout, re.M)  # grid columns by name
-    for family in spec.FAMILIES:
-        assert f"{family}  (tables/{family}.h" in r.stdout
+    for family in spec.FAMILY_BY_NAME.values():
+        assert f"{family.name}  (base {family.base}, protocol {family.protocol})" in r.stdout
     assert "-- hole[2] -> twoshot_early" in r.stdout
     assert "no shared-expert prefetch at world size 2" in r.stdout
     assert "set h200_nvlink (tables/selection_h200_nvlink.h): " in r.stdout
     assert "  for product 'NVIDIA H200', compute capability 9.0, interconnect nvlink" in r.stdout
     assert f"  measured in {table_sets.COMMITTED_SETS[0].files[0]}" in r.stdout
     assert "set model (tables/selection_model.h): the written model" in r.stdout
-    assert re.search(r"bf16 ws8 +0 / 0 / 16 / 2048 / all / all \(model\)", r.stdout), r.stdout
+    assert re.search(r"^  bf16 ws8 +16 / 2048 / all / all \(model\)", r.stdout, re.M), r.stdout
     assert "hole[2]: written for world size 2 (one peer)" in r.stdout  # the pipelined two-shot at 4 and 8
     # measured, in bytes per rank: no model mark
-    assert re.search(r"bf16 ws2 +0 / 0 / \d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout), r.stdout
+    assert re.search(r"^  bf16 ws2 +\d+[KM]iB / \d+[KM]iB / (\d+[KM]iB|all) / (\d+[KM]iB|all) +\d", r.stdout, re.M), r.stdout
+    # each set as two grids: world size 1 with the local rungs' boundaries, then the exchanges' with theirs
+    local, exchange = spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS], spec.BOUNDARY_FIELDS[spec.LOCAL_RUNGS:]
+    assert r.stdout.count(f"  world size 1: {' / '.join(local)} (above: local again, no peers)\n") == 2
+    assert r.stdout.count(f"  world sizes 2, 4, 8, 16: {' / '.join(exchange)}\n") == 2
 
-    # world size 1: local for every T; every other family a hole there that falls back to local, and
-    # local a hole (never selected, no arrow) elsewhere
-    assert re.search(r"bf16 ws1 +moe_ar_lc_bf16_ws1_plain +moe_ar_lc_bf16_ws1_nvfp4 ", r.stdout), r.stdout
-    assert re.search(r"bf16 ws2 +-- hole\[1\] +-- hole\[1\] ", r.stdout), r.stdout
-    assert "hole[1]: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T" in r.stdout
-    assert re.search(r"bf16 ws1 +-- hole\[1\] -> local ", r.stdout), r.stdout
-    assert re.search(r"bf16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
+    # two spaces: world size 1's local families, then the exchange families, no hole across the line
+    world_one = ("== world size 1: nothing to exchange (local, local_streaming); every exchange rung of the ladder "
+                 "runs local here")
+    exchanges = "== world sizes 2, 4, 8, 16: the exchange families (oneshot, twoshot, "
+    assert world_one in r.stdout and exchanges in r.stdout, r.stdout
+    assert (r.stdout.index(world_one) < r.stdout.index("local  (") < r.stdout.index("local_streaming  (")
+            < r.stdout.index(exchanges) < r.stdout.index("oneshot  ("))
+    assert re.search(r"bf16 ws1 +moe_ar_local_bf16_ws1_plain +moe_ar_local_bf16_ws1_nvfp4 ", r.stdout), r.stdout
+    assert not re.search(r"^  (fp16|bf16) ws1 +-- hole", r.stdout, re.M), r.stdout
+    assert not re.search(r"^  (fp16|bf16) ws(2|4|8|16) +moe_ar_local", r.stdout, re.M), r.stdout
+    assert "156 programs, 84 holes (a hole: a cell of a family's world sizes without a program)" in r.stdout
+    assert re.search(r"^  bf16 ws1 +256 / all \(model\) +256 / all \(model\)", r.stdout, re.M), r.stdout
 
 
 @pytest.mark.parametrize("width", [120, 80])

@@ -551,9 +551,9 @@ def test_program_forcing(workspaces, seed_for):
     ValueError naming program, and nothing is launched (the next call is correct)."""
     ws = workspaces.get(MAX_TOKENS, 2048, torch.bfloat16)
     case = _case(5, 2048, torch.bfloat16, seed_for("case"))
-    _run_and_check(ws, case, "nvfp4", "forced local", program="moe_ar_lc_bf16_ws1_nvfp4")
-    for other, why in (("moe_ar_os_bf16_ws2_nvfp4", "world size 2"), ("moe_ar_lc_fp16_ws1_nvfp4", "another dtype"),
-                       ("moe_ar_lc_bf16_ws1_plain", "another profile"), ("moe_ar_lc_bf16_ws3_plain", "no such program")):
+    _run_and_check(ws, case, "nvfp4", "forced local", program="moe_ar_local_bf16_ws1_nvfp4")
+    for other, why in (("moe_ar_oneshot_bf16_ws2_nvfp4", "world size 2"), ("moe_ar_local_fp16_ws1_nvfp4", "another dtype"),
+                       ("moe_ar_local_bf16_ws1_plain", "another profile"), ("moe_ar_local_bf16_ws3_plain", "no such program")):
         call = _prepare(case, "nvfp4", program=other)
         with pytest.raises(ValueError, match="^program: "):
             dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
@@ -762,7 +762,7 @@ def test_a_tokens_outputs_are_the_same_bits_whatever_the_batch(quant, workspaces
                 torch.cuda.synchronize()
                 pairs = [("residual_out", got.residual_out)]
                 one_order = program is not None and not (
-                    "_lcs_" in program and profile in gspec.LOCAL_RING_PROFILES)
+                    "_local_streaming_" in program and profile in gspec.LOCAL_RING_PROFILES)
                 if one_order:
                     pairs.append(("norm_out", got.norm_out))
                 if quant is not None and one_order:

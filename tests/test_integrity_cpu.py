@@ -26,7 +26,7 @@ from moe_ar_common import manifest_reader
 from moe_ar_tools import reference as ref
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-PROGRAM = "moe_ar_os_bf16_ws2_plain"
+PROGRAM = "moe_ar_oneshot_bf16_ws2_plain"
 
 
 # ---- compile cache and sources --------------------------------------------------------------
@@ -413,7 +413,7 @@ BAD_SCALARS = [
 ] + [
     ("launch_with_pdl", v) for v in (1, 0, None, "yes")
 ] + [
-    ("program", v) for v in (5, b"moe_ar_os_bf16_ws2_plain", ["moe_ar_os_bf16_ws2_plain"])
+    ("program", v) for v in (5, b"moe_ar_oneshot_bf16_ws2_plain", ["moe_ar_oneshot_bf16_ws2_plain"])
 ]
 
 
@@ -429,7 +429,7 @@ def test_a_bad_scalar_is_named(name, value):
 GOOD_SCALARS = [("eps", v) for v in (1e-6, 1, 1e-45, 3e38, 2.0 ** -149)] + \
     [("routed_scaling_factor", v) for v in (0.0, -0.0, -2.5, 3e38, 2, -3.4e38)] + \
     [("weight_bias", v) for v in (0, 1)] + [("launch_with_pdl", v) for v in (False, True)] + \
-    [("program", v) for v in (None, "moe_ar_os_bf16_ws2_plain")]
+    [("program", v) for v in (None, "moe_ar_oneshot_bf16_ws2_plain")]
 
 
 @pytest.mark.parametrize("name,value", GOOD_SCALARS, ids=[f"{n}={v!r}" for n, v in GOOD_SCALARS])

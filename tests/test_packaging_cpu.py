@@ -327,24 +327,34 @@ def test_holes_of_several_reasons_each_get_a_line():
     r = invoke("list", "--family", "twoshot_pipelined_loads", "--profile", spec.PLAIN)
     assert r.exit_code == 1
     lines = r.output.splitlines()
-    assert len(lines) == 3, r.output
-    assert lines[0] == (f"Error: twoshot_pipelined_loads has no program at world size 1, profile {spec.PLAIN} "
-                        f"(hole: nothing to exchange: the local programs (`local`, `local_streaming`) serve every T); calls there run local")
-    assert lines[1].startswith(f"twoshot_pipelined_loads has no program at world size 2, profile {spec.PLAIN} (hole: ")
-    assert lines[1].endswith("; calls there run twoshot_pipelined")
+    assert len(lines) == 2, r.output
+    assert lines[0].startswith(f"Error: twoshot_pipelined_loads has no program at world size 2, profile {spec.PLAIN} "
+                               f"(hole: ")
+    assert lines[0].endswith("; calls there run twoshot_pipelined")
     others = "/".join(str(w) for w in spec.WORLD_SIZES if w > 2)
-    assert lines[2].startswith(f"twoshot_pipelined_loads has no program at world sizes {others}, profile {spec.PLAIN} (hole: ")
-    assert lines[2].endswith("; calls there run twoshot")
-    # the local family elsewhere: no family runs in its place (no T selects it there)
+    assert lines[1].startswith(f"twoshot_pipelined_loads has no program at world sizes {others}, profile {spec.PLAIN} (hole: ")
+    assert lines[1].endswith("; calls there run twoshot")
+
+
+def test_a_world_size_outside_a_familys_own_is_named_as_such():
+    """World size 1 and the exchange world sizes are two spaces: a filter that crosses them finds no hole,
+    and says whose world sizes those are and what runs there."""
     r = invoke("list", "--family", "local", "--world-size", "4")
     assert r.exit_code == 1 and r.output == (
-        "Error: local has no program at world size 4 (hole: world size 1 only: with peers the exchange families "
-        "serve every T (the local boundaries are 0)); no call selects it there\n"), r.output
+        "Error: local has no program at world size 4: its world size is 1; no call selects it with peers\n"), r.output
+    r = invoke("list", "--family", "twoshot_pipelined_loads", "--world-size", "1")
+    assert r.exit_code == 1 and r.output == (
+        "Error: twoshot_pipelined_loads has no program at world size 1: its world sizes are 2/4/8/16; with no "
+        "peers every exchange rung runs local there\n"), r.output
+    r = invoke("list", "--family", "twoshot_pipelined_loads", "--world-size", "1", "--world-size", "4")
+    assert r.exit_code == 1 and r.output.splitlines()[1] == (
+        "twoshot_pipelined_loads has no program at world size 1: its world sizes are 2/4/8/16; with no peers every "
+        "exchange rung runs local there"), r.output
 
 
 def test_a_filter_with_programs_lists_them():
     r = invoke("list", "--family", "twoshot_pipelined", "--dtype", "bf16")
-    assert r.exit_code == 0 and "moe_ar_tsp_bf16_ws2_plain" in r.output, r.output
+    assert r.exit_code == 0 and "moe_ar_twoshot_pipelined_bf16_ws2_plain" in r.output, r.output
 
 
 @pytest.fixture
@@ -355,7 +365,7 @@ def installed(monkeypatch):
 
 
 def test_installed_gen_programs_reads_the_installed_tree(installed):
-    assert "moe_ar_os_bf16_ws2_plain" in invoke("list").output
+    assert "moe_ar_oneshot_bf16_ws2_plain" in invoke("list").output
     assert invoke("tables").exit_code == 0
     r = invoke("--check")
     assert r.exit_code == 0 and "up to date" in r.output, r.output
@@ -432,6 +442,6 @@ def test_runtime_compile_without_a_cuda_extra_names_it(monkeypatch):
     monkeypatch.setattr(cuda_env, "suggested_extra", lambda: "cu12")
     monkeypatch.setattr(registry.cuda_env, "suggested_extra", lambda: "cu12")
     with pytest.raises(registry.cuda_env.MissingToolchain, match=r"pip install '\.\[cu12\]'"):
-        registry.LoadedProgram("moe_ar_os_bf16_ws2_plain", 0)
+        registry.LoadedProgram("moe_ar_oneshot_bf16_ws2_plain", 0)
     with pytest.raises(registry.cuda_env.MissingToolchain, match=r"pip install '\.\[cu12\]'"):
-        registry.compile_cubin("", "moe_ar_os_bf16_ws2_plain", "sm_90a")
+        registry.compile_cubin("", "moe_ar_oneshot_bf16_ws2_plain", "sm_90a")

@@ -34,7 +34,7 @@ def _sass(symbol: str, *, pad: int = 0, fmad: str = "FFMA R5, R0, R2, R3", banne
     return "\n".join(lines)
 
 
-OLD, NEW = "moe_ar_os_bf16_ws2_o110", "moe_ar_os_bf16_ws2_plain"
+OLD, NEW = "moe_ar_os_bf16_ws2_o110", "moe_ar_oneshot_bf16_ws2_plain"
 
 
 # ---- normalization ------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ def test_same_text_is_identical():
 
 
 def test_renamed_kernel_with_the_same_code_is_identical_but_the_name():
-    assert sd.compare(_sass(OLD), OLD, _sass(NEW, pad=2), NEW) == sd.Comparison(sd.SAME_BUT_NAME, ())
+    assert sd.compare(_sass(OLD), OLD, _sass(NEW, pad=2), NEW) == sd.Comparison(sd.RENAMED, ())
 
 
 @pytest.mark.parametrize("new_sass", [
@@ -94,7 +94,7 @@ def test_the_diff_shows_the_first_differing_lines():
 
 def test_another_kernels_name_is_not_taken_for_the_placeholder():
     # The old listing names a kernel that is not the old program's: that is a difference.
-    result = sd.compare(_sass("moe_ar_os_bf16_ws2_other"), OLD, _sass(NEW), NEW)
+    result = sd.compare(_sass("moe_ar_oneshot_bf16_ws2_other"), OLD, _sass(NEW), NEW)
     assert result.status == sd.DIFFERENT
 
 
@@ -107,18 +107,18 @@ def _entry(name, family="oneshot", dtype="bf16", world_size=2, profile="plain"):
 
 def test_programs_pair_by_cell_not_by_name():
     old = [_entry("moe_ar_os_bf16_ws2_o110"), _entry("moe_ar_os_bf16_ws2_o111", profile="nvfp4"),
-           _entry("moe_ar_os_bf16_ws4_o110", world_size=4), _entry("moe_ar_ts_bf16_ws2_fp8_tensor", "twoshot",
+           _entry("moe_ar_os_bf16_ws4_o110", world_size=4), _entry("moe_ar_twoshot_bf16_ws2_fp8_tensor", "twoshot",
                                                                   profile="fp8_tensor")]
-    new = [_entry("moe_ar_ts_bf16_ws2_fp8_tensor", "twoshot", profile="fp8_tensor"),
-           _entry("moe_ar_os_bf16_ws2_plain"), _entry("moe_ar_os_bf16_ws2_nvfp4", profile="nvfp4"),
-           _entry("moe_ar_os_fp16_ws2_plain", dtype="fp16")]
+    new = [_entry("moe_ar_twoshot_bf16_ws2_fp8_tensor", "twoshot", profile="fp8_tensor"),
+           _entry("moe_ar_oneshot_bf16_ws2_plain"), _entry("moe_ar_oneshot_bf16_ws2_nvfp4", profile="nvfp4"),
+           _entry("moe_ar_oneshot_fp16_ws2_plain", dtype="fp16")]
     pairs, only_old, only_new = sd.pair(old, new)
     assert [(o["name"], n["name"]) for o, n in pairs] == [  # in the new manifest's order
-        ("moe_ar_ts_bf16_ws2_fp8_tensor", "moe_ar_ts_bf16_ws2_fp8_tensor"),
-        ("moe_ar_os_bf16_ws2_o110", "moe_ar_os_bf16_ws2_plain"),
-        ("moe_ar_os_bf16_ws2_o111", "moe_ar_os_bf16_ws2_nvfp4")]
+        ("moe_ar_twoshot_bf16_ws2_fp8_tensor", "moe_ar_twoshot_bf16_ws2_fp8_tensor"),
+        ("moe_ar_os_bf16_ws2_o110", "moe_ar_oneshot_bf16_ws2_plain"),
+        ("moe_ar_os_bf16_ws2_o111", "moe_ar_oneshot_bf16_ws2_nvfp4")]
     assert [e["name"] for e in only_old] == ["moe_ar_os_bf16_ws4_o110"]
-    assert [e["name"] for e in only_new] == ["moe_ar_os_fp16_ws2_plain"]
+    assert [e["name"] for e in only_new] == ["moe_ar_oneshot_fp16_ws2_plain"]
     assert sd.pair([], new) == ([], [], new)
 
 
@@ -128,9 +128,9 @@ def test_two_programs_in_one_cell_are_refused():
 
 
 def test_rows_counts_and_verdict():
-    pairs = [(_entry(OLD), _entry(NEW)), (_entry("moe_ar_os_bf16_ws2_fp8_tensor", profile="fp8_tensor"),
-                                          _entry("moe_ar_os_bf16_ws2_fp8_tensor", profile="fp8_tensor"))]
-    fp8 = "moe_ar_os_bf16_ws2_fp8_tensor"
+    pairs = [(_entry(OLD), _entry(NEW)), (_entry("moe_ar_oneshot_bf16_ws2_fp8_tensor", profile="fp8_tensor"),
+                                          _entry("moe_ar_oneshot_bf16_ws2_fp8_tensor", profile="fp8_tensor"))]
+    fp8 = "moe_ar_oneshot_bf16_ws2_fp8_tensor"
     results = {("old", OLD, "sm_90a"): {"sass": _sass(OLD)},
                ("new", NEW, "sm_90a"): {"sass": _sass(NEW)},
                ("old", fp8, "sm_90a"): {"sass": _sass(fp8)},
@@ -141,13 +141,13 @@ def test_rows_counts_and_verdict():
                ("new", fp8, "sm_100a"): {"error": "NVRTC error:\nboom"}}
     rows = sd.compare_all(pairs, ["sm_90a", "sm_100a"], results)
     assert [(r["new"], r["arch"], r["status"]) for r in rows] == [
-        (NEW, "sm_90a", sd.SAME_BUT_NAME), (NEW, "sm_100a", sd.DIFFERENT),
+        (NEW, "sm_90a", sd.RENAMED), (NEW, "sm_100a", sd.DIFFERENT),
         (fp8, "sm_90a", sd.IDENTICAL), (fp8, "sm_100a", sd.FAILED)]
     assert rows[0]["cell"] == {"family": "oneshot", "dtype": "bf16", "world_size": 2, "profile": "plain"}
     assert rows[3]["error"] == "new: NVRTC error:\nboom"
     counts = sd.counts(rows, ["sm_90a", "sm_100a"])
-    assert counts == {"sm_90a": {sd.IDENTICAL: 1, sd.SAME_BUT_NAME: 1, sd.DIFFERENT: 0, sd.FAILED: 0},
-                      "sm_100a": {sd.IDENTICAL: 0, sd.SAME_BUT_NAME: 0, sd.DIFFERENT: 1, sd.FAILED: 1}}
+    assert counts == {"sm_90a": {sd.IDENTICAL: 1, sd.RENAMED: 1, sd.DIFFERENT: 0, sd.FAILED: 0},
+                      "sm_100a": {sd.IDENTICAL: 0, sd.RENAMED: 0, sd.DIFFERENT: 1, sd.FAILED: 1}}
     report = {"old": "old", "new": "new", "nvrtc": "NVRTC 13.5", "tools": "cuobjdump", "archs": ["sm_90a", "sm_100a"],
               "counts": counts, "rows": rows, "only_old": [], "only_new": [{"cell": "x", "name": "y"}]}
     text = "\n".join(sd.summary_lines(report))
@@ -155,7 +155,7 @@ def test_rows_counts_and_verdict():
     assert f"==== {fp8} sm_100a: FAILED" in text and "boom" in text
     assert "cell only in the new tree: x (y)" in text and "every cell" not in text
     assert "every cell selected in one tree has a program in the other" in sd.summary_lines(dict(report, only_new=[]))
-    assert text.endswith("2 of 4 (program, arch) the same SASS (1 identical, 1 identical but the symbol name); "
+    assert text.endswith("2 of 4 (program, arch) the same SASS (1 identical, 1 renamed, identical but the symbol name); "
                          "2 differ or failed; archs sm_90a, sm_100a")
 
 
@@ -240,7 +240,7 @@ def test_a_trees_generator_loads_under_its_own_name_and_builds_its_sources():
 
 @pytest.mark.compile
 def test_real_sass_of_a_renamed_program_is_identical_but_the_name(tmp_path):
-    """One program for sm_90a, NVRTC as the runtime calls it: renamed -> identical but the name;
+    """One program for sm_90a, NVRTC as the runtime calls it: renamed -> renamed, identical;
     the same source with -ftz=true -> DIFFERENT; a second run reads everything from the cache."""
     tools = sd.find_tools()
     tree = sd.working_tree()
@@ -259,7 +259,7 @@ def test_real_sass_of_a_renamed_program_is_identical_but_the_name(tmp_path):
     old, new, ftz = (results[(b.tree, b.program, "sm_90a")] for b in builds)
     assert "error" not in old and "error" not in new and "error" not in ftz
     assert f"Function : {entry['symbol']}" in old["sass"] and f"Function : {renamed}" in new["sass"]
-    assert sd.compare(old["sass"], entry["symbol"], new["sass"], renamed).status == sd.SAME_BUT_NAME
+    assert sd.compare(old["sass"], entry["symbol"], new["sass"], renamed).status == sd.RENAMED
     assert sd.compare(old["sass"], entry["symbol"], ftz["sass"], entry["symbol"]).status == sd.DIFFERENT
     again = sd.run_builds(builds, tools, tmp_path, "toolchain", jobs=2)
     assert all(r.get("cached") for r in again.values()) and again[("old", entry["name"], "sm_90a")]["sass"] == old["sass"]

@@ -70,10 +70,10 @@ def test_default_max_tokens_reaches_every_regime_of_the_selection_table():
 def _fake_select(T, quant, shared):
     one = 256 if quant is None else 1024
     if T <= one:
-        return "os"
+        return "oneshot"
     if T <= 1500:
-        return "tses" if shared else "tse"
-    return "tss" if shared else "ts"
+        return "twoshot_early_shared" if shared else "twoshot_early"
+    return "twoshot_shared" if shared else "twoshot"
 
 
 def test_regime_boundaries_finds_every_change():

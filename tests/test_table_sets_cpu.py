@@ -202,13 +202,15 @@ def test_the_committed_world_one_cells_share_one_byte_boundary_a_profile():
     group_7168 = _resolve(world_size=1).limits("fp8_group128")
     group_4096 = _resolve(world_size=1, hidden=4096).limits("fp8_group128")
     for hidden, profile, bounds, want in (
-            (7168, "plain", at_7168, {1: "lc", 146: "lc", 147: "lcs", 16384: "lcs"}),
-            (4096, "plain", at_4096, {1: "lc", 256: "lc", 257: "lcs", 16384: "lcs"}),
-            (7168, "fp8_group128", group_7168, {1: "lc", 256: "lc", 257: "lcs", 16384: "lcs"}),
-            (4096, "fp8_group128", group_4096, {1: "lc", 448: "lc", 449: "lcs", 16384: "lcs"})):
-        for T, code in want.items():
+            (7168, "plain", at_7168, {1: "local", 146: "local", 147: "local_streaming", 16384: "local_streaming"}),
+            (4096, "plain", at_4096, {1: "local", 256: "local", 257: "local_streaming", 16384: "local_streaming"}),
+            (7168, "fp8_group128", group_7168, {1: "local", 256: "local", 257: "local_streaming",
+                                                16384: "local_streaming"}),
+            (4096, "fp8_group128", group_4096, {1: "local", 448: "local", 449: "local_streaming",
+                                                16384: "local_streaming"})):
+        for T, runs in want.items():
             family = registry.select_family("bf16", 1, profile, T, False, 0, bounds=bounds)
-            assert registry.program_for(family, "bf16", 1, profile) == f"moe_ar_{code}_bf16_ws1_{profile}", (hidden, T)
+            assert registry.program_for(family, "bf16", 1, profile) == f"moe_ar_{runs}_bf16_ws1_{profile}", (hidden, T)
     # a hidden size nobody measured takes the joint boundaries: the streaming layout from 2 MiB up, no return
     assert _resolve(world_size=1, hidden=5120).limits("plain")["streaming_max_tokens"] == ALL
 
@@ -336,8 +338,8 @@ def _probe(monkeypatch, device=H200, world_size=2, **kw):
 def test_a_workspace_selects_when_it_is_built_and_never_per_call(monkeypatch, tmp_path):
     ws = _probe(monkeypatch)
     assert ws.selection.set == "h200_nvlink" and ws.oneshot_max_tokens == 292
-    assert dispatch.select_program(ws, 292, None) == "moe_ar_os_bf16_ws2_plain"
-    assert dispatch.select_program(ws, 293, None) == "moe_ar_tsp_bf16_ws2_plain"
+    assert dispatch.select_program(ws, 292, None) == "moe_ar_oneshot_bf16_ws2_plain"
+    assert dispatch.select_program(ws, 293, None) == "moe_ar_twoshot_pipelined_bf16_ws2_plain"
 
     def no_choice_per_call(*a, **k):
         raise AssertionError("a call chose a table set")
@@ -350,20 +352,20 @@ def test_a_workspace_selects_when_it_is_built_and_never_per_call(monkeypatch, tm
     monkeypatch.undo()
     other = _probe(monkeypatch, B200)
     assert other.selection.set == "model" and other.oneshot_max_tokens == 64
-    assert dispatch.select_program(other, 65, None) == "moe_ar_tse_bf16_ws2_plain"
+    assert dispatch.select_program(other, 65, None) == "moe_ar_twoshot_early_bf16_ws2_plain"
 
 
 def test_a_workspace_takes_tables_and_boundaries_and_the_environment(monkeypatch, tmp_path):
     path = _user_file(tmp_path)
     ws = _probe(monkeypatch, tables=path)
     assert ws.selection.set == "tuned here" and ws.oneshot_max_tokens == 1024
-    assert dispatch.select_program(ws, 1024, None) == "moe_ar_os_bf16_ws2_plain"
-    assert dispatch.select_program(ws, 1025, None) == "moe_ar_tsp_bf16_ws2_plain"
+    assert dispatch.select_program(ws, 1024, None) == "moe_ar_oneshot_bf16_ws2_plain"
+    assert dispatch.select_program(ws, 1025, None) == "moe_ar_twoshot_pipelined_bf16_ws2_plain"
     monkeypatch.setenv(table_sets.ENV_VAR, str(path))
     assert _probe(monkeypatch).selection.set == "tuned here"
     pinned = _probe(monkeypatch, boundaries={"oneshot_max_tokens": 16})
     assert pinned.selection.pinned == {"oneshot_max_tokens": 16} and pinned.oneshot_max_tokens == 16
-    assert dispatch.select_program(pinned, 17, None) != "moe_ar_os_bf16_ws2_plain"
+    assert dispatch.select_program(pinned, 17, None) != "moe_ar_oneshot_bf16_ws2_plain"
     # the argument comes before the environment
     other = tmp_path / "other.json"
     other.write_text(json.dumps(_user_doc(name="the argument's")))

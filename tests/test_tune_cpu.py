@@ -80,6 +80,8 @@ class FakeMachine:
         for rank in range(self.world_size):
             mine = {}
             for family in dict.fromkeys(generator_sets.tuning.LADDER_FAMILIES):
+                if unit.world_size not in spec.world_sizes_of(family):
+                    continue
                 name = spec.ProgramSpec(family, unit.dtype, unit.world_size, unit.profile).name
                 if name in names:
                     us = _times(unit, family)
@@ -103,7 +105,7 @@ def test_a_run_writes_measurements_a_stamp_and_the_fitted_set(tmp_path):
     doc = _run(out, FakeMachine(), progress=loop.Progress(stream))
     assert doc == json.loads(out.read_text()) and doc["complete"] and not doc["truncated"]
     assert len(doc["done"]) == len(_plan()) == 16 and doc["stamp"] == STAMP
-    record = next(r for r in doc["measurements"] if r["program"] == "moe_ar_os_bf16_ws2_plain" and r["tokens"] == 64)
+    record = next(r for r in doc["measurements"] if r["program"] == "moe_ar_oneshot_bf16_ws2_plain" and r["tokens"] == 64)
     assert record["family"] == "oneshot" and record["valid"] and record["replays"] == 20
     assert record["median_us"] == pytest.approx(_times(units.Unit(2, "bf16", 7168, 8, True, 64, "plain"), "oneshot")
                                                 * 1.005)  # half the replays rank 1's, 1% slower: the slowest rank

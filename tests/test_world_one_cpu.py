@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from generator import abi, policy, spec, tuning
+from generator import abi, spec, tuning
 from generator.enumeration import enumerate_programs
 from moe_ar_tools import reference as ref
 
@@ -40,28 +40,22 @@ def test_world_size_one_has_the_local_programs_per_dtype_and_profile():
     assert not [p for p in enumeration.programs if p.family in LOCAL_FAMILIES and p.world_size != 1]
     for program in at_one:
         assert spec.parse(program.name) == program
-        code = spec.FAMILY_BY_NAME[program.family].code
-        assert program.name == f"moe_ar_{code}_{program.dtype}_ws1_{program.profile}"
+        assert program.name == f"moe_ar_{program.family}_{program.dtype}_ws1_{program.profile}"
         assert program.protocol_class == f"local_{program.dtype}_ws1"
-    assert spec.parse("moe_ar_lc_bf16_ws1_fp8_group128") == spec.ProgramSpec("local", "bf16", 1, "fp8_group128")
-    assert spec.parse("moe_ar_lcs_bf16_ws1_plain") == spec.ProgramSpec("local_streaming", "bf16", 1, "plain")
+    assert spec.parse("moe_ar_local_bf16_ws1_fp8_group128") == spec.ProgramSpec("local", "bf16", 1, "fp8_group128")
+    assert spec.parse("moe_ar_local_streaming_bf16_ws1_plain") == spec.ProgramSpec("local_streaming", "bf16", 1, "plain")
 
 
-def test_every_hole_across_the_world_size_one_line_has_its_reason_and_fallback():
-    """Every exchange family is a hole at world size 1 (nothing to exchange) that falls back to
-    local; the local families are holes at every other world size, with no fallback (no T selects
-    them there)."""
-    holes = {h.spec: h for h in enumerate_programs().holes}
-    for cell in spec.all_cells():
-        if spec.exchanges(cell.family) == (cell.world_size != 1):
-            continue  # on its side of the line
-        hole = holes[cell]
-        assert hole.reason == policy.hole_reason(cell) and hole.reason, cell
-        if cell.world_size == 1:
-            assert (hole.reason, hole.fallback_family) == (policy.NOTHING_TO_EXCHANGE, "local"), hole
-        else:
-            assert (hole.reason, hole.fallback_family) == (policy.WORLD_ONE_ONLY, None), hole
-    assert all(h.reason for h in holes.values())
+def test_no_hole_across_the_world_size_one_line():
+    """World size 1 and the exchange world sizes are two spaces: the local families have every cell of
+    world size 1 and none elsewhere, the exchange families none at world size 1; no hole stands across
+    the line (the local programs serving every exchange rung at world size 1 is selection.no_peers)."""
+    enumeration = enumerate_programs()
+    for hole in enumeration.holes:
+        assert spec.exchanges(hole.spec.family) == (hole.spec.world_size != 1), hole
+    assert {p for p in enumeration.programs if p.world_size == 1} == {
+        spec.ProgramSpec(f, d, 1, p) for f in LOCAL_FAMILIES for d in spec.DTYPES for p in spec.OUTPUT_PROFILES}
+    assert all(spec.exchanges(p.family) for p in enumeration.programs if p.world_size != 1)
 
 
 def test_the_ladder_starts_with_the_local_rungs_and_they_serve_world_size_one_only():
@@ -87,32 +81,27 @@ def test_the_manifest_and_tables_carry_world_size_one():
     assert manifest["axes"]["world_sizes"] == list(spec.WORLD_SIZES) and 1 in manifest["axes"]["world_sizes"]
     assert manifest["selection"]["ladder"][:2] == [["local", "local_max_tokens"],
                                                    ["local_streaming", "streaming_max_tokens"]]
-    assert manifest["tables"]["local"] == "tables/local.h"
+    assert manifest["selection"]["no_peers"] == {"world_size": 1, "family": "local"}
     local = next(f for f in manifest["axes"]["families"] if f["name"] == "local")
-    assert (local["code"], local["base"], local["protocol"], local["regime"]) == ("lc", "local", "local", "local")
+    assert (local["base"], local["protocol"], local["regime"]) == ("local", "local", "local")
     streaming = next(f for f in manifest["axes"]["families"] if f["name"] == "local_streaming")
-    assert (streaming["code"], streaming["base"], streaming["protocol"]) == ("lcs", "local", "local")
-    text = (ROOT / "generated" / "tables" / "local.h").read_text()
-    assert '"moe_ar_lc_bf16_ws1_nvfp4",  // bf16 ws1 nvfp4' in text
-    assert "nullptr,  // bf16 ws2 nvfp4 hole (never selected): world size 1 only" in text
-    assert "nullptr,  // bf16 ws1 nvfp4 hole -> local: nothing to exchange" in \
-        (ROOT / "generated" / "tables" / "oneshot.h").read_text()
-    program = (ROOT / "generated" / "programs" / "moe_ar_lc_bf16_ws1_nvfp4.cu").read_text()
+    assert (streaming["base"], streaming["protocol"]) == ("local", "local")
+    program = (ROOT / "generated" / "programs" / "moe_ar_local_bf16_ws1_nvfp4.cu").read_text()
     assert ("moe_ar::run<__nv_bfloat16, 1, moe_ar::Profile::kNvfp4, moe_ar::Regime::kLocal, /*shared_prefetch=*/false, "
             "/*routes_in_flight=*/4, /*shared_row_first=*/true>(p);") in program
-    assert f"__launch_bounds__({abi.MAX_THREADS}) moe_ar_lc_bf16_ws1_nvfp4(" in program  # uncapped: spec.REGISTER_CAP
+    assert f"__launch_bounds__({abi.MAX_THREADS}) moe_ar_local_bf16_ws1_nvfp4(" in program  # uncapped: spec.REGISTER_CAP
     # the streaming program: the row ring for FP8 group-128, two blocks a multiprocessor for the others
-    program = (ROOT / "generated" / "programs" / "moe_ar_lcs_bf16_ws1_fp8_group128.cu").read_text()
+    program = (ROOT / "generated" / "programs" / "moe_ar_local_streaming_bf16_ws1_fp8_group128.cu").read_text()
     assert "moe_ar::Regime::kLocalStreaming" in program
     assert f"/*row_stages=*/{spec.LOCAL_STREAMING_ROW_STAGES}>(p);" in program  # the row ring
-    assert f"__maxnreg__({spec.LOCAL_RING_CAP}) moe_ar_lcs_bf16_ws1_fp8_group128(" in program
-    entry = next(e for e in manifest["programs"] if e["name"] == "moe_ar_lcs_bf16_ws1_fp8_group128")
+    assert f"__maxnreg__({spec.LOCAL_RING_CAP}) moe_ar_local_streaming_bf16_ws1_fp8_group128(" in program
+    entry = next(e for e in manifest["programs"] if e["name"] == "moe_ar_local_streaming_bf16_ws1_fp8_group128")
     assert entry["row_stages"] == spec.LOCAL_STREAMING_ROW_STAGES > 0
-    program = (ROOT / "generated" / "programs" / "moe_ar_lcs_bf16_ws1_plain.cu").read_text()
+    program = (ROOT / "generated" / "programs" / "moe_ar_local_streaming_bf16_ws1_plain.cu").read_text()
     assert "moe_ar::Regime::kLocalStreaming" in program and "row_stages" not in program
     assert f"/*routes_in_flight=*/{spec.LOCAL_BATCH_ROUTES}, /*shared_row_first=*/false>(p);" in program
-    assert f"__maxnreg__({spec.LOCAL_TWO_BLOCKS_CAP}) moe_ar_lcs_bf16_ws1_plain(" in program
-    entry = next(e for e in manifest["programs"] if e["name"] == "moe_ar_lcs_bf16_ws1_plain")
+    assert f"__maxnreg__({spec.LOCAL_TWO_BLOCKS_CAP}) moe_ar_local_streaming_bf16_ws1_plain(" in program
+    entry = next(e for e in manifest["programs"] if e["name"] == "moe_ar_local_streaming_bf16_ws1_plain")
     assert entry["row_stages"] == 0
 
 
@@ -120,17 +109,17 @@ def test_gen_programs_list_and_tables_at_world_size_one():
     r = run_cli("list", "--world-size", "1")
     assert r.returncode == 0, r.stderr
     names = [row.split()[0] for row in r.stdout.splitlines()[1:]]
-    assert sorted(names) == sorted(f"moe_ar_{spec.FAMILY_BY_NAME[f].code}_{d}_ws1_{p}" for f in LOCAL_FAMILIES
+    assert sorted(names) == sorted(f"moe_ar_{f}_{d}_ws1_{p}" for f in LOCAL_FAMILIES
                                    for d in spec.DTYPES for p in spec.OUTPUT_PROFILES)
     assert all(" local_bf16_ws1 " in row or " local_fp16_ws1 " in row for row in r.stdout.splitlines()[1:])
     r = run_cli("list", "--family", "twoshot", "--world-size", "1")
-    assert r.returncode == 1 and f"twoshot has no program at world size 1 (hole: {policy.NOTHING_TO_EXCHANGE}); " \
-                                  "calls there run local" in r.stderr, r.stderr
+    assert r.returncode == 1 and ("twoshot has no program at world size 1: its world sizes are 2/4/8/16; with no "
+                                  "peers every exchange rung runs local there") in r.stderr, r.stderr
     r = run_cli("tables")
     assert r.returncode == 0, r.stderr
-    assert re.search(r"^  lc +local +local, world size 1$", r.stdout, re.M), r.stdout
-    assert re.search(r"^  lcs +local_streaming +local, world size 1, streaming$", r.stdout, re.M), r.stdout
-    assert re.search(r"fp16 ws1 +256 / all / all / all / all / all \(model\)", r.stdout), r.stdout
+    assert re.search(r"^  local +local, world size 1$", r.stdout, re.M), r.stdout
+    assert re.search(r"^  local_streaming +local, world size 1, streaming$", r.stdout, re.M), r.stdout
+    assert re.search(r"fp16 ws1 +256 / all \(model\)", r.stdout), r.stdout
 
 
 @pytest.mark.compile
@@ -139,11 +128,11 @@ def test_the_local_programs_compile_within_their_budgets():
     one within its register cap (the ring's, or two blocks a multiprocessor's)."""
     r = run_cli("compile", "--world-size", "1")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
-    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("moe_ar_lc")]
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("moe_ar_local")]
     assert len(rows) == 2 * len(LOCAL_FAMILIES) * len(spec.DTYPES) * len(spec.OUTPUT_PROFILES), r.stdout
     for name, arch, registers, spill_st, spill_ld, stack, _bytes, _seconds, *status in rows:
         assert (spill_st, spill_ld, stack, status) == ("0", "0", "0", ["ok"]), (name, arch, r.stdout)
-        if name.startswith("moe_ar_lc_"):
+        if spec.parse(name).family == "local":
             assert int(registers) <= 128, (name, arch, registers)
         else:
             ring = any(name.endswith("_" + profile) for profile in spec.LOCAL_RING_PROFILES)
@@ -315,17 +304,18 @@ def test_reference_bracket_at_world_size_one_holds_an_fp32_evaluation(seed_for):
     assert outside.any(), "rounding the partial first is not told apart from the world-size-1 rule"
 
 
-def test_an_exchange_rung_at_world_size_one_runs_its_hole_fallback_the_latency_program():
-    """The tables say every exchange family's hole at world size 1 falls back to `local`; selection does
-    the same, so a fitted world-size-1 ladder may return to the latency layout after the streaming one."""
+def test_an_exchange_rung_at_world_size_one_runs_the_latency_program():
+    """With no peers every exchange rung runs `local` (the manifest's selection.no_peers), so a fitted
+    world-size-1 ladder may return to the latency layout after the streaming one."""
     from dispatch import registry
     for family in ("oneshot", "twoshot_early", "twoshot", "twoshot_pipelined", "twoshot_pipelined_loads",
                    "twoshot_shared"):
         for dtype, profile in (("bf16", "plain"), ("fp16", "nvfp4")):
-            assert registry.program_for(family, dtype, 1, profile) == f"moe_ar_lc_{dtype}_ws1_{profile}"
+            assert registry.program_for(family, dtype, 1, profile) == f"moe_ar_local_{dtype}_ws1_{profile}"
     bounds = {field: 0 for field in tuning.model(1).by_field()}
     bounds.update(local_max_tokens=4, streaming_max_tokens=64, oneshot_max_tokens=tuning.ALL_TOKENS)
-    for T, want in ((1, "lc"), (4, "lc"), (5, "lcs"), (64, "lcs"), (65, "lc"), (10 ** 6, "lc")):
+    for T, want in ((1, "local"), (4, "local"), (5, "local_streaming"), (64, "local_streaming"), (65, "local"),
+                    (10 ** 6, "local")):
         for capacity in (0, 10 ** 6):  # a world of one has no one-shot buffer: the rungs after it fall back alike
             family = registry.select_family("bf16", 1, "plain", T, True, capacity, bounds=bounds)
             assert registry.program_for(family, "bf16", 1, "plain") == f"moe_ar_{want}_bf16_ws1_plain", (T, capacity)

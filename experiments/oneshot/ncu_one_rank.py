@@ -16,7 +16,7 @@ experiments/pipelined/solo/pipelined_solo_rank.py, one rank with its receive buf
 own overhead adds ~170 us to each); read instruction counts, SM active cycles and stall reasons.
 
     PYTHONPATH=. ncu --clock-control none --kernel-name regex:moe_ar_ --launch-skip 3 --launch-count 1 --set full \\
-        -o os111_512 python3 experiments/oneshot/ncu_one_rank.py --program moe_ar_os_bf16_ws2_nvfp4 \\
+        -o os111_512 python3 experiments/oneshot/ncu_one_rank.py --program moe_ar_oneshot_bf16_ws2_nvfp4 \\
         --quant nvfp4 --tokens 512
 """
 import argparse

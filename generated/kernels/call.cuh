@@ -9,7 +9,9 @@ namespace moe_ar {
 
 // The output profile and the regime a program is instantiated for (generator/spec.py spells them).
 enum class Profile { kPlain, kNvfp4, kFp8Group128, kFp8Tensor };
-// kLocal, kLocalStreaming: world size 1 (local.cuh)
+// kLocal, kLocalStreaming: world size 1 (local.cuh). kTwoShotPipelined serves both pipelined rungs of
+// the ladder (twoshot_pipelined_loads, twoshot_pipelined): one exchange; the program's row_stages picks
+// how the partials' rows arrive (0: into registers, > 0: through the row ring).
 enum class Regime { kOneShot, kTwoShot, kTwoShotEarly, kTwoShotPipelined, kLocal, kLocalStreaming };
 
 // Device state words of one rank (Params.state), the host-mapped error words (Params.error, read by the

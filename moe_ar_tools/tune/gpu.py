@@ -78,7 +78,7 @@ class RankMeasurer:
         import dispatch
         have = set(dispatch.programs())
         names = [spec.ProgramSpec(family, unit.dtype, unit.world_size, unit.profile).name
-                 for family in dict.fromkeys(tuning.LADDER_FAMILIES)]
+                 for family in dict.fromkeys(tuning.LADDER_FAMILIES) if unit.world_size in spec.world_sizes_of(family)]
         return [name for name in names if name in have]
 
     # -- inputs and the reference --

@@ -12,7 +12,7 @@ Its two uses:
     PYTHONPATH=. python3 experiments/pipelined/solo/pipelined_solo_rank.py --out solo.json
     PYTHONPATH=. ncu --clock-control none --kernel-name regex:moe_ar_ --set full -o tsp8192 \
         python3 experiments/pipelined/solo/pipelined_solo_rank.py --ncu --tokens 8192 \
-        --programs moe_ar_tsp_bf16_ws2_plain:none
+        --programs moe_ar_twoshot_pipelined_bf16_ws2_plain:none
 
 Kernel times under ncu are longer than in the timing mode (300 against 133 us at 2,048 tokens):
 read ncu for stall reasons, bytes and instruction counts, not durations. Rank 0's writes to its
@@ -112,7 +112,7 @@ def main():
     parser.add_argument("--out", help="JSON of the timings")
     parser.add_argument("--ncu", action="store_true", help="one solo launch per program and token count, no timing")
     parser.add_argument("--tokens", default="1024,2048,4096,8192")
-    parser.add_argument("--programs", default="moe_ar_tsp_bf16_ws2_plain:none,moe_ar_tsp_bf16_ws2_nvfp4:nvfp4",
+    parser.add_argument("--programs", default="moe_ar_twoshot_pipelined_bf16_ws2_plain:none,moe_ar_twoshot_pipelined_bf16_ws2_nvfp4:nvfp4",
                     help="program:quant,... (quant: none, nvfp4)")
     parser.add_argument("--reps", type=int, default=15)
     args = parser.parse_args()

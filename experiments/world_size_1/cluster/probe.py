@@ -53,7 +53,7 @@ def main():
             for cmax in (cluster_max, 0):
                 limits["cluster_max_tokens"] = cmax
                 ws = sp.dispatch.LocalWorkspace(max_tokens=T, hidden=H, dtype=sp.DT)
-                ws.lc_name = f"moe_ar_lc_bf16_ws1_{prof}"
+                ws.lc_name = f"moe_ar_local_bf16_ws1_{prof}"
                 got.append(outputs_of(ws, x, o, quant, gs, fp8s))
                 ws.close()
             limits["cluster_max_tokens"] = cluster_max

@@ -40,13 +40,13 @@ def main():
              "norm_out": torch.empty(T, H, dtype=DT, device="cuda")}
         ws = dispatch.LocalWorkspace(max_tokens=T, hidden=H, dtype=DT)
 
-        def ours(fam):
+        def ours(family):
             dispatch.moe_finalize_allreduce(
                 ws, allreduce_in=x["allreduce_in"], expanded_idx_to_permuted_idx=x["idx"], residual_in=x["residual"],
                 norm_weight=x["gamma"], expert_scale_factor=x["scale"], routed_scaling_factor=RSF,
-                shared_expert_output=x["shared"], eps=EPS, program=f"moe_ar_{fam}_bf16_ws1_plain", **o)
+                shared_expert_output=x["shared"], eps=EPS, program=f"moe_ar_{family}_bf16_ws1_plain", **o)
 
-        systems = [("lc", lambda: ours("lc")), ("lcs", lambda: ours("lcs"))]
+        systems = [("lc", lambda: ours("local")), ("lcs", lambda: ours("local_streaming"))]  # the recorded labels
         for nw in (8, 16):
             systems.append((f"triton_nw{nw}", lambda nw=nw: tf.fused(
                 o, x["allreduce_in"], x["idx"], x["scale"], x["shared"], x["residual"], x["gamma"], eps=EPS,
@@ -65,7 +65,7 @@ def main():
                     ws2, allreduce_in=x["allreduce_in"], expanded_idx_to_permuted_idx=x["idx"],
                     residual_in=x["residual"], norm_weight=x["gamma"], expert_scale_factor=x["scale"],
                     routed_scaling_factor=RSF, shared_expert_output=x["shared"], eps=EPS,
-                    program="moe_ar_lc_bf16_ws1_plain", **o)
+                    program="moe_ar_local_bf16_ws1_plain", **o)
             torch.cuda.synchronize()
             print(f"T {T} lc cluster: launched twice", flush=True)
             limits["cluster_max_tokens"] = saved

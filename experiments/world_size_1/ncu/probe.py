@@ -28,8 +28,8 @@ def main():
         o = sp.alloc_outs(T, H, None, 1)[0]
         ws = sp.dispatch.LocalWorkspace(max_tokens=T, hidden=H, dtype=sp.DT)
         systems = {}
-        for fam in ("lc", "lcs"):
-            def call(name=f"moe_ar_{fam}_bf16_ws1_plain"):
+        for fam, family in (("lc", "local"), ("lcs", "local_streaming")):  # labels as in the recorded results
+            def call(name=f"moe_ar_{family}_bf16_ws1_plain"):
                 sp.dispatch.moe_finalize_allreduce(
                     ws, allreduce_in=x["allreduce_in"], expanded_idx_to_permuted_idx=x["idx"], residual_in=x["residual"],
                     norm_weight=x["gamma"], expert_scale_factor=x["scale"], routed_scaling_factor=sp.RSF,

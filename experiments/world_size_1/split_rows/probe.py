@@ -355,8 +355,8 @@ def point(mod, state, profile, T, H, K, shared, mode, l2, variants, rounds, trit
     # committed programs through dispatch
     ws = dispatch.LocalWorkspace(max_tokens=T, hidden=H, dtype=DT)
     extra = {"global_scale": gs} if quant == "nvfp4" else {"fp8_scale": fp8s} if quant == "fp8_tensor" else {}
-    for fam, code in (("lc", "lc"), ("lcs", "lcs")):
-        name = f"moe_ar_{code}_bf16_ws1_{profile}"
+    for fam, family in (("lc", "local"), ("lcs", "local_streaming")):  # labels as in the recorded results
+        name = f"moe_ar_{family}_bf16_ws1_{profile}"
         for pdl in ((False, True) if (pdl_variants and fam == "lc") else (False,)):
             def call(j, name=name, pdl=pdl):
                 x, o = sets[j % n_sets], outs[j % n_sets]

@@ -72,10 +72,10 @@ def summary_rows(records: list[dict]) -> list[dict]:
 
 
 def short_program(name: Optional[str]) -> str:
-    """"moe_ar_tse_bf16_ws2_plain" -> "tse" (the family code); other names unchanged."""
+    """"moe_ar_twoshot_early_bf16_ws2_plain" -> "twoshot_early" (the family); other names unchanged."""
     if not name:
         return "-"
-    m = re.fullmatch(r"moe_ar_([a-z]+)_(?:bf16|fp16)_ws\d+_\w+", name)
+    m = re.fullmatch(r"moe_ar_([a-z_]+?)_(?:bf16|fp16)_ws\d+_\w+", name)
     return m.group(1) if m else name
 
 

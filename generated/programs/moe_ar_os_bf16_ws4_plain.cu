@@ -1,9 +1,0 @@
-// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_os_bf16_ws4_plain: Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself (small T)
-// dtype bf16, world size 4, output profile plain (quant=None): norm_out + residual_out (input dtype)
-#include "moe_finalize_allreduce.cuh"
-
-extern "C" __global__ void __launch_bounds__(512) moe_ar_os_bf16_ws4_plain(const moe_ar::Params p) {
-  moe_ar::run<__nv_bfloat16, 4, moe_ar::Profile::kPlain, moe_ar::Regime::kOneShot, /*shared_prefetch=*/false, /*routes_in_flight=*/4, /*shared_row_first=*/true>(p);
-}

@@ -1,9 +1,0 @@
-// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_ts_fp16_ws4_fp8_group128: Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
-// dtype fp16, world size 4, output profile fp8_group128 (quant="fp8_group128"): norm_out + residual_out + FP8 E4M3 quant_out + float32 scale_out per 128-element token group (row- or column-major, optionally power-of-two)
-#include "moe_finalize_allreduce.cuh"
-
-extern "C" __global__ void __launch_bounds__(512) moe_ar_ts_fp16_ws4_fp8_group128(const moe_ar::Params p) {
-  moe_ar::run<__half, 4, moe_ar::Profile::kFp8Group128, moe_ar::Regime::kTwoShot, /*shared_prefetch=*/false>(p);
-}

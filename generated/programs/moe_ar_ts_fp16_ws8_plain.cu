@@ -1,9 +1,0 @@
-// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_ts_fp16_ws8_plain: Lamport two-shot: reduce-scatter to the token's owner, owner adds residual, all-gather residual_out; one block per token row in every phase (large T)
-// dtype fp16, world size 8, output profile plain (quant=None): norm_out + residual_out (input dtype)
-#include "moe_finalize_allreduce.cuh"
-
-extern "C" __global__ void __launch_bounds__(512) moe_ar_ts_fp16_ws8_plain(const moe_ar::Params p) {
-  moe_ar::run<__half, 8, moe_ar::Profile::kPlain, moe_ar::Regime::kTwoShot, /*shared_prefetch=*/false>(p);
-}

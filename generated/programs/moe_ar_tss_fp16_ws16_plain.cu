@@ -1,9 +1,0 @@
-// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
-// To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_tss_fp16_ws16_plain: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
-// dtype fp16, world size 16, output profile plain (quant=None): norm_out + residual_out (input dtype)
-#include "moe_finalize_allreduce.cuh"
-
-extern "C" __global__ void __launch_bounds__(512) moe_ar_tss_fp16_ws16_plain(const moe_ar::Params p) {
-  moe_ar::run<__half, 16, moe_ar::Profile::kPlain, moe_ar::Regime::kTwoShot, /*shared_prefetch=*/true>(p);
-}

@@ -1,0 +1,9 @@
+// GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
+// To change it, edit the template or generator/ and run `gen-programs`.
+// moe_ar_twoshot_shared_fp16_ws4_nvfp4: twoshot + shared-expert row prefetched into L2 before the exchange and loaded read-only
+// dtype fp16, world size 4, output profile nvfp4 (quant="nvfp4"): norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)
+#include "moe_finalize_allreduce.cuh"
+
+extern "C" __global__ void __launch_bounds__(512) moe_ar_twoshot_shared_fp16_ws4_nvfp4(const moe_ar::Params p) {
+  moe_ar::run<__half, 4, moe_ar::Profile::kNvfp4, moe_ar::Regime::kTwoShot, /*shared_prefetch=*/true>(p);
+}
