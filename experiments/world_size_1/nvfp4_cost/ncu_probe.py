@@ -8,6 +8,7 @@ by the call.
 """
 from __future__ import annotations
 
+import importlib.util
 import pathlib
 import sys
 
@@ -16,19 +17,17 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 import dispatch  # noqa: E402
 
-DT, RSF, EPS, H, K = torch.bfloat16, 2.5, 1e-6, 7168, 8
+_spec = importlib.util.spec_from_file_location(
+    "mid_tokens_ncu_probe", pathlib.Path(__file__).resolve().parent.parent / "mid_tokens" / "ncu_probe.py")
+mid = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mid)  # its inputs(T): the same rows, routes and weights
+DT, RSF, EPS, H = mid.DT, mid.RSF, mid.EPS, mid.H
+NAMES = {"allreduce_in": "allreduce_in", "idx": "expanded_idx_to_permuted_idx", "scale": "expert_scale_factor",
+         "residual": "residual_in", "shared": "shared_expert_output", "gamma": "norm_weight"}
 
 
 def inputs(T):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(T)
-    x = 0.5 * torch.randn(T * K, H, generator=g, device="cuda", dtype=DT)
-    idx = torch.argsort(torch.rand(T * K, generator=g, device="cuda")).view(T, K).to(torch.int32)
-    sc = torch.rand(T, K, generator=g, device="cuda") + 0.05
-    return dict(allreduce_in=x, expanded_idx_to_permuted_idx=idx, expert_scale_factor=sc / sc.sum(-1, keepdim=True),
-                residual_in=torch.randn(T, H, generator=g, device="cuda", dtype=DT),
-                shared_expert_output=0.5 * torch.randn(T, H, generator=g, device="cuda", dtype=DT),
-                norm_weight=(1 + 0.1 * torch.randn(H, generator=g, device="cuda")).to(DT))
+    return {NAMES[k]: v for k, v in mid.inputs(T).items()}
 
 
 def main():
