@@ -242,6 +242,13 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
       scale[j] = s;
       row[j] = in_range ? given : given >= p.rows ? -2 : -1;
     }
+    // each route's pointer to this thread's first vector once; its later vectors a block stride on
+    const char* route_vecs[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j)
+      route_vecs[j] = reinterpret_cast<const char*>(static_cast<const D*>(p.allreduce_in) + (long long)max(row[j], 0) * H) +
+                      threadIdx.x * 16u;
+    const unsigned stride = blockDim.x * 16u;
     uint4 rows[kVec][kBatch];
 #pragma unroll
     for (int r = 0; r < kVec; ++r) {
@@ -249,8 +256,7 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
       const bool valid = r < vpt && v < nvec;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        rows[r][j] = valid && row[j] >= 0 ? *reinterpret_cast<const uint4*>(static_cast<const D*>(p.allreduce_in) +
-                                                                             (long long)row[j] * H + v * kElemsPerVec)
+        rows[r][j] = valid && row[j] >= 0 ? *reinterpret_cast<const uint4*>(route_vecs[j] + r * stride)
                                           : make_uint4(0, 0, 0, 0);
         if (valid && row[j] == -2) ++bad_rows;
       }
