@@ -53,7 +53,7 @@ class _Launcher:
             # the loaded program for the process (tests that also run one rank a GPU).
             prog.prefer_largest_shared_memory()
         self.dynamic_smem = registry.dynamic_smem_bytes(info, ws.hidden, ws.dtype.itemsize)
-        self.row_splits = ws.row_splits_for(self.regime, info["row_stages"])
+        self.row_splits = ws.row_splits_for(self.regime)
         self.max_blocks = []  # per row split of this program on the workspace
         for split in self.row_splits:
             per_sm = prog.max_blocks_per_sm(split.threads, self.dynamic_smem)

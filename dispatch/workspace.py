@@ -108,18 +108,17 @@ class WorkspaceBase:
         self._moe_ar_state.forget()
         _live_workspaces.discard(self)
 
-    def row_splits_for(self, regime: str, row_stages: int = 0) -> tuple:
-        """The row splits a program of `regime` (with a ring of `row_stages` rows) runs. World size 1's
-        latency layout (`local`) keeps the few-tokens split at every T where it fits a block: its
-        all-loads path (2 vectors a thread) is faster than its by-vector path under the wide split at
-        every T measured on an H200 (bench_results/world_size_1/row_split/). Its streaming layout
-        without a ring keeps the wide split at every T: the fewest threads a block, so two blocks fit
-        a multiprocessor (bench_results/world_size_1/two_blocks/). A split fixed by vec_per_thread is
-        every program's."""
+    def row_splits_for(self, regime: str) -> tuple:
+        """The row splits a program of `regime` runs. World size 1's latency layout (`local`) keeps
+        the few-tokens split at every T where it fits a block: its all-loads path (2 vectors a thread)
+        is faster than its by-vector path under the wide split at every T measured on an H200
+        (bench_results/world_size_1/row_split/). Its streaming layout keeps the wide split at every T:
+        the fewest threads a block, so two blocks fit a multiprocessor
+        (bench_results/world_size_1/two_blocks/). A split fixed by vec_per_thread is every program's."""
         if self.vec_per_thread is None and len(self.row_splits) == 2:
             if regime == registry.LOCAL_LATENCY_REGIME:
                 return (self.row_splits[0]._replace(max_tokens=ALL_TOKENS),)
-            if regime == registry.LOCAL_STREAMING_REGIME and not row_stages:
+            if regime == registry.LOCAL_STREAMING_REGIME:
                 return (self.row_splits[1],)
         return self.row_splits
 

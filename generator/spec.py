@@ -154,8 +154,7 @@ FAMILY_BY_NAME = _by_name(
            base="local", protocol="local", regime="local", shared_prefetch=False),
     Family("local_streaming", title="local, world size 1, streaming",
            meaning="the local program for many tokens: two blocks a multiprocessor, each loading its row a few "
-                   "routes at a time while the other normalizes (FP8 group-128: the rows come into a ring in "
-                   "shared memory by bulk copies) (large T)",
+                   "routes at a time into registers while the other normalizes (large T)",
            base="local", protocol="local", regime="local_streaming", shared_prefetch=False),
     Family("oneshot", title="one-shot",
            meaning="Lamport one-shot: every rank sends its partial to every peer and reduces all tokens itself "
@@ -233,21 +232,13 @@ REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipeline
 # fastest ring (bench_results/pipelined/row_ring/).
 PIPELINED_ROW_STAGES = 3
 PIPELINED_RING_CAP = 128
-# World size 1's streaming program, FP8 group-128: its rows come through the same kind of ring
-# (local.cuh), in flight while a block normalizes and quantizes, holding no registers. Three rows
-# under a cap of 96 (two 224-thread blocks a multiprocessor at H 7168, no spills) measured fastest
-# (bench_results/world_size_1/row_ring/, small_hidden/).
-LOCAL_STREAMING_ROW_STAGES = 3
-LOCAL_RING_CAP = 96
-LOCAL_RING_PROFILES = ("fp8_group128",)
-# The other profiles load their rows into registers, LOCAL_BATCH_ROUTES routes of every vector of the
-# thread at a time, 4 vectors a thread at every T, under a cap that keeps two blocks a
-# multiprocessor: one block's epilogue runs under the other's loads. Measured faster than the ring
-# for plain and NVFP4 from 256 tokens, slower for FP8 group-128 (bench_results/world_size_1/two_blocks/).
+# World size 1's streaming program loads its rows into registers, LOCAL_BATCH_ROUTES routes of every
+# vector of the thread at a time, 4 vectors a thread at every T, under a cap that keeps two blocks a
+# multiprocessor: one block's epilogue runs under the other's loads (bench_results/world_size_1/
+# two_blocks/). Every profile: FP8 group-128 had the pipelined two-shot's row ring until register
+# loads measured faster with cold L2 (bench_results/world_size_1/streaming_fp8_group/).
 LOCAL_BATCH_ROUTES = 2
 LOCAL_TWO_BLOCKS_CAP = 128
-if not LOCAL_STREAMING_ROW_STAGES:
-    raise ValueError("spec: the ring of world size 1's streaming program needs rows")
 
 # The one-shot, every profile: four routes at a time, the shared row first
 # (bench_results/oneshot/, "Loads in flight"). World size 1: the latency layout loads alike where its
@@ -259,9 +250,7 @@ LOCAL_LOADS = ONESHOT_LOADS
 def row_stages(family: str, profile: str) -> int:
     """Rows in the shared-memory ring of a program's partials; 0: it loads them into registers."""
     regime = FAMILY_BY_NAME[family].regime
-    if regime == "twoshot_pipelined":
-        return PIPELINED_ROW_STAGES
-    return LOCAL_STREAMING_ROW_STAGES if regime == "local_streaming" and profile in LOCAL_RING_PROFILES else 0
+    return PIPELINED_ROW_STAGES if regime == "twoshot_pipelined" else 0
 
 
 def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
@@ -274,7 +263,7 @@ def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
     if regime == "local":
         return LOCAL_LOADS
     if regime == "local_streaming":
-        return None if row_stages(family, profile) else (LOCAL_BATCH_ROUTES, False)
+        return (LOCAL_BATCH_ROUTES, False)
     if regime == "twoshot_pipelined_loads":
         return PROFILE_BY_NAME[profile].pipelined_loads
     return None
@@ -283,7 +272,7 @@ def loads_in_flight(family: str, profile: str) -> tuple[int, bool] | None:
 def register_cap(family: str, world_size: int, profile: str) -> int | None:
     regime = FAMILY_BY_NAME[family].regime
     if row_stages(family, profile):
-        return LOCAL_RING_CAP if regime == "local_streaming" else PIPELINED_RING_CAP
+        return PIPELINED_RING_CAP
     if regime == "local_streaming":
         return LOCAL_TWO_BLOCKS_CAP
     return REGISTER_CAP.get((regime, world_size))

@@ -9,8 +9,7 @@
 // row before using any (latency; above kAllLoadsMaxTokens tokens four routes at a time, the indices
 // read first); kLocalStreaming for many tokens (bandwidth) keeps two blocks on a
 // multiprocessor, each loading its rows a few routes at a time (local_row_batched), so that one
-// block's loads are in flight while the other normalizes and quantizes; for FP8 group-128 it reads
-// its rows through a ring in shared memory filled by bulk copies (row_ring.cuh) instead.
+// block's loads are in flight while the other normalizes and quantizes.
 #pragma once
 #include "call.cuh"
 #include "finalize.cuh"
@@ -19,7 +18,6 @@
 #include "norm.cuh"
 #include "nvfp4.cuh"
 #include "params.cuh"
-#include "row_ring.cuh"
 #include "vector.cuh"
 
 namespace moe_ar {
@@ -342,36 +340,10 @@ __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsi
   }
 }
 
-// The streaming layout's row from the ring: the partial in fp32 (the additions of partial_f32, in its
-// order), then residual_in[t], the last row of the token in the ring (copied before residual_out[t],
-// which may be the same memory, is written).
-template <typename D, int kStages>
-__device__ __forceinline__ void local_row_ring(const Params& p, RowRing<D, kStages, true>& ring, int t,
-                                               unsigned& bad_rows, uint4 (&res)[kMaxVecPerThread]) {
-  const int nvec = p.hidden / kElemsPerVec, vpt = p.vec_per_thread;
-  float s[kMaxVecPerThread][8];
-  partial_row_f32(p, ring, t, s, bad_rows);
-  const uint4* residual_row = ring.wait_row(p);
-  uint4* residual_out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * p.hidden);
-#pragma unroll
-  for (int r = 0; r < kMaxVecPerThread; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
-    res[r] = make_uint4(0, 0, 0, 0);
-    if (r >= vpt || v >= nvec) continue;
-    float x[8];
-    Vec<D>::to_float(residual_row[v], x);
-    add_residual_from_zero(s[r], x);
-    res[r] = Vec<D>::from_float(s[r]);
-    residual_out[v] = res[r];
-  }
-  ring.release_row(p);
-}
-
 // Blocks stride over token rows (a grid of at most the co-resident blocks); a row is spread over the
 // block's threads, vec_per_thread 16-byte vectors a thread, as in the exchanges' last phase.
-template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst, int kRowStages>
+template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst>
 __device__ __forceinline__ void run_local(const Params& p) {
-  static_assert(kRowStages == 0 || R == Regime::kLocalStreaming, "the ring is the streaming layout's, and only its");
   wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
   // The next kernel's griddepcontrol.wait still waits for this whole grid to finish and its writes to
   // be visible, and this grid is all resident at once (dispatch sizes it so): letting the next kernel
@@ -388,23 +360,9 @@ __device__ __forceinline__ void run_local(const Params& p) {
   const bool fast_path = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
   const bool all_loads = fast_path && T <= kAllLoadsMaxTokens;
   const bool routes_first = fast_path && !all_loads;
-  extern __shared__ __align__(128) unsigned char dynamic_smem[];
-  RowRing<D, (kRowStages > 0 ? kRowStages : 1), /*kLocal=*/true> ring;  // unused without the ring
-  if constexpr (kRowStages > 0) {
-    // this block's tokens: t = blockIdx.x + u * gridDim.x < T
-    const int block_tokens = max(0, (T - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x);
-    ring.start(dynamic_smem, block_tokens, 0, p);
-  }
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
-    if constexpr (kRowStages > 0) {
-      local_row_ring(p, ring, t, bad_rows, res);
-      // The outputs by plain stores: the next layer reads them (and they measured faster from 4,096
-      // tokens than evict-first ones).
-      norm_row<D, P, /*overlap_quant_rounds=*/true, /*fewest_quant_instructions=*/true, /*streaming_stores=*/false>(
-          p, t, res);
-      continue;
-    } else if (R == Regime::kLocalStreaming) {
+    if (R == Regime::kLocalStreaming) {
       local_row_batched<D, kMaxVecPerThread, kRoutes>(p, t, bad_rows, res);
     } else if (routes_first) {
       int routes[8];
@@ -417,9 +375,8 @@ __device__ __forceinline__ void run_local(const Params& p) {
     }
     norm_row<D, P>(p, t, res);
   }
-  // kBadRows counts a skipped route once a 16-byte vector; the ring counts it once a row
-  const unsigned long long per_count = kRowStages > 0 ? p.hidden / kElemsPerVec : 1;
-  if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), bad_rows * per_count);
+  // kBadRows counts a skipped route once a 16-byte vector
+  if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
 }
 
 // The latency layout over a cluster (few tokens; a second entry of the local programs, launched with

@@ -233,7 +233,7 @@ def test_balanced_grid_gives_every_block_the_same_columns_give_or_take_one():
 
 def test_dynamic_smem_is_the_row_ring_where_a_program_has_one():
     """The launcher's dynamic shared memory (manifest launch.dynamic_smem): a program with the row
-    ring (the pipelined two-shot, world size 1's streaming program) gets its rows of H elements and
+    ring (the pipelined two-shot's) gets its rows of H elements and
     128 bytes of barriers; every other program none. The largest must fit one block of sm_90 and
     sm_100 (227 KiB)."""
     ringed = set()
@@ -248,4 +248,4 @@ def test_dynamic_smem_is_the_row_ring_where_a_program_has_one():
             assert registry.dynamic_smem_bytes(info, max_hidden, 2) <= 227 * 1024
         else:
             assert nbytes == 0
-    assert ringed == {"twoshot_pipelined", "local_streaming"}
+    assert ringed == {"twoshot_pipelined"}

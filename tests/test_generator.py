@@ -355,12 +355,10 @@ def test_register_bound_follows_the_cap(rendered, manifest):
     assert capped == sum(1 for p in manifest["programs"]
                          if (spec.FAMILY_BY_NAME[p["family"]].regime, p["world_size"]) in spec.REGISTER_CAP
                          or p["row_stages"] or p["family"] == "local_streaming")
-    # world size 1's streaming program: the ring for FP8 group-128, two blocks a multiprocessor else
+    # world size 1's streaming program: two blocks a multiprocessor, register loads, every profile
     for p in manifest["programs"]:
         if p["family"] == "local_streaming":
-            ring = p["profile"] in spec.LOCAL_RING_PROFILES
-            assert p["register_cap"] == (spec.LOCAL_RING_CAP if ring else spec.LOCAL_TWO_BLOCKS_CAP)
-            assert bool(p["row_stages"]) == ring
+            assert p["register_cap"] == spec.LOCAL_TWO_BLOCKS_CAP and p["row_stages"] == 0
     # the one-shot and the pipelined two-shot with register loads pass their loads to the kernel
     # body; the pipelined two-shot with the ring passes its stages, under the ring's cap; no other
     # program passes either
@@ -372,9 +370,8 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         assert p["row_stages"] == stages
         if stages:
             ringed += 1
-            assert p["family"] in ("twoshot_pipelined", "local_streaming") and loads is None
-            assert p["register_cap"] == (spec.LOCAL_RING_CAP if p["family"] == "local_streaming"
-                                         else spec.PIPELINED_RING_CAP)
+            assert p["family"] == "twoshot_pipelined" and loads is None
+            assert p["register_cap"] == spec.PIPELINED_RING_CAP
             assert (f"/*routes_in_flight=*/4, /*shared_row_first=*/false, /*row_stages=*/{stages}>(p);" in text)
             continue
         assert "row_stages" not in text

@@ -737,9 +737,7 @@ def test_a_tokens_outputs_are_the_same_bits_whatever_the_batch(quant, workspaces
     latency program's cluster layout, every load of a row at once, four routes at a time with the
     indices read first, on a grid that strides over the tokens or not). The automatic choice, which
     moves from the latency to the streaming program (another order of the sum of squares):
-    residual_out the same bits (docs/operation.md, "A token's bits and the batch"); so does FP8
-    group-128's ring program, whose row split changes at few_tokens_max tokens (every batch here is
-    below, the 300-token call above). NVFP4's swizzled scales are not sliced per token; its quant_out
+    residual_out the same bits (docs/operation.md, "A token's bits and the batch"). NVFP4's swizzled scales are not sliced per token; its quant_out
     bytes are compared."""
     rnd = random.Random(seed_for("plan"))
     T = 300
@@ -761,8 +759,7 @@ def test_a_tokens_outputs_are_the_same_bits_whatever_the_batch(quant, workspaces
                 got = dispatch.moe_finalize_allreduce(ws, **kwargs)
                 torch.cuda.synchronize()
                 pairs = [("residual_out", got.residual_out)]
-                one_order = program is not None and not (
-                    "_local_streaming_" in program and profile in gspec.LOCAL_RING_PROFILES)
+                one_order = program is not None
                 if one_order:
                     pairs.append(("norm_out", got.norm_out))
                 if quant is not None and one_order:

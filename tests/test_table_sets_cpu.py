@@ -188,12 +188,11 @@ def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
 
 def test_the_committed_world_one_cells_share_one_byte_boundary_a_profile():
     """The H200 set fitted world size 1 at H 7168 and 4096: one boundary in bytes a rank a profile,
-    the same for every hidden size: the latency layout up to 2 MiB (146 tokens at 7168, 256 at 4096)
-    for plain, NVFP4 and FP8-tensor, up to 3.5 MiB for FP8 group-128 (256 tokens at 7168, 448 at
-    4096), the streaming layout above (bench_results/tuning/README.md, "World size 1")."""
+    the same for every hidden size and profile: the latency layout up to 2 MiB (146 tokens at 7168, 256
+    at 4096), the streaming layout above (bench_results/tuning/README.md, "World size 1")."""
     local, streaming = FIELDS.index("local_max_tokens"), FIELDS.index("streaming_max_tokens")
     for profile, limit in (("plain", 2 << 20), ("nvfp4", 2 << 20), ("fp8_tensor", 2 << 20),
-                           ("fp8_group128", 3584 << 10)):
+                           ("fp8_group128", 2 << 20)):
         cell = _committed_cell(profile, world_size=1)
         assert cell.limits[local] == limit and cell.limits[streaming] == ALL and not cell.by_hidden, profile
     at_7168, at_4096 = _resolve(world_size=1).limits("plain"), _resolve(world_size=1, hidden=4096).limits("plain")
@@ -204,9 +203,9 @@ def test_the_committed_world_one_cells_share_one_byte_boundary_a_profile():
     for hidden, profile, bounds, want in (
             (7168, "plain", at_7168, {1: "local", 146: "local", 147: "local_streaming", 16384: "local_streaming"}),
             (4096, "plain", at_4096, {1: "local", 256: "local", 257: "local_streaming", 16384: "local_streaming"}),
-            (7168, "fp8_group128", group_7168, {1: "local", 256: "local", 257: "local_streaming",
+            (7168, "fp8_group128", group_7168, {1: "local", 146: "local", 147: "local_streaming",
                                                 16384: "local_streaming"}),
-            (4096, "fp8_group128", group_4096, {1: "local", 448: "local", 449: "local_streaming",
+            (4096, "fp8_group128", group_4096, {1: "local", 256: "local", 257: "local_streaming",
                                                 16384: "local_streaming"})):
         for T, runs in want.items():
             family = registry.select_family("bf16", 1, profile, T, False, 0, bounds=bounds)

@@ -90,19 +90,15 @@ def test_the_manifest_and_tables_carry_world_size_one():
     assert ("moe_ar::run<__nv_bfloat16, 1, moe_ar::Profile::kNvfp4, moe_ar::Regime::kLocal, /*shared_prefetch=*/false, "
             "/*routes_in_flight=*/4, /*shared_row_first=*/true>(p);") in program
     assert f"__launch_bounds__({abi.MAX_THREADS}) moe_ar_local_bf16_ws1_nvfp4(" in program  # uncapped: spec.REGISTER_CAP
-    # the streaming program: the row ring for FP8 group-128, two blocks a multiprocessor for the others
-    program = (ROOT / "generated" / "programs" / "moe_ar_local_streaming_bf16_ws1_fp8_group128.cu").read_text()
-    assert "moe_ar::Regime::kLocalStreaming" in program
-    assert f"/*row_stages=*/{spec.LOCAL_STREAMING_ROW_STAGES}>(p);" in program  # the row ring
-    assert f"__maxnreg__({spec.LOCAL_RING_CAP}) moe_ar_local_streaming_bf16_ws1_fp8_group128(" in program
-    entry = next(e for e in manifest["programs"] if e["name"] == "moe_ar_local_streaming_bf16_ws1_fp8_group128")
-    assert entry["row_stages"] == spec.LOCAL_STREAMING_ROW_STAGES > 0
-    program = (ROOT / "generated" / "programs" / "moe_ar_local_streaming_bf16_ws1_plain.cu").read_text()
-    assert "moe_ar::Regime::kLocalStreaming" in program and "row_stages" not in program
-    assert f"/*routes_in_flight=*/{spec.LOCAL_BATCH_ROUTES}, /*shared_row_first=*/false>(p);" in program
-    assert f"__maxnreg__({spec.LOCAL_TWO_BLOCKS_CAP}) moe_ar_local_streaming_bf16_ws1_plain(" in program
-    entry = next(e for e in manifest["programs"] if e["name"] == "moe_ar_local_streaming_bf16_ws1_plain")
-    assert entry["row_stages"] == 0
+    # the streaming program: two blocks a multiprocessor, register loads, for every profile
+    for profile in spec.OUTPUT_PROFILES:
+        name = f"moe_ar_local_streaming_bf16_ws1_{profile}"
+        program = (ROOT / "generated" / "programs" / f"{name}.cu").read_text()
+        assert "moe_ar::Regime::kLocalStreaming" in program and "row_stages" not in program
+        assert f"/*routes_in_flight=*/{spec.LOCAL_BATCH_ROUTES}, /*shared_row_first=*/false>(p);" in program
+        assert f"__maxnreg__({spec.LOCAL_TWO_BLOCKS_CAP}) {name}(" in program
+        entry = next(e for e in manifest["programs"] if e["name"] == name)
+        assert entry["row_stages"] == 0
 
 
 def test_gen_programs_list_and_tables_at_world_size_one():
@@ -125,7 +121,7 @@ def test_gen_programs_list_and_tables_at_world_size_one():
 @pytest.mark.compile
 def test_the_local_programs_compile_within_their_budgets():
     """NVRTC for sm_90a and sm_100a: every world-size-1 program compiles without a spill; the streaming
-    one within its register cap (the ring's, or two blocks a multiprocessor's)."""
+    one within its register cap (two blocks a multiprocessor)."""
     r = run_cli("compile", "--world-size", "1")
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
     rows = [line.split() for line in r.stdout.splitlines() if line.startswith("moe_ar_local")]
@@ -135,8 +131,7 @@ def test_the_local_programs_compile_within_their_budgets():
         if spec.parse(name).family == "local":
             assert int(registers) <= 128, (name, arch, registers)
         else:
-            ring = any(name.endswith("_" + profile) for profile in spec.LOCAL_RING_PROFILES)
-            assert int(registers) <= (spec.LOCAL_RING_CAP if ring else spec.LOCAL_TWO_BLOCKS_CAP), (name, arch, registers)
+            assert int(registers) <= spec.LOCAL_TWO_BLOCKS_CAP, (name, arch, registers)
 
 
 # ---- LocalWorkspace without a GPU --------------------------------------------------------------------
@@ -186,9 +181,9 @@ def test_world_size_one_keeps_no_buffers_and_splits_rows_as_the_others():
 
 def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
     """World size 1's `local` program runs the few-tokens row split (2 vectors a thread, its all-loads
-    path) at every T where that split fits a block; the streaming program without its ring the wide
-    split at every T (two blocks a multiprocessor), with its ring and every exchange follow T; a split
-    fixed by vec_per_thread is every program's."""
+    path) at every T where that split fits a block; the streaming program the wide split at every T
+    (two blocks a multiprocessor); every exchange follows T; a split fixed by vec_per_thread is every
+    program's."""
     from dispatch import workspace
     from dispatch.workspace_sizes import ALL_TOKENS
     from dispatch import registry
@@ -198,7 +193,6 @@ def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
         ws._init_common(world_size=1, rank=0, max_tokens=2 ** 20, hidden=hidden, dtype=BF16, device_index=0,
                         timeout_s=0, oneshot_max_tokens=None, ranks_on_device=1)
         local = ws.row_splits_for("local")
-        assert ws.row_splits_for("local_streaming", row_stages=3) == ws.row_splits
         assert ws.row_splits_for("local_streaming") == ws.row_splits[-1:]
         if len(ws.row_splits) == 2:  # the few-tokens split fits a block
             assert local == (ws.row_splits[0]._replace(max_tokens=ALL_TOKENS),), hidden

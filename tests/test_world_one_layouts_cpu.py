@@ -1,7 +1,7 @@
 """World size 1's layouts as the generator writes them and the launcher picks them, without a GPU:
 the cluster layout (a second kernel of the latency programs, launched with a cluster of blocks a
-token up to the manifest's cluster_max_tokens) and the streaming program's two forms (two blocks a
-multiprocessor with register loads, or the row ring for FP8 group-128). The GPU tests
+token up to the manifest's cluster_max_tokens) and the streaming program's form (two blocks a
+multiprocessor with register loads). The GPU tests
 (tests/test_gpu_world_one.py) check what they compute; bench_results/world_size_1/cluster/ and
 two_blocks/ what they cost."""
 from __future__ import annotations
@@ -114,8 +114,6 @@ def test_streaming_program_forms(manifest):
     for p in manifest["programs"]:
         if p["family"] != "local_streaming":
             continue
-        ring = p["profile"] in spec.LOCAL_RING_PROFILES
-        assert bool(p["row_stages"]) == ring
-        assert p["register_cap"] == (spec.LOCAL_RING_CAP if ring else spec.LOCAL_TWO_BLOCKS_CAP)
+        assert p["row_stages"] == 0 and p["register_cap"] == spec.LOCAL_TWO_BLOCKS_CAP
         # two 224-thread blocks (H 7168, 4 vectors a thread) fit the register file under the cap
         assert 2 * 224 * spec.LOCAL_TWO_BLOCKS_CAP <= abi.REGISTERS_PER_SM

@@ -19,10 +19,7 @@ namespace moe_ar {
 // residual_in row, which the reduction adds after the peer's partial has arrived. A route whose row
 // is out of range gets no copy: its stage's barrier is arrived on without bytes, and the reader
 // adds zero, as partial_vector does.
-//
-// World size 1's streaming program (kLocal) uses the same ring over its own sequence: the block's
-// tokens t = blockIdx.x + u * gridDim.x in order, each routes 0..K-1, the shared row, then its
-// residual_in row (local.cuh).
+
 __device__ __forceinline__ bool mbarrier_done(unsigned bar, unsigned parity) {
   unsigned done;
   asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
@@ -41,14 +38,13 @@ __device__ __forceinline__ int partial_unit_token(int u, int columns, int rank, 
   return owner * C + blockIdx.x + column * gridDim.x;
 }
 
-template <typename D, int kStages, bool kLocal = false>
+template <typename D, int kStages>
 struct RowRing {
   static_assert(kStages >= 1 && kStages <= 16, "the barriers take the first 128 bytes");
   unsigned char* rows;  // kStages rows of H elements, in dynamic shared memory
   unsigned bars;        // shared address of kStages mbarriers, 8 bytes each
   unsigned used;        // rows read so far (every thread)
-  // The producer's cursor (thread 0 only): the next row to issue is route `route` of unit `unit`
-  // (kLocal: a unit is one of the block's tokens, `columns` of them).
+  // The producer's cursor (thread 0 only): the next row to issue is route `route` of unit `unit`.
   int unit, route, units, columns, C;
   unsigned issued;
   unsigned long long policy;  // L2 evict-first: every row is read once
@@ -59,7 +55,7 @@ struct RowRing {
     used = issued = 0;
     unit = route = 0;
     columns = block_columns;
-    units = kLocal ? block_columns : 2 * block_columns;
+    units = 2 * block_columns;
     C = tokens_per_owner;
     if (threadIdx.x == 0) {
       for (int s = 0; s < kStages; ++s) asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bars + 8 * s));
@@ -75,17 +71,9 @@ struct RowRing {
   __device__ __forceinline__ void issue_next(const Params& p) {
     const int K = p.top_k, partials = K + (p.shared_in != nullptr ? 1 : 0);
     for (; unit < units; ++unit, route = 0) {
-      const int t = kLocal ? blockIdx.x + unit * gridDim.x : partial_unit_token(unit, columns, p.rank, C);
-      const bool own_token = kLocal || t / C == p.rank;  // phase 2: its residual_in row comes last
+      const int t = partial_unit_token(unit, columns, p.rank, C);
+      const bool own_token = t / C == p.rank;  // phase 2: its residual_in row comes last
       if (t >= p.tokens || route >= partials + (own_token ? 1 : 0)) continue;
-      // kLocal: the token's first copy pulls the block's next token's indices toward L2 (its first
-      // copy then waits on one memory round trip, not two)
-      if (kLocal && route == 0 && t + (int)gridDim.x < p.tokens) {
-        const long long next = (long long)(t + gridDim.x) * K;
-        prefetch_l2(p.expanded_idx + next);
-        if (p.scale_kind == 1) prefetch_l2(static_cast<const float*>(p.expert_scale) + next);
-        else if (p.scale_kind == 2) prefetch_l2(static_cast<const D*>(p.expert_scale) + next);
-      }
       const D* src = static_cast<const D*>(route == partials ? p.residual_in : p.shared_in) + (long long)t * p.hidden;
       if (route < K) {
         const int row = p.expanded_idx[(long long)t * K + route];
@@ -123,10 +111,9 @@ struct RowRing {
 };
 
 // This rank's partial of token t from the ring, in fp32 (acc): partial_vector's additions in its
-// order (so the same bits), one row at a time. partial_row rounds it for the exchange; world size 1
-// adds the residual first (local.cuh).
-template <typename D, int kStages, bool kLocal>
-__device__ __forceinline__ void partial_row_f32(const Params& p, RowRing<D, kStages, kLocal>& ring, int t,
+// order (so the same bits), one row at a time; partial_row rounds it for the exchange.
+template <typename D, int kStages>
+__device__ __forceinline__ void partial_row_f32(const Params& p, RowRing<D, kStages>& ring, int t,
                                                 float (&acc)[kMaxVecPerThread][8], unsigned& bad_rows) {
   const int K = p.top_k, nvec = p.hidden / kElemsPerVec, vpt = p.vec_per_thread;
 #pragma unroll

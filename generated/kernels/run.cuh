@@ -192,8 +192,9 @@ __device__ __forceinline__ void run(const Params& p) {
   constexpr bool kLocalRegime = R == Regime::kLocal || R == Regime::kLocalStreaming;
   static_assert(kLocalRegime ? W == 1 : W >= 2 && W <= kMaxWorldSize,
                 "world size: 1 runs the local regimes and only they, 2..kMaxWorldSize the exchanges");
+  static_assert(!kLocalRegime || kRowStages == 0, "world size 1 has no row ring");
   if constexpr (kLocalRegime) {
-    run_local<D, P, R, kRoutes, kSharedFirst, kRowStages>(p);
+    run_local<D, P, R, kRoutes, kSharedFirst>(p);
   } else {
     // After the call's state changes: nothing stays live across the out-of-line poison_block_rows.
     if (__builtin_expect(run_call<D, W, P, R, kSharedPrefetch, kRoutes, kSharedFirst, kRowStages>(p), 0))

@@ -1,6 +1,6 @@
 // GENERATED FILE, DO NOT EDIT: written by gen-programs, generator/ from templates/program.cu.j2.
 // To change it, edit the template or generator/ and run `gen-programs`.
-// moe_ar_local_streaming_fp16_ws1_nvfp4: the local program for many tokens: two blocks a multiprocessor, each loading its row a few routes at a time while the other normalizes (FP8 group-128: the rows come into a ring in shared memory by bulk copies) (large T)
+// moe_ar_local_streaming_fp16_ws1_nvfp4: the local program for many tokens: two blocks a multiprocessor, each loading its row a few routes at a time into registers while the other normalizes (large T)
 // dtype fp16, world size 1, output profile nvfp4 (quant="nvfp4"): norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)
 #include "moe_finalize_allreduce.cuh"
 

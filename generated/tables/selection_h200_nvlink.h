@@ -5,7 +5,7 @@
 // Table set h200_nvlink: NVIDIA H200, NVLink (2x H200 at world size 2, one H200 at world size 1).
 // For product 'NVIDIA H200', compute capability 9.0, interconnect nvlink (dispatch/table_sets.py picks the set for a device).
 // Measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: NVIDIA H200 x2, peer 388 GB/s, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, commit 529cb84
-// Measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: NVIDIA H200 x1, sm 9.0, none, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, nvrtc 13.0, commit 54fe0ab+lc-routes-first
+// Measured in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: NVIDIA H200 x1, sm 9.0, none, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, nvrtc 13.0, commit f5e0a9a
 // Selection for a call with T tokens:
 // T <= local_max_tokens: local; T <= streaming_max_tokens: local_streaming; T
 // <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
@@ -31,16 +31,16 @@ enum BoundaryKey { kTokens, kBytesPerRank };
 struct LocalBoundaries { BoundaryKey key; long long measured_from, measured_to; long long max[2]; };
 static const LocalBoundaries kLocalBoundaries[2][4] = {
     {  // fp16
-        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
-        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
-        {kBytesPerRank, 8192, 234881024, {3670016, kAllTokens}},  // fp16 ws1 fp8_group128: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.001x
-        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 1 of 34 points over 1.05x the best program (0 at the target shape), at most 1.050x, mean 1.004x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 0 of 34 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // fp16 ws1 fp8_group128: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 0 of 34 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 0 of 34 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
     },
     {  // bf16
-        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
-        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
-        {kBytesPerRank, 8192, 234881024, {3670016, kAllTokens}},  // bf16 ws1 fp8_group128: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.013x, mean 1.001x
-        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-03-routes-first.json: 0 of 30 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 1 of 34 points over 1.05x the best program (0 at the target shape), at most 1.050x, mean 1.004x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 0 of 34 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // bf16 ws1 fp8_group128: measured in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 0 of 34 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
+        {kBytesPerRank, 8192, 234881024, {2097152, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-03-fp8-group-registers.json: 0 of 34 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x
     },
 };
 // No cell here has boundaries of its own per hidden size.
