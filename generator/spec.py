@@ -222,7 +222,7 @@ COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=tru
 # a multiprocessor. The world-size-2 two-shots measured faster capped, spills included; the
 # one-shots (the latency range) slower, and world sizes 4 and 8 have no hardware here to measure
 # on (bench_results/registers/, bench_results/pipelined/). World size 1: the latency layout (local)
-# is uncapped (a row's loads all in registers); the streaming one has a ring (below).
+# is uncapped (a row's loads all in registers); the streaming one has its own cap (below).
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72}
 
 # The pipelined two-shot with the row ring reads its partials' rows through a ring of this many
