@@ -235,8 +235,8 @@ PIPELINED_RING_CAP = 128
 # World size 1's streaming program loads its rows into registers, LOCAL_BATCH_ROUTES routes of every
 # vector of the thread at a time, 4 vectors a thread at every T, under a cap that keeps two blocks a
 # multiprocessor: one block's epilogue runs under the other's loads (bench_results/world_size_1/
-# two_blocks/). Every profile: FP8 group-128 had the pipelined two-shot's row ring until register
-# loads measured faster with cold L2 (bench_results/world_size_1/streaming_fp8_group/).
+# two_blocks/). Every profile: for FP8 group-128 too, register loads measured as fast as a row ring
+# or faster with cold L2 (bench_results/world_size_1/streaming_fp8_group/).
 LOCAL_BATCH_ROUTES = 2
 LOCAL_TWO_BLOCKS_CAP = 128
 

@@ -110,12 +110,13 @@ struct RowRing {
   }
 };
 
-// This rank's partial of token t from the ring, in fp32 (acc): partial_vector's additions in its
-// order (so the same bits), one row at a time; partial_row rounds it for the exchange.
+// This rank's partial of token t from the ring, one row at a time: partial_vector's additions in
+// its order, in fp32 (so the same bits), rounded once to the dtype for the exchange.
 template <typename D, int kStages>
-__device__ __forceinline__ void partial_row_f32(const Params& p, RowRing<D, kStages>& ring, int t,
-                                                float (&acc)[kMaxVecPerThread][8], unsigned& bad_rows) {
+__device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>& ring, int t,
+                                            uint4 (&out)[kMaxVecPerThread], unsigned& bad_rows) {
   const int K = p.top_k, nvec = p.hidden / kElemsPerVec, vpt = p.vec_per_thread;
+  float acc[kMaxVecPerThread][8];
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r)
 #pragma unroll
@@ -159,14 +160,6 @@ __device__ __forceinline__ void partial_row_f32(const Params& p, RowRing<D, kSta
     }
     ring.release_row(p);
   }
-}
-
-// The same, rounded once to the dtype for the exchange.
-template <typename D, int kStages>
-__device__ __forceinline__ void partial_row(const Params& p, RowRing<D, kStages>& ring, int t,
-                                            uint4 (&out)[kMaxVecPerThread], unsigned& bad_rows) {
-  float acc[kMaxVecPerThread][8];
-  partial_row_f32(p, ring, t, acc, bad_rows);
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) out[r] = without_sentinel(Vec<D>::from_float(acc[r]));
 }
