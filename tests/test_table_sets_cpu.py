@@ -186,32 +186,36 @@ def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
     assert at_4096.label != _resolve(user=user, hidden=4096 + 128).label
 
 
-def test_the_committed_world_one_cells_share_one_byte_boundary_a_profile():
-    """The H200 set fitted world size 1 at H 7168 and 4096: one boundary in bytes a rank a profile,
-    the same for every hidden size and profile: the latency layout up to 2 MiB (146 tokens at 7168, 256
-    at 4096), the streaming layout above (bench_results/tuning/README.md, "World size 1")."""
+def test_the_committed_world_one_cells_end_the_latency_layout_where_its_grid_leaves_one_wave():
+    """The H200 set fitted world size 1 at H 7168 and 4096, 136 and 144 tokens measured too: the latency
+    layout (one block a token, a block a multiprocessor at H 7168) up to 1.75 MiB a rank, 128 tokens of
+    H 7168, where its grid is one wave of the 132 multiprocessors; H 4096 keeps its own 2 MiB (256
+    tokens: two of its blocks fit a multiprocessor); the streaming layout above, every profile
+    (bench_results/tuning/README.md, "World size 1")."""
     local, streaming = FIELDS.index("local_max_tokens"), FIELDS.index("streaming_max_tokens")
-    for profile, limit in (("plain", 2 << 20), ("nvfp4", 2 << 20), ("fp8_tensor", 2 << 20),
-                           ("fp8_group128", 2 << 20)):
+    for profile in ("plain", "nvfp4", "fp8_tensor", "fp8_group128"):
         cell = _committed_cell(profile, world_size=1)
-        assert cell.limits[local] == limit and cell.limits[streaming] == ALL and not cell.by_hidden, profile
+        assert cell.limits[local] == 128 * ROW and cell.limits[streaming] == ALL, profile
+        assert set(cell.by_hidden) == {4096}, profile
     at_7168, at_4096 = _resolve(world_size=1).limits("plain"), _resolve(world_size=1, hidden=4096).limits("plain")
-    assert at_7168["local_max_tokens"] == (2 << 20) // ROW == 146 and at_7168["streaming_max_tokens"] == ALL
+    assert at_7168["local_max_tokens"] == 128 and at_7168["streaming_max_tokens"] == ALL
     assert (at_4096["local_max_tokens"], at_4096["streaming_max_tokens"]) == (256, ALL)
     group_7168 = _resolve(world_size=1).limits("fp8_group128")
     group_4096 = _resolve(world_size=1, hidden=4096).limits("fp8_group128")
     for hidden, profile, bounds, want in (
-            (7168, "plain", at_7168, {1: "local", 146: "local", 147: "local_streaming", 16384: "local_streaming"}),
+            (7168, "plain", at_7168, {1: "local", 128: "local", 129: "local_streaming", 136: "local_streaming",
+                                      16384: "local_streaming"}),
             (4096, "plain", at_4096, {1: "local", 256: "local", 257: "local_streaming", 16384: "local_streaming"}),
-            (7168, "fp8_group128", group_7168, {1: "local", 146: "local", 147: "local_streaming",
+            (7168, "fp8_group128", group_7168, {1: "local", 128: "local", 129: "local_streaming",
                                                 16384: "local_streaming"}),
             (4096, "fp8_group128", group_4096, {1: "local", 256: "local", 257: "local_streaming",
                                                 16384: "local_streaming"})):
         for T, runs in want.items():
             family = registry.select_family("bf16", 1, profile, T, False, 0, bounds=bounds)
             assert registry.program_for(family, "bf16", 1, profile) == f"moe_ar_{runs}_bf16_ws1_{profile}", (hidden, T)
-    # a hidden size nobody measured takes the joint boundaries: the streaming layout from 2 MiB up, no return
-    assert _resolve(world_size=1, hidden=5120).limits("plain")["streaming_max_tokens"] == ALL
+    # a hidden size nobody measured takes the joint boundaries: 1.75 MiB, then the streaming layout, no return
+    at_5120 = _resolve(world_size=1, hidden=5120).limits("plain")
+    assert at_5120["local_max_tokens"] == 128 * ROW // (5120 * 2) and at_5120["streaming_max_tokens"] == ALL
 
 
 @pytest.mark.parametrize("by_hidden", [{0: (from_oneshot(5), (1, 2))}, {4096: ((9, 3, 3, 3, 3, 3), (1, 2))},
@@ -240,7 +244,7 @@ def test_a_world_of_one_takes_its_products_tables_whatever_the_interconnect(tmp_
     lone = gpu_facts.DeviceKey("NVIDIA H200", "9.0", 132, "none")
     alone = _resolve(device=lone, world_size=1)
     assert (alone.set, alone.why) == ("h200_nvlink", "exact product")
-    assert "h200-ws1" in alone.cells["plain"].source and alone.limits("plain")["local_max_tokens"] == 146
+    assert "h200-ws1" in alone.cells["plain"].source and alone.limits("plain")["local_max_tokens"] == 128
     assert alone.device == lone
     assert _resolve(device=lone, world_size=2).set != "h200_nvlink"
     cells = {("bf16", 1, "plain"): ((4 * ROW, ALL) + (ALL,) * (len(FIELDS) - 2), (ROW, 2048 * ROW))}
