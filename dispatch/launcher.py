@@ -8,7 +8,7 @@ import struct
 
 import torch
 
-from . import registry
+from . import registry, shape_constants
 
 _POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
                    "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
@@ -54,12 +54,12 @@ class _Launcher:
             prog.prefer_largest_shared_memory()
         self.dynamic_smem = registry.dynamic_smem_bytes(info, ws.hidden, ws.dtype.itemsize)
         self.row_splits = ws.row_splits_for(self.regime)
-        self.max_blocks = []  # per row split of this program on the workspace
-        for split in self.row_splits:
-            per_sm = prog.max_blocks_per_sm(split.threads, self.dynamic_smem)
-            if per_sm < 1:
-                raise ValueError(f"hidden: {ws.hidden} needs {split.threads} threads a block, which {name} cannot run")
-            self.max_blocks.append(max(1, per_sm * sms // sharing))
+        self.max_blocks = [self._blocks_at_once(prog, split.threads, sms, sharing, ws.hidden)
+                           for split in self.row_splits]  # per row split of this program on the workspace
+        # world size 1's latency program built per call shape (shape_constants.py; one row split only)
+        self.shape_builds = {} if (shape_constants.enabled() and self.regime == registry.LOCAL_LATENCY_REGIME
+                                   and len(self.row_splits) == 1) else None
+        self.sms, self.sharing = sms, sharing
         self.function_ptr = prog.function_ptr
         self.cluster_function_ptr = prog.cluster_function_ptr
         self.threads = [split.threads for split in self.row_splits]
@@ -84,6 +84,26 @@ class _Launcher:
         self.device_index = ws.device_index
         _driver()  # loaded here, not on the launch path
 
+    def _blocks_at_once(self, prog, threads: int, sms: int, sharing: int, hidden: int) -> int:
+        """The grid limit of `prog` under a split of `threads` threads: its blocks resident at once."""
+        per_sm = prog.max_blocks_per_sm(threads, self.dynamic_smem)
+        if per_sm < 1:
+            raise ValueError(f"hidden: {hidden} needs {threads} threads a block, which {self.name} cannot run")
+        return max(1, per_sm * sms // sharing)
+
+    def _shape_build(self, ws, top_k: int, scale_kind: int) -> tuple:
+        """(kernel, cluster kernel, grid limit) of this program built for the workspace's row and a
+        call's top_k and router weight kind, built at the first call signature that needs it."""
+        key = (top_k, scale_kind)
+        build = self.shape_builds.get(key)
+        if build is None:
+            split = self.row_splits[0]
+            prefix = shape_constants.defines(ws.hidden, top_k, scale_kind, split.vec_per_thread, split.threads)
+            prog = registry.load(self.name, self.device_index, prefix)
+            build = self.shape_builds[key] = (prog.function_ptr, prog.cluster_function_ptr, self._blocks_at_once(
+                prog, split.threads, self.sms, self.sharing, ws.hidden))
+        return build
+
     def row_split_index(self, T: int) -> int:
         """The index in row_splits of the split a call of T tokens uses."""
         return next(i for i, split in enumerate(self.row_splits) if T <= split.max_tokens)
@@ -106,17 +126,23 @@ class _Launcher:
         params.eps = a["eps"]
         params.weight_bias = float(a["weight_bias"])
         params.vec_per_thread = self.row_splits[self.row_split_index(T)].vec_per_thread
-        function_ptr = self.cluster_function_ptr if self.uses_cluster(T, params.top_k) else self.function_ptr
-        return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"], params.top_k), function_ptr)
+        function_ptr, cluster_function_ptr, max_blocks = self.function_ptr, self.cluster_function_ptr, None
+        if self.shape_builds is not None:
+            function_ptr, cluster_function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind)
+        if self.uses_cluster(T, params.top_k):
+            function_ptr = cluster_function_ptr
+        return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"], params.top_k, max_blocks),
+                           function_ptr)
 
     def uses_cluster(self, T: int, top_k: int) -> bool:
         """Whether a call of T tokens and top_k routes runs the cluster layout (world size 1, few tokens)."""
         return T <= self.cluster_max_tokens and top_k <= _CLUSTER_MAX_ROUTES
 
-    def config_for(self, ws, T, pdl, top_k):
+    def config_for(self, ws, T, pdl, top_k, max_blocks=None):
         """The launch configuration of a call of T tokens and top_k routes (the stream is set at each
-        launch)."""
+        launch); `max_blocks`: the grid limit of a shape build (default: the program's)."""
         i = self.row_split_index(T)
+        limit = self.max_blocks[i] if max_blocks is None else max_blocks
         config = _LaunchConfig()
         if self.uses_cluster(T, top_k):
             # world size 1's cluster layout: a token a cluster, the row's threads over its blocks (local.cuh)
@@ -128,11 +154,11 @@ class _Launcher:
             config.attrs, config.numAttrs = attrs, len(attrs)
             return config
         if self.sliced_units:  # a unit is one row slice
-            config.gridDimX = min(T * self.row_splits[i].vec_per_thread, self.max_blocks[i])
+            config.gridDimX = min(T * self.row_splits[i].vec_per_thread, limit)
         elif self.column_units:  # a unit is one column: a token of each rank
-            config.gridDimX = balanced_grid(-(-T // ws.world_size), self.max_blocks[i])
+            config.gridDimX = balanced_grid(-(-T // ws.world_size), limit)
         else:  # a unit is one row
-            config.gridDimX = min(T, self.max_blocks[i])
+            config.gridDimX = min(T, limit)
         config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
         config.blockDimX = self.threads[i]
         config.sharedMemBytes = self.dynamic_smem

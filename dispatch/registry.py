@@ -303,11 +303,12 @@ def _cache_key(source: str, target: str) -> str:
     return h.hexdigest()
 
 
-def cached_cubin(name: str, target: str) -> tuple[bytes, dict]:
+def cached_cubin(name: str, target: str, prefix: str = "") -> tuple[bytes, dict]:
     """The program's cubin, from the disk cache, from memory or freshly compiled. Returns (cubin, info);
-    info["source"] is "cache", "memory" or "compiled"."""
+    info["source"] is "cache", "memory" or "compiled". `prefix`: lines put before the program's source
+    (shape_constants.defines), part of what the cache key hashes."""
     ps = program_set()
-    source = _manifest.source_for(ps.manifest, ps.dir, name)  # re-verifies every file it inlines
+    source = prefix + _manifest.source_for(ps.manifest, ps.dir, name)  # re-verifies every file it inlines
     key = _cache_key(source, target)
     path = cache_dir() / f"{name}-{target}-{key[:32]}.cubin"
     info = {"program": name, "target": target, "cache": str(path)}
@@ -352,7 +353,7 @@ def cached_cubin(name: str, target: str) -> tuple[bytes, dict]:
 class LoadedProgram:
     """A program's kernel loaded on one device."""
 
-    def __init__(self, name: str, device_index: int):
+    def __init__(self, name: str, device_index: int, prefix: str = ""):
         cuda_env.load_nvrtc()  # without the cu12 / cu13 extra: an error naming it, not a bare ImportError
         import cupy
         from cupy.cuda import function
@@ -365,7 +366,7 @@ class LoadedProgram:
             if target is None:
                 raise ValueError(f"device: compute capability {capability} is not a target of these programs "
                                  f"({sorted(TARGET_FOR_CAPABILITY.values())})")
-            cubin, self.load_info = cached_cubin(name, target)
+            cubin, self.load_info = cached_cubin(name, target, prefix)
             self.module = function.Module()
             self.module.load(cubin)
             self.function = self.module.get_function(self.entry["symbol"])
@@ -422,17 +423,18 @@ def _load_now(function_ptr: int) -> None:
         _check(err, "cuFuncLoad")
 
 
-_loaded: dict[tuple[str, int], LoadedProgram] = {}
+_loaded: dict[tuple[str, int, str], LoadedProgram] = {}
 
 
-def load(name: str, device_index: int) -> LoadedProgram:
-    key = (name, device_index)
+def load(name: str, device_index: int, prefix: str = "") -> LoadedProgram:
+    """The program loaded on a device, once a process; `prefix`: as cached_cubin's (a build of its own)."""
+    key = (name, device_index, prefix)
     prog = _loaded.get(key)
     if prog is None:
         with _lock:
             prog = _loaded.get(key)
             if prog is None:
-                prog = _loaded[key] = LoadedProgram(name, device_index)
+                prog = _loaded[key] = LoadedProgram(name, device_index, prefix)
     return prog
 
 

@@ -6,6 +6,7 @@
 #include "fp8.cuh"
 #include "nvfp4.cuh"
 #include "params.cuh"
+#include "shape.cuh"
 #include "vector.cuh"
 
 namespace moe_ar {
@@ -20,7 +21,7 @@ template <typename D, Profile P, bool kOverlapQuantRounds = false, bool kFewestQ
           bool kStreamingStores = false, bool kClusterRow = false>
 __device__ __forceinline__ void norm_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread],
                                          RowPlace place = block_row_place()) {
-  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const int H = row_hidden(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p);
   // The global scale of the quantized output, like gamma read before the block reduction, which hides
   // its latency (read per NVFP4 vector, it was on each vector's dependent chain).
   const float quant_scale = P == Profile::kFp8Tensor || P == Profile::kNvfp4 ? __ldg(p.quant_scale) : 0.f;

@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_fp8.h>
 #include "params.cuh"
+#include "shape.cuh"
 #include "vector.cuh"
 
 namespace moe_ar {
@@ -156,7 +157,7 @@ __device__ __forceinline__ void quantize_vector_nvfp4(unsigned* quant_row, unsig
 template <typename D, bool kOverlapRounds, bool kFewestInstructions, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_nvfp4(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
                                                    float gs, RowPlace place = block_row_place()) {
-  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, num_k_tiles = (H + 63) / 64;
+  const int H = row_hidden(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p), num_k_tiles = (H + 63) / 64;
   unsigned* quant_row = reinterpret_cast<unsigned*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * (H / 2));
   unsigned char* scale_row = static_cast<unsigned char*>(p.scale_out) + swizzled_scale_row(t, num_k_tiles);
   if constexpr (kOverlapRounds) {

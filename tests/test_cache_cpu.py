@@ -396,3 +396,20 @@ def test_four_processes_fill_one_entry(tmp_path, monkeypatch, fake):
     want = hashlib.sha256(expected()).hexdigest()
     assert all(h == want for h, _ in got), got
     _entry_ends_valid(d, fake)
+
+
+def test_a_shape_build_is_an_entry_of_its_own(tmp_path, monkeypatch, fake):
+    """World size 1's latency program built with shape constants (dispatch/shape_constants.py): the
+    defines go first in the source the key hashes, so the build and the plain program are two entries,
+    each compiled once and each served from the cache after."""
+    from dispatch import shape_constants
+    use_dir(monkeypatch, tmp_path / "cache")
+    name = "moe_ar_local_bf16_ws1_plain"
+    prefix = shape_constants.defines(7168, 8, 1, 2, 448)
+    plain, plain_info = registry.cached_cubin(name, TARGET)
+    built, built_info = registry.cached_cubin(name, TARGET, prefix)
+    assert plain != built and plain_info["cache"] != built_info["cache"] and fake.calls == 2
+    ps = registry.program_set()
+    assert built == good_cubin(prefix + registry._manifest.source_for(ps.manifest, ps.dir, name), name, TARGET)
+    assert registry.cached_cubin(name, TARGET, prefix)[1]["source"] == "cache"
+    assert registry.cached_cubin(name, TARGET)[1]["source"] == "cache" and fake.calls == 2

@@ -725,6 +725,52 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkey
             one_block_ws.close()
 
 
+@pytest.mark.parametrize("quant", QUANTS)
+def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
+    """With MOE_AR_SHAPE_CONSTANTS=1 when its launcher is made, the latency program runs a build with
+    the call's shape as constants (dispatch/shape_constants.py), one per top_k and router weight kind:
+    every output against the reference, and the bits of the program without constants, at H 7168 (the
+    cluster layout included), 4096 and 2064 (vectors past the row), with and without PDL, eagerly and
+    replayed in a CUDA graph."""
+    from dispatch import shape_constants
+    rnd = random.Random(seed_for("plan"))
+    profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
+    for H in (7168, 4096, 2064):
+        if quant == "fp8_group128" and H % 128:
+            continue
+        plain_ws = dispatch.LocalWorkspace(max_tokens=128, hidden=H, dtype=torch.bfloat16)
+        built_ws = dispatch.LocalWorkspace(max_tokens=128, hidden=H, dtype=torch.bfloat16)
+        try:
+            for i, T in enumerate((1, 5, 48, 64, 128)):
+                case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd)
+                got = {}
+                for name, ws in (("plain", plain_ws), ("shape build", built_ws)):
+                    if name == "shape build":
+                        monkeypatch.setenv(shape_constants.ENV, "1")
+                    call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1,
+                                               program=f"moe_ar_local_bf16_ws1_{profile}")
+                    monkeypatch.delenv(shape_constants.ENV, raising=False)
+                    got[name] = {k: v.clone() for k, v in call["provided"][0].items()}
+                    if name == "shape build" and T == 5:  # and replayed in a graph
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph):
+                            dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
+                        for v in call["provided"][0].values():
+                            v.view(torch.uint8).fill_(ref.POISON_BYTE)
+                        graph.replay()
+                        torch.cuda.synchronize()
+                        _check(call, out, f"shape build in a graph H={H} T={T}")
+                a, b = got["plain"], got["shape build"]
+                assert a.keys() == b.keys()
+                for k in a:
+                    assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (quant, H, T, k)
+            assert any(la.shape_builds for la in built_ws._moe_ar_state.launchers.values()), "no shape build ran"
+            assert not any(la.shape_builds for la in plain_ws._moe_ar_state.launchers.values())
+        finally:
+            plain_ws.close()
+            built_ws.close()
+
+
 # ---- a token's bits whatever the batch -------------------------------------------------------------
 
 _PER_TOKEN = ("expanded_idx_to_permuted_idx", "residual_in", "shared_expert_output", "expert_scale_factor")

@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_fp8.h>
 #include "params.cuh"
+#include "shape.cuh"
 #include "vector.cuh"
 
 namespace moe_ar {
@@ -88,7 +89,7 @@ __device__ __forceinline__ float fp8_group_scale(float amax) {
 template <typename D, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
                                                        RowPlace place = block_row_place()) {
-  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread, groups = H / kFp8Group;
+  const int H = row_hidden(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p), groups = H / kFp8Group;
   const bool column_major = p.quant_flags & kScalesColumnMajor, pow2 = p.quant_flags & kScalesPow2;
   uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
   // scale of group g: scale_row[g * group_stride]. An int: the offset stays below (H / 128) * (T + 3), and
@@ -116,7 +117,7 @@ __device__ __forceinline__ void quantize_row_fp8_group(const Params& p, int t, c
 template <typename D, bool kStreamingStores>
 __device__ __forceinline__ void quantize_row_fp8_tensor(const Params& p, int t, const uint4 (&normed)[kMaxVecPerThread],
                                                         float s, RowPlace place = block_row_place()) {
-  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const int H = row_hidden(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p);
   uint2* quant = reinterpret_cast<uint2*>(static_cast<unsigned char*>(p.quant_out) + (long long)t * H);
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {

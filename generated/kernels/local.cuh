@@ -18,6 +18,7 @@
 #include "norm.cuh"
 #include "nvfp4.cuh"
 #include "params.cuh"
+#include "shape.cuh"
 #include "vector.cuh"
 
 namespace moe_ar {
@@ -37,7 +38,7 @@ template <typename D, int kVec, int kMaxRoutes>
 __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsigned& bad_rows,
                                                     uint4 (&res)[kMaxVecPerThread],
                                                     RowPlace place = block_row_place()) {
-  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const int H = row_hidden(p), K = row_top_k(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p);
   const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
   const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
   uint4 resid[kVec], shared_row[kVec], rows[kVec][kMaxRoutes];
@@ -58,8 +59,8 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
     const bool in_range = given >= 0 && given < p.rows;
     float s = 0.f;
     if (in_range) {
-      if (p.scale_kind == 0) s = 1.f;
-      else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+      if (row_scale_kind(p) == 0) s = 1.f;
+      else if (row_scale_kind(p) == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
       else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
     }
     scale[k] = s;
@@ -112,12 +113,12 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
 template <typename D, int kVec>
 __device__ __forceinline__ void load_residual_and_shared(const Params& p, int t, uint4 (&resid)[kVec],
                                                          uint4 (&shared_row)[kVec], float (&acc)[kVec][8]) {
-  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const int H = row_hidden(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p);
   const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
   const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * row_threads() + threadIdx.x;
     const bool valid = r < vpt && v < nvec;
     resid[r] = valid ? *reinterpret_cast<const uint4*>(residual + v * kElemsPerVec) : make_uint4(0, 0, 0, 0);
     shared_row[r] = valid && p.shared_in != nullptr ? *reinterpret_cast<const uint4*>(shared + v * kElemsPerVec)
@@ -132,7 +133,7 @@ __device__ __forceinline__ void load_residual_and_shared(const Params& p, int t,
 template <typename D, int kVec, int kBatch>
 __device__ __forceinline__ void add_routes(const Params& p, int t, int k0, const int (&given)[kBatch],
                                            float (&acc)[kVec][8], unsigned& bad_rows) {
-  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const int H = row_hidden(p), K = row_top_k(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p);
   int row[kBatch];  // >= 0: the route's row; -1: dropped or past top_k; -2: out of range (skipped, counted)
   float scale[kBatch];
 #pragma unroll
@@ -141,8 +142,8 @@ __device__ __forceinline__ void add_routes(const Params& p, int t, int k0, const
     const bool in_range = given[j] >= 0 && given[j] < p.rows;
     float s = 0.f;
     if (in_range) {
-      if (p.scale_kind == 0) s = 1.f;
-      else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+      if (row_scale_kind(p) == 0) s = 1.f;
+      else if (row_scale_kind(p) == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
       else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
     }
     scale[j] = s;
@@ -151,7 +152,7 @@ __device__ __forceinline__ void add_routes(const Params& p, int t, int k0, const
   uint4 rows[kVec][kBatch];
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * row_threads() + threadIdx.x;
     const bool valid = r < vpt && v < nvec;
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
@@ -177,12 +178,12 @@ template <typename D, int kVec>
 __device__ __forceinline__ void store_residual_out(const Params& p, int t, const uint4 (&resid)[kVec],
                                                    const uint4 (&shared_row)[kVec], const float (&acc)[kVec][8],
                                                    uint4 (&res)[kMaxVecPerThread]) {
-  const int nvec = p.hidden / kElemsPerVec, vpt = p.vec_per_thread;
-  D* residual_out = static_cast<D*>(p.residual_out) + (long long)t * p.hidden;
+  const int nvec = row_hidden(p) / kElemsPerVec, vpt = row_vec_per_thread(p);
+  D* residual_out = static_cast<D*>(p.residual_out) + (long long)t * row_hidden(p);
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     res[r] = make_uint4(0, 0, 0, 0);
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * row_threads() + threadIdx.x;
     if (r >= kVec || r >= vpt || v >= nvec) continue;
     float s[8], x[8];
 #pragma unroll
@@ -207,14 +208,14 @@ template <typename D, int kVec, int kBatch>
 __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsigned& bad_rows,
                                                   uint4 (&res)[kMaxVecPerThread]) {
   static_assert(kVec <= kMaxVecPerThread, "kVec: at most kMaxVecPerThread vectors a thread");
-  const int H = p.hidden, K = p.top_k, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const int H = row_hidden(p), K = row_top_k(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p);
   const D* residual = static_cast<const D*>(p.residual_in) + (long long)t * H;
   const D* shared = static_cast<const D*>(p.shared_in) + (long long)t * H;
   uint4 resid[kVec], shared_row[kVec];
   float acc[kVec][8];
 #pragma unroll
   for (int r = 0; r < kVec; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * row_threads() + threadIdx.x;
     const bool valid = r < vpt && v < nvec;
     resid[r] = valid ? *reinterpret_cast<const uint4*>(residual + v * kElemsPerVec) : make_uint4(0, 0, 0, 0);
     shared_row[r] = valid && p.shared_in != nullptr ? *reinterpret_cast<const uint4*>(shared + v * kElemsPerVec)
@@ -233,8 +234,8 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
       const bool in_range = given >= 0 && given < p.rows;
       float s = 0.f;
       if (in_range) {
-        if (p.scale_kind == 0) s = 1.f;
-        else if (p.scale_kind == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
+        if (row_scale_kind(p) == 0) s = 1.f;
+        else if (row_scale_kind(p) == 1) s = static_cast<const float*>(p.expert_scale)[(long long)t * K + k];
         else s = Vec<D>::scalar(p.expert_scale, (long long)t * K + k);
       }
       scale[j] = s;
@@ -246,11 +247,11 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
     for (int j = 0; j < kBatch; ++j)
       route_vecs[j] = reinterpret_cast<const char*>(static_cast<const D*>(p.allreduce_in) + (long long)max(row[j], 0) * H) +
                       threadIdx.x * 16u;
-    const unsigned stride = blockDim.x * 16u;
+    const unsigned stride = row_threads() * 16u;
     uint4 rows[kVec][kBatch];
 #pragma unroll
     for (int r = 0; r < kVec; ++r) {
-      const int v = r * blockDim.x + threadIdx.x;
+      const int v = r * row_threads() + threadIdx.x;
       const bool valid = r < vpt && v < nvec;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
@@ -273,7 +274,7 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
     res[r] = make_uint4(0, 0, 0, 0);
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * row_threads() + threadIdx.x;
     if (r >= kVec || r >= vpt || v >= nvec) continue;
     float s[8], x[8];
 #pragma unroll
@@ -292,9 +293,9 @@ __device__ __forceinline__ void local_row_batched(const Params& p, int t, unsign
 
 // The expanded_idx entries of token t (-1 past top_k, and for t past the last token); top_k <= 8.
 __device__ __forceinline__ void load_routes(const Params& p, int t, int (&routes)[8]) {
-  const int* idx = p.expanded_idx + (long long)t * p.top_k;
+  const int* idx = p.expanded_idx + (long long)t * row_top_k(p);
 #pragma unroll
-  for (int k = 0; k < 8; ++k) routes[k] = t < p.tokens && k < p.top_k ? idx[k] : -1;
+  for (int k = 0; k < 8; ++k) routes[k] = t < p.tokens && k < row_top_k(p) ? idx[k] : -1;
 }
 
 // The batched row with the token's route indices already read (routes, top_k <= 8): no memory trip
@@ -307,7 +308,7 @@ __device__ __forceinline__ void local_row_routes_given(const Params& p, int t, c
   load_residual_and_shared<D, kVec>(p, t, resid, shared_row, acc);
 #pragma unroll
   for (int k0 = 0; k0 < 8; k0 += kBatch) {
-    if (k0 >= p.top_k) break;
+    if (k0 >= row_top_k(p)) break;
     int given[kBatch];
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) given[j] = routes[k0 + j];
@@ -321,10 +322,10 @@ __device__ __forceinline__ void local_row_routes_given(const Params& p, int t, c
 template <typename D, int kRoutes, bool kSharedFirst>
 __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsigned& bad_rows,
                                                     uint4 (&res)[kMaxVecPerThread]) {
-  const int H = p.hidden, nvec = H / kElemsPerVec, vpt = p.vec_per_thread;
+  const int H = row_hidden(p), nvec = H / kElemsPerVec, vpt = row_vec_per_thread(p);
 #pragma unroll
   for (int r = 0; r < kMaxVecPerThread; ++r) {
-    const int v = r * blockDim.x + threadIdx.x;
+    const int v = r * row_threads() + threadIdx.x;
     res[r] = make_uint4(0, 0, 0, 0);
     if (r >= vpt || v >= nvec) continue;
     float s[8], x[8];
@@ -357,7 +358,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;
   // every load of a row at once up to kAllLoadsMaxTokens, above four routes at a time, the token's
   // indices read first.
-  const bool fast_path = R == Regime::kLocal && p.vec_per_thread <= 2 && p.top_k <= 8;
+  const bool fast_path = R == Regime::kLocal && row_vec_per_thread(p) <= 2 && row_top_k(p) <= 8;
   const bool all_loads = fast_path && T <= kAllLoadsMaxTokens;
   const bool routes_first = fast_path && !all_loads;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
@@ -393,7 +394,13 @@ __device__ __forceinline__ void run_local_cluster(const Params& p) {
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   const unsigned C = cluster_blocks();
-  const RowPlace place{(int)(block_in_cluster() * blockDim.x + threadIdx.x), (int)(C * blockDim.x)};
+  const int thread = (int)(block_in_cluster() * blockDim.x + threadIdx.x);
+#ifdef MOE_AR_FIXED_ROW_THREADS  // a shape build (shape.cuh): the launch makes C * blockDim.x the row's threads
+  __builtin_assume(thread < MOE_AR_FIXED_ROW_THREADS);
+  const RowPlace place{thread, MOE_AR_FIXED_ROW_THREADS};
+#else
+  const RowPlace place{thread, (int)(C * blockDim.x)};
+#endif
   const int t = (int)(blockIdx.x / C);
   uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
   local_row_all_loads<D, 2, 8>(p, t, bad_rows, res, place);

@@ -25,6 +25,7 @@
 #include "lamport.cuh"    // sentinel, polling waits, deadlines
 #include "finalize.cuh"   // this rank's partial: the routed experts' weighted sum + shared expert
 #include "block_sum.cuh"  // the block-wide sum of the RMSNorm
+#include "shape.cuh"      // the call's shape: Params fields, or constants in a shape build
 #include "fp8.cuh"        // FP8 quantization
 #include "nvfp4.cuh"      // NVFP4 quantization
 #include "norm.cuh"       // the row epilogue: RMSNorm, then the quantized output

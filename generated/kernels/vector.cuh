@@ -19,7 +19,21 @@ __device__ __forceinline__ unsigned smem_address(const void* p) {
 struct RowPlace {
   int thread, threads;
 };
-__device__ __forceinline__ RowPlace block_row_place() { return RowPlace{(int)threadIdx.x, (int)blockDim.x}; }
+// The threads holding a row: the block's, or a constant where the program was compiled for one shape
+// (MOE_AR_FIXED_ROW_THREADS, see shape.cuh; a cluster's blocks hold that many together).
+__device__ __forceinline__ int row_threads() {
+#ifdef MOE_AR_FIXED_ROW_THREADS
+  return MOE_AR_FIXED_ROW_THREADS;
+#else
+  return (int)blockDim.x;
+#endif
+}
+__device__ __forceinline__ RowPlace block_row_place() {
+#ifdef MOE_AR_FIXED_ROW_THREADS
+  __builtin_assume(threadIdx.x < MOE_AR_FIXED_ROW_THREADS);
+#endif
+  return RowPlace{(int)threadIdx.x, row_threads()};
+}
 
 template <typename T> struct Vec;
 template <> struct Vec<__half> {

@@ -1,0 +1,43 @@
+"""World size 1's latency program compiled for one call shape (experimental: off unless the
+environment has MOE_AR_SHAPE_CONSTANTS=1 when a workspace's launcher of the program is made).
+
+At a few tokens a block of the latency program runs one warp a scheduler, so the instructions that
+check the call's shape at run time (vectors past the row, routes past top_k, the router weights'
+kind) are on the critical path. With this on, the launcher compiles the program's source once per
+(top_k, router weight kind) of the calls it serves, with the workspace's hidden size and row split
+and the call's top_k and weight kind as constants (the MOE_AR_FIXED_* defines first in the source,
+read by kernels/shape.cuh and kernels/vector.cuh). The same loads, additions and order as the
+program without them: the same bits. Each build is a cubin cache entry of its own (the defines are
+part of the source the cache key hashes); the build happens when a call signature is first checked,
+never on the launch path. Measured, as a probe, in bench_results/world_size_1/shape_constants/.
+"""
+from __future__ import annotations
+
+import os
+
+ENV = "MOE_AR_SHAPE_CONSTANTS"
+SCALE_KINDS = (0, 1, 2)  # Params.scale_kind: no router weights, float32, the dtype
+
+
+def enabled() -> bool:
+    """Whether the environment asks for shape-constant builds ("1"; unset, "" or "0": no)."""
+    value = os.environ.get(ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ENV}: {value!r}, expected 0 or 1")
+    return value == "1"
+
+
+def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threads: int) -> str:
+    """The lines put before the program's source: a row of `hidden` elements held by `threads`
+    threads, `vec_per_thread` 16-byte vectors each, `top_k` routes, router weights of `scale_kind`."""
+    for name, value, low, high in (("hidden", hidden, 16, 1 << 14), ("top_k", top_k, 1, 16),
+                                   ("vec_per_thread", vec_per_thread, 1, 4), ("threads", threads, 32, 1024)):
+        if type(value) is not int or not low <= value <= high:
+            raise ValueError(f"{name}: {value!r}, expected an int in [{low}, {high}]")
+    if scale_kind not in SCALE_KINDS or type(scale_kind) is not int:
+        raise ValueError(f"scale_kind: {scale_kind!r}, expected one of {SCALE_KINDS}")
+    if hidden % 16 or threads % 32 or threads * vec_per_thread * 8 < hidden:
+        raise ValueError(f"threads: {threads} threads of {vec_per_thread} vectors do not hold a row of {hidden}")
+    return (f"#define MOE_AR_FIXED_HIDDEN {hidden}\n#define MOE_AR_FIXED_TOP_K {top_k}\n"
+            f"#define MOE_AR_FIXED_SCALE_KIND {scale_kind}\n#define MOE_AR_FIXED_VEC_PER_THREAD {vec_per_thread}\n"
+            f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n")

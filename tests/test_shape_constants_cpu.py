@@ -1,0 +1,94 @@
+"""World size 1's latency program built for one call shape (dispatch/shape_constants.py): the
+defines it takes, the switch that turns it on, and the builds themselves (NVRTC, no GPU): they
+compile for both targets without spilling, in fewer instructions than the program without them.
+Their outputs against the float64 reference and the plain program's bits: tests/test_gpu_world_one.py."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dispatch import registry, shape_constants
+from generator import nvrtc_build
+
+ROW = dict(hidden=7168, top_k=8, scale_kind=1, vec_per_thread=2, threads=448)
+
+
+@pytest.mark.parametrize("name,value", [("hidden", 8), ("hidden", 1 << 15), ("hidden", 7168.0), ("top_k", 0),
+                                        ("top_k", 17), ("vec_per_thread", 5), ("threads", 16), ("threads", True),
+                                        ("scale_kind", 3), ("scale_kind", 1.0)])
+def test_defines_refuse_a_bad_value_by_name(name, value):
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        shape_constants.defines(**dict(ROW, **{name: value}))
+
+
+@pytest.mark.parametrize("row", [dict(ROW, hidden=7176), dict(ROW, threads=432), dict(ROW, threads=224)])
+def test_defines_refuse_a_split_that_does_not_hold_the_row(row):
+    with pytest.raises(ValueError, match=r"^(hidden|threads): "):
+        shape_constants.defines(**row)
+
+
+def test_defines_name_every_constant_once():
+    text = shape_constants.defines(**ROW)
+    assert text.splitlines() == ["#define MOE_AR_FIXED_HIDDEN 7168", "#define MOE_AR_FIXED_TOP_K 8",
+                                 "#define MOE_AR_FIXED_SCALE_KIND 1", "#define MOE_AR_FIXED_VEC_PER_THREAD 2",
+                                 "#define MOE_AR_FIXED_ROW_THREADS 448"]
+
+
+@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True)])
+def test_the_switch_is_off_unless_set_to_one(value, on, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(shape_constants.ENV, raising=False)
+    else:
+        monkeypatch.setenv(shape_constants.ENV, value)
+    assert shape_constants.enabled() is on
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", " 1"])
+def test_a_bad_switch_is_refused_by_name(value, monkeypatch):
+    monkeypatch.setenv(shape_constants.ENV, value)
+    with pytest.raises(ValueError, match=f"^{shape_constants.ENV}: "):
+        shape_constants.enabled()
+
+
+def _build(name: str, prefix: str, target: str):
+    """(ptxas entry stats by function, SASS instructions by function or None without the tools)."""
+    ps = registry.program_set()
+    cubin, log = registry.compile_cubin(prefix + registry._manifest.source_for(ps.manifest, ps.dir, name), name,
+                                        target)
+    log = log.decode("utf-8", "replace") if isinstance(log, bytes) else log
+    stats = {s.function: s for s in nvrtc_build.parse_ptxas_log(log)}
+    from moe_ar_tools import sass_diff
+    try:
+        tools = sass_diff.find_tools()
+    except Exception:  # noqa: BLE001 - cuobjdump and nvdisasm come with the test extra
+        return stats, None
+    functions = re.split(r"\n\s*Function : ", sass_diff.disassemble(cubin, tools))[1:]
+    return stats, {f.split()[0]: sum(1 for line in f.splitlines() if re.match(r"\s+/\*[0-9a-f]{4}\*/", line))
+                   for f in functions}
+
+
+@pytest.mark.parametrize("profile", ["plain", "nvfp4", "fp8_group128", "fp8_tensor"])
+def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
+    pytest.importorskip("cupy")
+    from moe_ar_common import cuda_env
+    try:
+        cuda_env.load_nvrtc()
+    except cuda_env.MissingToolchain as e:
+        pytest.skip(str(e))
+    name = f"moe_ar_local_bf16_ws1_{profile}"
+    entry = registry.program_set().by_name[name]
+    symbols = {entry["symbol"], entry["cluster_symbol"]}
+    _, plain_counts = _build(name, "", "sm_90a")
+    rows = [(ROW, "sm_90a"), (dict(hidden=4096, top_k=2, scale_kind=0, vec_per_thread=2, threads=256), "sm_90a"),
+            (dict(hidden=2064, top_k=5, scale_kind=2, vec_per_thread=2, threads=160), "sm_90a")]
+    if profile == "plain":
+        rows.append((ROW, "sm_100a"))
+    for row, target in rows:
+        stats, counts = _build(name, shape_constants.defines(**row), target)
+        assert set(stats) == symbols, (row, target, stats)
+        for s in stats.values():
+            assert s.spill_store_bytes == 0 and s.spill_load_bytes == 0 and s.registers <= 128, (row, target, s)
+        if counts is not None and plain_counts is not None and target == "sm_90a":
+            for symbol in symbols:
+                assert counts[symbol] < plain_counts[symbol], (row, symbol, counts[symbol], plain_counts[symbol])
