@@ -57,8 +57,7 @@ class _Launcher:
         self.max_blocks = [self._blocks_at_once(prog, split.threads, sms, sharing, ws.hidden)
                            for split in self.row_splits]  # per row split of this program on the workspace
         # world size 1's latency program built per call shape (shape_constants.py; one row split only)
-        self.shape_builds = {} if (shape_constants.enabled() and self.regime == registry.LOCAL_LATENCY_REGIME
-                                   and len(self.row_splits) == 1) else None
+        self.shape_builds = {} if shape_constants.applies(self.regime, self.row_splits) else None
         self.sms, self.sharing = sms, sharing
         self.function_ptr = prog.function_ptr
         self.cluster_function_ptr = prog.cluster_function_ptr

@@ -27,6 +27,13 @@ def enabled() -> bool:
     return value == "1"
 
 
+def applies(regime: str, row_splits) -> bool:
+    """Whether a launcher of a program of `regime` with these row splits builds per call shape: the
+    switch is on, the program is world size 1's latency program and it runs one row split."""
+    from . import registry
+    return enabled() and regime == registry.LOCAL_LATENCY_REGIME and len(row_splits) == 1
+
+
 def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threads: int) -> str:
     """The lines put before the program's source: a row of `hidden` elements held by `threads`
     threads, `vec_per_thread` 16-byte vectors each, `top_k` routes, router weights of `scale_kind`."""

@@ -92,3 +92,75 @@ def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
         if counts is not None and plain_counts is not None and target == "sm_90a":
             for symbol in symbols:
                 assert counts[symbol] < plain_counts[symbol], (row, symbol, counts[symbol], plain_counts[symbol])
+
+
+class _FakeProgram:
+    """What a launcher reads of a loaded program: two kernels and its occupancy."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix
+        self.function_ptr, self.cluster_function_ptr = 1000 + len(prefix), 2000 + len(prefix)
+
+    def max_blocks_per_sm(self, threads, dynamic_smem=0):
+        return 3 if self.prefix else 1
+
+
+def _launcher(regime, splits, on, monkeypatch, loads):
+    """A real launcher._Launcher's kernel_call without a GPU (fields as __init__ sets them)."""
+    import types
+    import torch
+    from dispatch import launcher
+    from dispatch.workspace_sizes import row_split
+    monkeypatch.setattr(registry, "load", lambda name, device, prefix="": loads.append((name, prefix)) or
+                        _FakeProgram(prefix))
+    lau = object.__new__(launcher._Launcher)
+    lau.name, lau.regime, lau.profile, lau.device_index = "moe_ar_local_bf16_ws1_plain", regime, "plain", 0
+    lau.template = registry.params_struct()()
+    lau.row_splits = tuple(row_split(7168 // 8, vpt, top) for vpt, top in splits)
+    lau.threads = [s.threads for s in lau.row_splits]
+    lau.max_blocks, lau.dynamic_smem, lau.sms, lau.sharing = [132] * len(splits), 0, 132, 1
+    lau.cluster_max_tokens, lau.cluster_blocks = 0, 1
+    lau.function_ptr, lau.cluster_function_ptr = 1, 2
+    lau.sliced_units = lau.column_units = False
+    if on:
+        monkeypatch.setenv(shape_constants.ENV, "1")
+    else:
+        monkeypatch.delenv(shape_constants.ENV, raising=False)
+    lau.shape_builds = {} if shape_constants.applies(regime, lau.row_splits) else None  # as __init__ sets it
+    ws = types.SimpleNamespace(hidden=7168, world_size=1,
+                               _moe_ar_state=types.SimpleNamespace(fault_stop_after_units=0))
+
+    def call(T, top_k, scale):
+        a = dict(expert_scale_factor=scale, fp8_scale_layout="row", fp8_pow2_scales=False,
+                 expanded_idx_to_permuted_idx=torch.empty(T, top_k, dtype=torch.int32),
+                 allreduce_in=torch.empty(T * top_k, 8), routed_scaling_factor=1.0, eps=1e-6, weight_bias=0,
+                 launch_with_pdl=False)
+        return lau.kernel_call(ws, T, a, ("allreduce_in", "expanded_idx_to_permuted_idx"))
+    return call
+
+
+def test_the_launcher_builds_once_per_top_k_and_weight_kind(monkeypatch):
+    import torch
+    loads = []
+    call = _launcher(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], True, monkeypatch, loads)
+    fp32 = torch.empty(1, dtype=torch.float32)
+    first = call(200, 8, fp32)
+    assert loads == [("moe_ar_local_bf16_ws1_plain", shape_constants.defines(7168, 8, 1, 2, 448))]
+    assert first.function_ptr == 1000 + len(loads[0][1])
+    assert first.config.gridDimX == 200  # the build's own occupancy: 3 blocks a multiprocessor here
+    call(5, 8, fp32)
+    assert len(loads) == 1  # the same top_k and weight kind: the same build
+    call(5, 2, None)
+    call(5, 8, torch.empty(1, dtype=torch.bfloat16))
+    assert [prefix for _, prefix in loads[1:]] == [shape_constants.defines(7168, 2, 0, 2, 448),
+                                                    shape_constants.defines(7168, 8, 2, 2, 448)]
+
+
+@pytest.mark.parametrize("regime,splits,on", [(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], False),
+                                              (registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True),
+                                              (registry.LOCAL_LATENCY_REGIME, [(2, 256), (4, 1 << 30)], True)])
+def test_no_build_where_it_is_off_or_does_not_apply(regime, splits, on, monkeypatch):
+    loads = []
+    call = _launcher(regime, splits, on, monkeypatch, loads)
+    k = call(200, 8, None)
+    assert loads == [] and k.function_ptr == 1 and k.config.gridDimX == 132
