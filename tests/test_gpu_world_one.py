@@ -685,6 +685,25 @@ def test_example_runs_on_one_gpu():
 
 # ---- the cluster layout (few tokens) --------------------------------------------------------------
 
+def _check_in_a_graph(ws, call, out, label):
+    """The call captured in a CUDA graph, its outputs poisoned, replayed, every element checked."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
+    for v in call["provided"][0].values():
+        v.view(torch.uint8).fill_(ref.POISON_BYTE)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(call, out, f"{label} in a graph")
+
+
+def _same_bytes(a, b, *where):
+    """Two calls' given outputs ({name: tensor}): the same names, every byte the same."""
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (*where, k)
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkeypatch):
     """Up to cluster_max_tokens tokens the latency program spreads each row over a cluster of blocks
@@ -708,18 +727,8 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkey
                     # the outputs given (the call returns None for some profiles when they are given)
                     got[name] = {k: v.clone() for k, v in call["provided"][0].items()}
                     if name == "cluster":  # and replayed in a graph: the cluster launch captures
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
-                        for v in call["provided"][0].values():
-                            v.view(torch.uint8).fill_(ref.POISON_BYTE)
-                        graph.replay()
-                        torch.cuda.synchronize()
-                        _check(call, out, f"cluster in a graph H={H} T={T}")
-                a, b = got["cluster"], got["one block"]
-                assert a.keys() == b.keys()
-                for k in a:
-                    assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (quant, H, T, k)
+                        _check_in_a_graph(ws, call, out, f"cluster H={H} T={T}")
+                _same_bytes(got["cluster"], got["one block"], quant, H, T)
         finally:
             cluster_ws.close()
             one_block_ws.close()
@@ -752,18 +761,8 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
                     monkeypatch.delenv(shape_constants.ENV, raising=False)
                     got[name] = {k: v.clone() for k, v in call["provided"][0].items()}
                     if name == "shape build" and T == 5:  # and replayed in a graph
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph):
-                            dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
-                        for v in call["provided"][0].values():
-                            v.view(torch.uint8).fill_(ref.POISON_BYTE)
-                        graph.replay()
-                        torch.cuda.synchronize()
-                        _check(call, out, f"shape build in a graph H={H} T={T}")
-                a, b = got["plain"], got["shape build"]
-                assert a.keys() == b.keys()
-                for k in a:
-                    assert torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)), (quant, H, T, k)
+                        _check_in_a_graph(ws, call, out, f"shape build H={H} T={T}")
+                _same_bytes(got["plain"], got["shape build"], quant, H, T)
             assert any(la.shape_builds for la in built_ws._moe_ar_state.launchers.values()), "no shape build ran"
             assert not any(la.shape_builds for la in plain_ws._moe_ar_state.launchers.values())
         finally:
