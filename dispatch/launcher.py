@@ -103,6 +103,11 @@ class _Launcher:
                 prog, split.threads, self.sms, self.sharing, ws.hidden))
         return build
 
+    def one_wave_tokens(self) -> int:
+        """The most tokens a call of this program runs in one wave of blocks, a block a token: its
+        grid limit under the row split of its largest calls (the program as built for every shape)."""
+        return self.max_blocks[-1]
+
     def row_split_index(self, T: int) -> int:
         """The index in row_splits of the split a call of T tokens uses."""
         return next(i for i, split in enumerate(self.row_splits) if T <= split.max_tokens)

@@ -29,13 +29,24 @@ def _not_a_workspace(name: str, value) -> str:
 def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str:
     """The program the dispatcher runs on this rank for a call of `tokens` tokens with `quant`
     (None, "nvfp4", "fp8_group128" or "fp8_tensor") and, when `has_shared`, a shared-expert operand.
-    Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell."""
+    Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell.
+    At world size 1 the latency program's range also ends at the tokens its blocks run in one wave,
+    a block a token, on this workspace's GPU (so asking may load that program, as its first call would)."""
     if not all(hasattr(ws, name) for name in ("dtype_name", "world_size", "oneshot_max_tokens", "selection")):
         raise ValueError(_not_a_workspace("ws", ws))
     profile = profile_for_quant(quant)
+    bounds = ws.selection.limits(profile)
     family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens,
-                                    bounds=ws.selection.limits(profile))
-    return registry.program_for(family, ws.dtype_name, ws.world_size, profile)
+                                    bounds=bounds)
+    name = registry.program_for(family, ws.dtype_name, ws.world_size, profile)
+    if registry.program_info(name)["regime"] == registry.LOCAL_LATENCY_REGIME \
+            and max(tokens, 1) > launcher_for(ws, name).one_wave_tokens():
+        # world size 1's latency program past its one wave of blocks (a hidden size the table did
+        # not measure can put its byte boundary there): the next rung of the ladder
+        family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared,
+                                        ws.oneshot_max_tokens, bounds={**bounds, registry.LOCAL_LATENCY_FIELD: 0})
+        name = registry.program_for(family, ws.dtype_name, ws.world_size, profile)
+    return name
 
 
 def moe_finalize_allreduce(workspace, *, allreduce_in, expanded_idx_to_permuted_idx, residual_in, norm_weight,

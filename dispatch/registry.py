@@ -135,6 +135,7 @@ def params_struct() -> type:
 ONESHOT_REGIME = "oneshot"
 LOCAL_LATENCY_REGIME = "local"
 LOCAL_STREAMING_REGIME = "local_streaming"
+LOCAL_LATENCY_FIELD = "local_max_tokens"  # the boundary that ends the latency layout's range
 
 
 def select_family(dtype: str, world_size: int, profile: str, tokens: int, has_shared: bool,

@@ -44,3 +44,4 @@ def test_the_regimes_the_runtime_names_are_the_manifests():
     ladder = [regime for regime, _field in registry.program_set().ladder]
     for regime in (registry.ONESHOT_REGIME, registry.LOCAL_LATENCY_REGIME, registry.LOCAL_STREAMING_REGIME):
         assert regime in ladder, (regime, ladder)
+    assert (registry.LOCAL_LATENCY_REGIME, registry.LOCAL_LATENCY_FIELD) in registry.program_set().ladder

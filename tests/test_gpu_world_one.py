@@ -170,21 +170,32 @@ def test_every_local_program_matches_the_reference(program, workspaces, seed_for
 @pytest.mark.parametrize("dname", gspec.DTYPES)
 def test_selection_is_local_for_every_token_count(dname, quant, workspaces, seed_for):
     """Automatic selection at world size 1: the profile's latency program (local) up to the tables'
-    local_max_tokens, the streaming one up to streaming_max_tokens, the latency one again above (the
-    exchange rungs' hole fallback), with or without a shared operand; a call without program= runs it
-    (checked output)."""
+    local_max_tokens or its one wave of blocks, the streaming one up to streaming_max_tokens, the
+    latency one again above (the exchange rungs' hole fallback), with or without a shared operand; a
+    call without program= runs it (checked output). H 5120: a row the committed tables did not measure,
+    whose latency range the wave ends (one 320-thread block a multiprocessor)."""
+    from dispatch.launcher import launcher_for
     dtype = ref.NAME_TO_DTYPE[dname]
-    ws = workspaces.get(MAX_TOKENS, 2048, dtype)
     profile = next(name for name, q in PROFILE_QUANT.items() if q == quant)
+    for H in (2048, 5120):
+        ws = workspaces.get(MAX_TOKENS, H, dtype)
+        _check_selection(ws, dname, profile, quant, launcher_for(ws, f"moe_ar_local_{dname}_ws1_{profile}"))
+    ws = workspaces.get(MAX_TOKENS, 2048, dtype)
+    for i, T in enumerate((1, 257, MAX_TOKENS)):
+        _run_and_check(ws, _case(T, 2048, dtype, seed_for(f"case{i}"), shared=i % 2 == 0), quant, f"automatic T={T}")
+
+
+def _check_selection(ws, dname, profile, quant, latency):
     limits = ws.selection.limits(profile)
+    wave = latency.one_wave_tokens()
+    if ws.hidden == 5120:
+        assert wave < limits["local_max_tokens"], (wave, limits)  # what this case is for
     for T in range(1, MAX_TOKENS + 1):
-        streaming = limits["local_max_tokens"] < T <= limits["streaming_max_tokens"]
+        streaming = min(limits["local_max_tokens"], wave) < T <= limits["streaming_max_tokens"]
         want = gspec.ProgramSpec("local_streaming" if streaming else "local", dname, 1, profile).name
         for shared in (False, True):
             got = dispatch.select_program(ws, T, quant, shared)
-            assert got == want, f"T={T} shared={shared} quant={quant}: selected {got}, expected {want}"
-    for i, T in enumerate((1, 257, MAX_TOKENS)):
-        _run_and_check(ws, _case(T, 2048, dtype, seed_for(f"case{i}"), shared=i % 2 == 0), quant, f"automatic T={T}")
+            assert got == want, f"H={ws.hidden} T={T} shared={shared} quant={quant}: selected {got}, expected {want}"
 
 
 # ---- routes and special inputs --------------------------------------------------------------------

@@ -375,6 +375,30 @@ def test_a_workspace_takes_tables_and_boundaries_and_the_environment(monkeypatch
     assert _probe(monkeypatch, tables=other).selection.set == "the argument's"
 
 
+def test_world_one_leaves_the_latency_program_where_its_grid_would_need_a_second_wave(monkeypatch):
+    """The latency program runs a block a token on a grid of the blocks that fit at once: past that,
+    a second wave (1.3x the time at H 7168, 136 tokens). Its range ends there, whatever the table."""
+    from dispatch import op
+    ws = _probe(monkeypatch, world_size=1)  # H 7168: the table keeps the latency program to 128 tokens
+    waves = {}
+    monkeypatch.setattr(op, "launcher_for", lambda ws, name: types.SimpleNamespace(
+        one_wave_tokens=lambda: waves.setdefault(name, 100)))
+    for quant in (None, "nvfp4", "fp8_group128", "fp8_tensor"):
+        latency, streaming = (dispatch.select_program(ws, T, quant) for T in (100, 101))
+        assert latency.startswith("moe_ar_local_bf16_ws1_") and streaming.startswith("moe_ar_local_streaming_bf16_ws1_")
+        assert dispatch.select_program(ws, 1, quant, True) == latency
+    assert set(waves) == {dispatch.select_program(ws, 1, q) for q in (None, "nvfp4", "fp8_group128", "fp8_tensor")}
+    waves.clear()
+    monkeypatch.setattr(op, "launcher_for", lambda ws, name: types.SimpleNamespace(one_wave_tokens=lambda: 132))
+    assert [dispatch.select_program(ws, T) for T in (128, 129)] == ["moe_ar_local_bf16_ws1_plain",
+                                                                    "moe_ar_local_streaming_bf16_ws1_plain"]
+
+    def no_launcher(ws, name):
+        raise AssertionError(f"{name}: loaded to choose a call the table gives the streaming program")
+    monkeypatch.setattr(op, "launcher_for", no_launcher)
+    assert dispatch.select_program(ws, 4096) == "moe_ar_local_streaming_bf16_ws1_plain"
+
+
 def test_the_choice_is_logged_once(monkeypatch, caplog):
     table_sets._said.clear()
     with caplog.at_level(logging.INFO, logger="moe_ar.tables"):
