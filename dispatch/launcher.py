@@ -131,7 +131,7 @@ class _Launcher:
         params.weight_bias = float(a["weight_bias"])
         params.vec_per_thread = self.row_splits[self.row_split_index(T)].vec_per_thread
         function_ptr, cluster_function_ptr, max_blocks = self.function_ptr, self.cluster_function_ptr, None
-        if self.shape_builds is not None:
+        if self.shape_builds is not None and shape_constants.serves(T):
             function_ptr, cluster_function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind)
         if self.uses_cluster(T, params.top_k):
             function_ptr = cluster_function_ptr

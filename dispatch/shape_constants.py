@@ -1,15 +1,17 @@
-"""World size 1's latency program compiled for one call shape (experimental: off unless the
-environment has MOE_AR_SHAPE_CONSTANTS=1 when a workspace's launcher of the program is made).
+"""World size 1's latency program compiled for one call shape: what a workspace's launcher of that
+program runs for calls of up to MAX_TOKENS tokens (unless the environment has MOE_AR_SHAPE_CONSTANTS=0
+when the launcher is made).
 
 At a few tokens a block of the latency program runs one warp a scheduler, so the instructions that
 check the call's shape at run time (vectors past the row, routes past top_k, the router weights'
-kind) are on the critical path. With this on, the launcher compiles the program's source once per
-(top_k, router weight kind) of the calls it serves, with the workspace's hidden size and row split
-and the call's top_k and weight kind as constants (the MOE_AR_FIXED_* defines first in the source,
-read by kernels/shape.cuh and kernels/vector.cuh). The same loads, additions and order as the
-program without them: the same bits. Each build is a cubin cache entry of its own (the defines are
-part of the source the cache key hashes); the build happens when a call signature is first checked,
-never on the launch path. Measured, as a probe, in bench_results/world_size_1/shape_constants/.
+kind) are on the critical path. The launcher compiles the program's source once per (top_k, router
+weight kind) of the calls it serves, with the workspace's hidden size and row split and the call's
+top_k and weight kind as constants (the MOE_AR_FIXED_* defines first in the source, read by
+kernels/shape.cuh and kernels/vector.cuh). The same loads, additions and order as the program without
+them: the same bits. Each build is a cubin cache entry of its own (the defines are part of the source
+the cache key hashes); the build happens when a call signature is first checked, never on the launch
+path. MAX_TOKENS: up to where the builds were faster at most points measured on an H200, and above which they gained nothing with
+the inputs in DRAM (bench_results/world_size_1/shape_builds/).
 """
 from __future__ import annotations
 
@@ -17,19 +19,25 @@ import os
 
 ENV = "MOE_AR_SHAPE_CONSTANTS"
 SCALE_KINDS = (0, 1, 2)  # Params.scale_kind: no router weights, float32, the dtype
+MAX_TOKENS = 64  # calls of more tokens run the program as built for every shape
 
 
 def enabled() -> bool:
-    """Whether the environment asks for shape-constant builds ("1"; unset, "" or "0": no)."""
+    """Whether launchers build per call shape: yes unless the environment says "0" (unset, "" or "1": yes)."""
     value = os.environ.get(ENV, "")
     if value not in ("", "0", "1"):
         raise ValueError(f"{ENV}: {value!r}, expected 0 or 1")
-    return value == "1"
+    return value != "0"
+
+
+def serves(T: int) -> bool:
+    """Whether a call of T tokens runs a shape build (where the launcher has them)."""
+    return T <= MAX_TOKENS
 
 
 def applies(regime: str, row_splits) -> bool:
     """Whether a launcher of a program of `regime` with these row splits builds per call shape: the
-    switch is on, the program is world size 1's latency program and it runs one row split."""
+    switch is not off, the program is world size 1's latency program and it runs one row split."""
     from . import registry
     return enabled() and regime == registry.LOCAL_LATENCY_REGIME and len(row_splits) == 1
 

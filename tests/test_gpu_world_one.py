@@ -17,7 +17,8 @@ replays with new values in the captured tensors; PDL, back to back and chained t
 residual_in; the torch ops (functional and out, torch.compile with aot_eager and inductor, in a
 CUDA graph); the FlashInfer-style entry; program= forcing and selection; hostile calls refused with
 a ValueError naming the argument, each followed by a valid call; Workspace(group) of one process;
-examples/world_one.py.
+examples/world_one.py. The latency program's calls of up to 64 tokens run its shape builds (the
+default, dispatch/shape_constants.py); their bits against the program's own: a test of its own.
 
 Seeds come from conftest (fresh per run; --seed N reproduces); every failure names its case.
 """
@@ -747,11 +748,11 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkey
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
-    """With MOE_AR_SHAPE_CONSTANTS=1 when its launcher is made, the latency program runs a build with
-    the call's shape as constants (dispatch/shape_constants.py), one per top_k and router weight kind:
-    every output against the reference, and the bits of the program without constants, at H 7168 (the
-    cluster layout included), 4096 and 2064 (vectors past the row), with and without PDL, eagerly and
-    replayed in a CUDA graph."""
+    """Up to shape_constants.MAX_TOKENS tokens the latency program runs a build with the call's shape
+    as constants (dispatch/shape_constants.py), one per top_k and router weight kind: every output
+    against the reference, and the bits of the program without constants (a launcher made while
+    MOE_AR_SHAPE_CONSTANTS=0), at H 7168 (the cluster layout included), 4096 and 2064 (vectors past the
+    row), with and without PDL, eagerly and replayed in a CUDA graph; above, both run the program."""
     from dispatch import shape_constants
     rnd = random.Random(seed_for("plan"))
     profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
@@ -761,12 +762,12 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
         plain_ws = dispatch.LocalWorkspace(max_tokens=128, hidden=H, dtype=torch.bfloat16)
         built_ws = dispatch.LocalWorkspace(max_tokens=128, hidden=H, dtype=torch.bfloat16)
         try:
-            for i, T in enumerate((1, 5, 48, 64, 128)):
+            for i, T in enumerate((1, 5, 48, shape_constants.MAX_TOKENS, 128)):
                 case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd)
                 got = {}
                 for name, ws in (("plain", plain_ws), ("shape build", built_ws)):
-                    if name == "shape build":
-                        monkeypatch.setenv(shape_constants.ENV, "1")
+                    if name == "plain":
+                        monkeypatch.setenv(shape_constants.ENV, "0")
                     call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1,
                                                program=f"moe_ar_local_bf16_ws1_{profile}")
                     monkeypatch.delenv(shape_constants.ENV, raising=False)

@@ -35,8 +35,8 @@ def test_defines_name_every_constant_once():
                                  "#define MOE_AR_FIXED_ROW_THREADS 448"]
 
 
-@pytest.mark.parametrize("value,on", [(None, False), ("", False), ("0", False), ("1", True)])
-def test_the_switch_is_off_unless_set_to_one(value, on, monkeypatch):
+@pytest.mark.parametrize("value,on", [(None, True), ("", True), ("0", False), ("1", True)])
+def test_the_switch_is_on_unless_set_to_zero(value, on, monkeypatch):
     if value is None:
         monkeypatch.delenv(shape_constants.ENV, raising=False)
     else:
@@ -118,14 +118,14 @@ def _launcher(regime, splits, on, monkeypatch, loads):
     lau.template = registry.params_struct()()
     lau.row_splits = tuple(row_split(7168 // 8, vpt, top) for vpt, top in splits)
     lau.threads = [s.threads for s in lau.row_splits]
-    lau.max_blocks, lau.dynamic_smem, lau.sms, lau.sharing = [132] * len(splits), 0, 132, 1
+    lau.max_blocks, lau.dynamic_smem, lau.sms, lau.sharing = [32] * len(splits), 0, 132, 1
     lau.cluster_max_tokens, lau.cluster_blocks = 0, 1
     lau.function_ptr, lau.cluster_function_ptr = 1, 2
     lau.sliced_units = lau.column_units = False
     if on:
-        monkeypatch.setenv(shape_constants.ENV, "1")
+        monkeypatch.delenv(shape_constants.ENV, raising=False)  # the default
     else:
-        monkeypatch.delenv(shape_constants.ENV, raising=False)
+        monkeypatch.setenv(shape_constants.ENV, "0")
     lau.shape_builds = {} if shape_constants.applies(regime, lau.row_splits) else None  # as __init__ sets it
     ws = types.SimpleNamespace(hidden=7168, world_size=1,
                                _moe_ar_state=types.SimpleNamespace(fault_stop_after_units=0))
@@ -144,16 +144,19 @@ def test_the_launcher_builds_once_per_top_k_and_weight_kind(monkeypatch):
     loads = []
     call = _launcher(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], True, monkeypatch, loads)
     fp32 = torch.empty(1, dtype=torch.float32)
-    first = call(200, 8, fp32)
+    first = call(shape_constants.MAX_TOKENS, 8, fp32)
     assert loads == [("moe_ar_local_bf16_ws1_plain", shape_constants.defines(7168, 8, 1, 2, 448))]
     assert first.function_ptr == 1000 + len(loads[0][1])
-    assert first.config.gridDimX == 200  # the build's own occupancy: 3 blocks a multiprocessor here
+    # the build's own occupancy (3 blocks a multiprocessor here) against the program's grid of 32
+    assert first.config.gridDimX == shape_constants.MAX_TOKENS
     call(5, 8, fp32)
     assert len(loads) == 1  # the same top_k and weight kind: the same build
     call(5, 2, None)
     call(5, 8, torch.empty(1, dtype=torch.bfloat16))
     assert [prefix for _, prefix in loads[1:]] == [shape_constants.defines(7168, 2, 0, 2, 448),
                                                     shape_constants.defines(7168, 8, 2, 2, 448)]
+    above = call(shape_constants.MAX_TOKENS + 1, 8, fp32)  # past the builds' range: the program itself
+    assert len(loads) == 3 and above.function_ptr == 1 and above.config.gridDimX == 32
 
 
 @pytest.mark.parametrize("regime,splits,on", [(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], False),
@@ -162,5 +165,5 @@ def test_the_launcher_builds_once_per_top_k_and_weight_kind(monkeypatch):
 def test_no_build_where_it_is_off_or_does_not_apply(regime, splits, on, monkeypatch):
     loads = []
     call = _launcher(regime, splits, on, monkeypatch, loads)
-    k = call(200, 8, None)
-    assert loads == [] and k.function_ptr == 1 and k.config.gridDimX == 132
+    k = call(40, 8, None)
+    assert loads == [] and k.function_ptr == 1 and k.config.gridDimX == 32
