@@ -10,8 +10,8 @@ top_k and weight kind as constants (the MOE_AR_FIXED_* defines first in the sour
 kernels/shape.cuh and kernels/vector.cuh). The same loads, additions and order as the program without
 them: the same bits. Each build is a cubin cache entry of its own (the defines are part of the source
 the cache key hashes); the build happens when a call signature is first checked, never on the launch
-path. MAX_TOKENS: up to where the builds were faster at most points measured on an H200, and above which they gained nothing with
-the inputs in DRAM (bench_results/world_size_1/shape_builds/).
+path. MAX_TOKENS: up to where the builds were faster at most points measured on an H200; above it
+they gained nothing with the inputs in DRAM (bench_results/world_size_1/shape_builds/).
 """
 from __future__ import annotations
 
