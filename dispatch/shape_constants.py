@@ -8,7 +8,10 @@ kind) are on the critical path. The launcher compiles the program's source once 
 weight kind) of the calls it serves, with the workspace's hidden size and row split and the call's
 top_k and weight kind as constants (the MOE_AR_FIXED_* defines first in the source, read by
 kernels/shape.cuh and kernels/vector.cuh). The same loads, additions and order as the program without
-them: the same bits. Each build is a cubin cache entry of its own (the defines are part of the source
+them: the same bits. A build's one-block rows issue every load at once whatever the call's tokens
+(MOE_AR_FIXED_ALL_LOADS; the program without constants does up to 16 tokens, then four routes at a
+time): in a build that was faster at every point measured to 64 tokens, and slower above, without
+constants slower above 16 (bench_results/world_size_1/all_loads/). Each build is a cubin cache entry of its own (the defines are part of the source
 the cache key hashes); the build happens when a call signature is first checked, never on the launch
 path. MAX_TOKENS: up to where the builds were faster at most points measured on an H200; above it
 they gained nothing with the inputs in DRAM (bench_results/world_size_1/shape_builds/).
@@ -55,4 +58,4 @@ def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threa
         raise ValueError(f"threads: {threads} threads of {vec_per_thread} vectors do not hold a row of {hidden}")
     return (f"#define MOE_AR_FIXED_HIDDEN {hidden}\n#define MOE_AR_FIXED_TOP_K {top_k}\n"
             f"#define MOE_AR_FIXED_SCALE_KIND {scale_kind}\n#define MOE_AR_FIXED_VEC_PER_THREAD {vec_per_thread}\n"
-            f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n")
+            f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n#define MOE_AR_FIXED_ALL_LOADS 1\n")

@@ -6,10 +6,10 @@
 // state word used is kBadRows, the count of skipped out-of-range routes (dispatch check() reads it).
 //
 // Two layouts, one program each (generator/spec.py): kLocal for few tokens issues every load of a
-// row before using any (latency; above kAllLoadsMaxTokens tokens four routes at a time, the indices
-// read first); kLocalStreaming for many tokens (bandwidth) keeps two blocks on a
-// multiprocessor, each loading its rows a few routes at a time (local_row_batched), so that one
-// block's loads are in flight while the other normalizes and quantizes.
+// row before using any (latency; in the program for every shape above kAllLoadsMaxTokens tokens four
+// routes at a time, the indices read first); kLocalStreaming for many tokens (bandwidth) keeps two
+// blocks on a multiprocessor, each loading its rows a few routes at a time (local_row_batched), so
+// that one block's loads are in flight while the other normalizes and quantizes.
 #pragma once
 #include "call.cuh"
 #include "finalize.cuh"
@@ -356,10 +356,15 @@ __device__ __forceinline__ void run_local(const Params& p) {
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;
-  // every load of a row at once up to kAllLoadsMaxTokens, above four routes at a time, the token's
-  // indices read first.
+  // every load of a row at once in a shape build (it serves calls of up to shape_constants.MAX_TOKENS
+  // tokens) and in the program for every shape up to kAllLoadsMaxTokens, else four routes at a time,
+  // the token's indices read first.
   const bool fast_path = R == Regime::kLocal && row_vec_per_thread(p) <= 2 && row_top_k(p) <= 8;
+#ifdef MOE_AR_FIXED_ALL_LOADS
+  const bool all_loads = fast_path;
+#else
   const bool all_loads = fast_path && T <= kAllLoadsMaxTokens;
+#endif
   const bool routes_first = fast_path && !all_loads;
   for (int t = blockIdx.x; t < T; t += gridDim.x) {
     uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
