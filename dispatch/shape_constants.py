@@ -22,7 +22,7 @@ import os
 
 ENV = "MOE_AR_SHAPE_CONSTANTS"
 SCALE_KINDS = (0, 1, 2)  # Params.scale_kind: no router weights, float32, the dtype
-MAX_TOKENS = 64  # calls of more tokens run the program as built for every shape
+MAX_TOKENS = 256  # calls of more tokens run the program as built for every shape
 
 
 def enabled() -> bool:
@@ -58,4 +58,4 @@ def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threa
         raise ValueError(f"threads: {threads} threads of {vec_per_thread} vectors do not hold a row of {hidden}")
     return (f"#define MOE_AR_FIXED_HIDDEN {hidden}\n#define MOE_AR_FIXED_TOP_K {top_k}\n"
             f"#define MOE_AR_FIXED_SCALE_KIND {scale_kind}\n#define MOE_AR_FIXED_VEC_PER_THREAD {vec_per_thread}\n"
-            f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n#define MOE_AR_FIXED_ALL_LOADS 1\n")
+            f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n#define MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS {MAX_TOKENS}\n")

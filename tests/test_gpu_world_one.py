@@ -759,10 +759,11 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
     for H in (7168, 4096, 2064):
         if quant == "fp8_group128" and H % 128:
             continue
-        plain_ws = dispatch.LocalWorkspace(max_tokens=128, hidden=H, dtype=torch.bfloat16)
-        built_ws = dispatch.LocalWorkspace(max_tokens=128, hidden=H, dtype=torch.bfloat16)
+        top = shape_constants.MAX_TOKENS + 8
+        plain_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
+        built_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
         try:
-            for i, T in enumerate((1, 5, 48, shape_constants.MAX_TOKENS, 128)):
+            for i, T in enumerate((1, 5, 48, 96, shape_constants.MAX_TOKENS, top)):
                 case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd)
                 got = {}
                 for name, ws in (("plain", plain_ws), ("shape build", built_ws)):

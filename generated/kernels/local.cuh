@@ -356,12 +356,13 @@ __device__ __forceinline__ void run_local(const Params& p) {
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;
-  // every load of a row at once in a shape build (it serves calls of up to shape_constants.MAX_TOKENS
-  // tokens) and in the program for every shape up to kAllLoadsMaxTokens, else four routes at a time,
-  // the token's indices read first.
+  // every load of a row at once up to kAllLoadsMaxTokens, in a shape build up to the tokens it serves
+  // (shape_constants.MAX_TOKENS), else four routes at a time, the token's indices read first. A build
+  // keeps the four-routes path: without it ptxas gives the kernel fewer registers and splits the row's
+  // loads in two batches, a memory latency more (bench_results/world_size_1/all_loads/).
   const bool fast_path = R == Regime::kLocal && row_vec_per_thread(p) <= 2 && row_top_k(p) <= 8;
-#ifdef MOE_AR_FIXED_ALL_LOADS
-  const bool all_loads = fast_path;
+#ifdef MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS
+  const bool all_loads = fast_path && T <= MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS;
 #else
   const bool all_loads = fast_path && T <= kAllLoadsMaxTokens;
 #endif
