@@ -7,14 +7,15 @@ check the call's shape at run time (vectors past the row, routes past top_k, the
 kind) are on the critical path. The launcher compiles the program's source once per (top_k, router
 weight kind) of the calls it serves, with the workspace's hidden size and row split and the call's
 top_k and weight kind as constants (the MOE_AR_FIXED_* defines first in the source, read by
-kernels/shape.cuh and kernels/vector.cuh). The same loads, additions and order as the program without
-them: the same bits. A build's one-block rows issue every load at once whatever the call's tokens
-(MOE_AR_FIXED_ALL_LOADS; the program without constants does up to 16 tokens, then four routes at a
-time): in a build that was faster at every point measured to 64 tokens, and slower above, without
-constants slower above 16 (bench_results/world_size_1/all_loads/). Each build is a cubin cache entry of its own (the defines are part of the source
-the cache key hashes); the build happens when a call signature is first checked, never on the launch
-path. MAX_TOKENS: up to where the builds were faster at most points measured on an H200; above it
-they gained nothing with the inputs in DRAM (bench_results/world_size_1/shape_builds/).
+kernels/shape.cuh, kernels/vector.cuh and kernels/local.cuh). The same loads, additions and order as
+the program without them: the same bits. A build's one-block rows issue every load at once at every
+T it serves (MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS); the program without constants does so up to 16
+tokens only, above which it measured slower. Each build is a cubin cache entry of its own (the
+defines are part of the source the cache key hashes); the build happens when a call signature is
+first checked, never on the launch path. MAX_TOKENS: the most tokens measured; on an H200 the
+builds were as fast or faster than the program at every point to there, 0.72-0.93x of its time at
+32-256 tokens of H 4096 and 2048 (bench_results/world_size_1/all_loads/). At H 7168 and 4096 the
+tables end the latency range before it; at smaller rows it can run further, as the program.
 """
 from __future__ import annotations
 
