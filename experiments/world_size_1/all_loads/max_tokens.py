@@ -1,6 +1,7 @@
 """The shape builds' range (shape_constants.MAX_TOKENS) at 64 as committed and at 256, A/B/A in one
 process, now that a build issues every load of a row at once: does a build win above 64 tokens?
 (H 4096 and 2048 top_k 8, whose latency range goes to 256 tokens, and H 7168 + shared, to 128.)
+Ran at 432dfb9, whose builds left the four-routes path out (superseded by 437679b).
     PYTHONPATH=. python experiments/world_size_1/all_loads/max_tokens.py OUT"""
 import contextlib, sys, time
 from dispatch import registry, shape_constants

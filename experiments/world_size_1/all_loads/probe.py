@@ -2,6 +2,8 @@
 16 as committed, at 64 and at 256, A/B/C/A in one process (the source substituted before NVRTC, the loaded
 programs dropped between arms; shape builds as by default), at the shapes without the cluster layout
 (H 4096, 2048) and at H 7168.
+Ran at 05f7a11 (from 437679b a build's MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS decides instead: check that
+commit out to rerun it).
     PYTHONPATH=. python experiments/world_size_1/all_loads/probe.py OUT"""
 import contextlib, sys, time
 from dispatch import registry
