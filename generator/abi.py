@@ -104,5 +104,5 @@ CLUSTER_MIN_WARPS = 12
 # ALL_LOADS_MAX_TOKENS tokens; above, with a block on nearly every multiprocessor, every load at once
 # measured slower than four routes at a time with the token's indices read first
 # (bench_results/world_size_1/mid_tokens/). Its builds for one call shape (dispatch/shape_constants.py)
-# issue every load at once at every T they serve (kernels/shape.cuh row_all_loads).
+# issue every load at once at every T they serve (MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS, kernels/local.cuh).
 ALL_LOADS_MAX_TOKENS = 16

@@ -32,7 +32,8 @@ def test_defines_name_every_constant_once():
     text = shape_constants.defines(**ROW)
     assert text.splitlines() == ["#define MOE_AR_FIXED_HIDDEN 7168", "#define MOE_AR_FIXED_TOP_K 8",
                                  "#define MOE_AR_FIXED_SCALE_KIND 1", "#define MOE_AR_FIXED_VEC_PER_THREAD 2",
-                                 "#define MOE_AR_FIXED_ROW_THREADS 448", f"#define MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS {shape_constants.MAX_TOKENS}"]
+                                 "#define MOE_AR_FIXED_ROW_THREADS 448",
+                                 f"#define MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS {shape_constants.MAX_TOKENS}"]
 
 
 @pytest.mark.parametrize("value,on", [(None, True), ("", True), ("0", False), ("1", True)])
