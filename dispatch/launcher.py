@@ -56,8 +56,8 @@ class _Launcher:
         self.row_splits = ws.row_splits_for(self.regime)
         self.max_blocks = [self._blocks_at_once(prog, split.threads, sms, sharing, ws.hidden)
                            for split in self.row_splits]  # per row split of this program on the workspace
-        # world size 1's latency program built per call shape (shape_constants.py; one row split only)
-        self.shape_builds = {} if shape_constants.applies(self.regime, self.row_splits) else None
+        # world size 1's programs built per call shape (shape_constants.py; one row split only)
+        self.shape_builds = {} if shape_constants.applies(self.regime, self.row_splits, self.profile) else None
         self.sms, self.sharing = sms, sharing
         self.function_ptr = prog.function_ptr
         self.cluster_function_ptr = prog.cluster_function_ptr
@@ -131,7 +131,7 @@ class _Launcher:
         params.weight_bias = float(a["weight_bias"])
         params.vec_per_thread = self.row_splits[self.row_split_index(T)].vec_per_thread
         function_ptr, cluster_function_ptr, max_blocks = self.function_ptr, self.cluster_function_ptr, None
-        if self.shape_builds is not None and shape_constants.serves(T):
+        if self.shape_builds is not None and shape_constants.serves(self.regime, T, params.top_k):
             function_ptr, cluster_function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind)
         if self.uses_cluster(T, params.top_k):
             function_ptr = cluster_function_ptr

@@ -1,6 +1,7 @@
-"""World size 1's latency program compiled for one call shape: what a workspace's launcher of that
-program runs for calls of up to MAX_TOKENS tokens (unless the environment has MOE_AR_SHAPE_CONSTANTS=0
-when the launcher is made).
+"""World size 1's programs compiled for one call shape: what a workspace's launcher of the latency
+program runs for calls of up to MAX_TOKENS tokens, and of the streaming program (plain, NVFP4 and
+FP8 per-tensor) for calls of top_k 8 (unless the environment has MOE_AR_SHAPE_CONSTANTS=0 when the
+launcher is made).
 
 At a few tokens a block of the latency program runs one warp a scheduler, so the instructions that
 check the call's shape at run time (vectors past the row, routes past top_k, the router weights'
@@ -12,10 +13,15 @@ the program without them: the same bits. A build's one-block rows issue every lo
 T it serves (MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS); the program without constants does so up to 16
 tokens only, above which it measured slower. Each build is a cubin cache entry of its own (the
 defines are part of the source the cache key hashes); the build happens when a call signature is
-first checked, never on the launch path. MAX_TOKENS: the most tokens measured; on an H200 the
-builds were as fast or faster than the program at every point to there, 0.72-0.93x of its time at
-32-256 tokens of H 4096 and 2048 (bench_results/world_size_1/all_loads/). At H 7168 and 4096 the
-tables end the latency range before it; at smaller rows it can run further, as the program.
+first checked, never on the launch path.
+
+Where they serve, on an H200 (bench_results/world_size_1/all_loads/ and stream_ring/):
+- the latency program: MAX_TOKENS, the most tokens measured; as fast or faster than the program at
+  every point to there, 0.72-0.93x of its time at 32-256 tokens of H 4096 and 2048. At H 7168 and
+  4096 the tables end the latency range before it; at smaller rows it can run further, as the program.
+- the streaming program at top_k 8: 0.95-0.99x of the program's time for NVFP4 and FP8 per-tensor
+  from 512 tokens, plain level to 0.97x. Not FP8 group-128 (1.02-1.04x at H 7168 from 2,048 tokens)
+  nor top_k 2 (1.04-1.05x from 4,096 tokens of H 4096).
 """
 from __future__ import annotations
 
@@ -34,16 +40,27 @@ def enabled() -> bool:
     return value != "0"
 
 
-def serves(T: int) -> bool:
-    """Whether a call of T tokens runs a shape build (where the launcher has them)."""
-    return T <= MAX_TOKENS
+STREAMING_TOP_K = 8  # the top_k the streaming program's builds serve
+STREAMING_PROFILES = ("plain", "nvfp4", "fp8_tensor")  # the profiles whose streaming program builds
 
 
-def applies(regime: str, row_splits) -> bool:
-    """Whether a launcher of a program of `regime` with these row splits builds per call shape: the
-    switch is not off, the program is world size 1's latency program and it runs one row split."""
+def serves(regime: str, T: int, top_k: int) -> bool:
+    """Whether a call of T tokens and top_k routes runs a shape build (where the launcher has them)."""
     from . import registry
-    return enabled() and regime == registry.LOCAL_LATENCY_REGIME and len(row_splits) == 1
+    if regime == registry.LOCAL_LATENCY_REGIME:
+        return T <= MAX_TOKENS
+    return regime == registry.LOCAL_STREAMING_REGIME and top_k == STREAMING_TOP_K
+
+
+def applies(regime: str, row_splits, profile: str) -> bool:
+    """Whether a launcher of a program of `regime` and `profile` with these row splits builds per call
+    shape: the switch is not off, the program is world size 1's latency program, or its streaming
+    program of STREAMING_PROFILES, and it runs one row split."""
+    from . import registry
+    if not enabled() or len(row_splits) != 1:
+        return False
+    return regime == registry.LOCAL_LATENCY_REGIME or (regime == registry.LOCAL_STREAMING_REGIME
+                                                       and profile in STREAMING_PROFILES)
 
 
 def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threads: int) -> str:

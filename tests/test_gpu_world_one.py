@@ -783,6 +783,47 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
             built_ws.close()
 
 
+@pytest.mark.parametrize("quant", QUANTS)
+def test_streaming_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
+    """The streaming program of plain, NVFP4 and FP8 per-tensor runs a build with the call's shape as
+    constants at top_k 8 (dispatch/shape_constants.py): every output against the reference, and the
+    bits of the program without constants (a launcher made while MOE_AR_SHAPE_CONSTANTS=0), at H 7168,
+    4096 and 2064 (vectors past the row), from one token to past a wave of blocks, with and without
+    PDL, eagerly and replayed in a CUDA graph; FP8 group-128 and top_k 2 run the program."""
+    from dispatch import shape_constants
+    rnd = random.Random(seed_for("plan"))
+    profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
+    builds = profile in shape_constants.STREAMING_PROFILES
+    for H in (7168, 4096, 2064):
+        if quant == "fp8_group128" and H % 128:
+            continue
+        top = 700
+        plain_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
+        built_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
+        try:
+            for i, (T, top_k) in enumerate(((1, 8), (37, 8), (300, 8), (top, 8), (300, 2))):
+                case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}-{top_k}"), rnd, top_k=top_k)
+                got = {}
+                for name, ws in (("plain", plain_ws), ("shape build", built_ws)):
+                    if name == "plain":
+                        monkeypatch.setenv(shape_constants.ENV, "0")
+                    call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T} top_k={top_k}",
+                                               pdl=i % 2 == 1, program=f"moe_ar_local_streaming_bf16_ws1_{profile}")
+                    monkeypatch.delenv(shape_constants.ENV, raising=False)
+                    got[name] = {k: v.clone() for k, v in call["provided"][0].items()}
+                    if name == "shape build" and T == 37:  # and replayed in a graph
+                        _check_in_a_graph(ws, call, out, f"streaming build H={H} T={T}")
+                _same_bytes(got["plain"], got["shape build"], quant, H, T, top_k)
+            launchers = built_ws._moe_ar_state.launchers.values()
+            assert any(la.shape_builds for la in launchers) == builds, "a build ran" if not builds else "no build ran"
+            assert all(set(la.shape_builds) <= {(8, k) for k in shape_constants.SCALE_KINDS}
+                       for la in launchers if la.regime == "local_streaming" and la.shape_builds), "a top_k 2 build"
+            assert not any(la.shape_builds for la in plain_ws._moe_ar_state.launchers.values())
+        finally:
+            plain_ws.close()
+            built_ws.close()
+
+
 # ---- a token's bits whatever the batch -------------------------------------------------------------
 
 _PER_TOKEN = ("expanded_idx_to_permuted_idx", "residual_in", "shared_expert_output", "expert_scale_factor")

@@ -1,5 +1,6 @@
-"""World size 1's latency program built for one call shape (dispatch/shape_constants.py): the
-defines it takes, the switch that turns it on, and the builds themselves (NVRTC, no GPU): they
+"""World size 1's latency and streaming programs built for one call shape (dispatch/shape_constants.py):
+the defines they take, the switch that turns them on, where the launcher uses them, and the builds
+themselves (NVRTC, no GPU): they
 compile for both targets without spilling, in fewer instructions than the program without them.
 Their outputs against the float64 reference and the plain program's bits: tests/test_gpu_world_one.py."""
 from __future__ import annotations
@@ -95,6 +96,28 @@ def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
                 assert counts[symbol] < plain_counts[symbol], (row, symbol, counts[symbol], plain_counts[symbol])
 
 
+@pytest.mark.parametrize("profile", shape_constants.STREAMING_PROFILES)
+def test_streaming_builds_compile_without_spills_in_fewer_instructions(profile):
+    pytest.importorskip("cupy")
+    from moe_ar_common import cuda_env
+    from dispatch.workspace_sizes import row_split
+    try:
+        cuda_env.load_nvrtc()
+    except cuda_env.MissingToolchain as e:
+        pytest.skip(str(e))
+    name = f"moe_ar_local_streaming_bf16_ws1_{profile}"
+    symbol = registry.program_set().by_name[name]["symbol"]
+    _, plain_counts = _build(name, "", "sm_90a")
+    for hidden, scale_kind in ((7168, 1), (4096, 0), (2048, 2)):
+        split = row_split(hidden // 8, 4, 1 << 30)  # the streaming layout's wide split
+        stats, counts = _build(name, shape_constants.defines(hidden, 8, scale_kind, split.vec_per_thread,
+                                                             split.threads), "sm_90a")
+        s = stats[symbol]
+        assert s.spill_store_bytes == 0 and s.spill_load_bytes == 0 and s.registers <= 128, (hidden, s)
+        if counts is not None and plain_counts is not None:
+            assert counts[symbol] < plain_counts[symbol], (hidden, counts[symbol], plain_counts[symbol])
+
+
 class _FakeProgram:
     """What a launcher reads of a loaded program: two kernels and its occupancy."""
 
@@ -106,7 +129,7 @@ class _FakeProgram:
         return 3 if self.prefix else 1
 
 
-def _launcher(regime, splits, on, monkeypatch, loads):
+def _launcher(regime, splits, on, monkeypatch, loads, profile="plain"):
     """A real launcher._Launcher's kernel_call without a GPU (fields as __init__ sets them)."""
     import types
     import torch
@@ -115,7 +138,8 @@ def _launcher(regime, splits, on, monkeypatch, loads):
     monkeypatch.setattr(registry, "load", lambda name, device, prefix="": loads.append((name, prefix)) or
                         _FakeProgram(prefix))
     lau = object.__new__(launcher._Launcher)
-    lau.name, lau.regime, lau.profile, lau.device_index = "moe_ar_local_bf16_ws1_plain", regime, "plain", 0
+    family = "local" if regime == registry.LOCAL_LATENCY_REGIME else "local_streaming"
+    lau.name, lau.regime, lau.profile, lau.device_index = f"moe_ar_{family}_bf16_ws1_{profile}", regime, profile, 0
     lau.template = registry.params_struct()()
     lau.row_splits = tuple(row_split(7168 // 8, vpt, top) for vpt, top in splits)
     lau.threads = [s.threads for s in lau.row_splits]
@@ -127,7 +151,7 @@ def _launcher(regime, splits, on, monkeypatch, loads):
         monkeypatch.delenv(shape_constants.ENV, raising=False)  # the default
     else:
         monkeypatch.setenv(shape_constants.ENV, "0")
-    lau.shape_builds = {} if shape_constants.applies(regime, lau.row_splits) else None  # as __init__ sets it
+    lau.shape_builds = {} if shape_constants.applies(regime, lau.row_splits, profile) else None  # as __init__ sets it
     ws = types.SimpleNamespace(hidden=7168, world_size=1,
                                _moe_ar_state=types.SimpleNamespace(fault_stop_after_units=0))
 
@@ -160,11 +184,29 @@ def test_the_launcher_builds_once_per_top_k_and_weight_kind(monkeypatch):
     assert len(loads) == 3 and above.function_ptr == 1 and above.config.gridDimX == 32
 
 
-@pytest.mark.parametrize("regime,splits,on", [(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], False),
-                                              (registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True),
-                                              (registry.LOCAL_LATENCY_REGIME, [(2, 256), (4, 1 << 30)], True)])
-def test_no_build_where_it_is_off_or_does_not_apply(regime, splits, on, monkeypatch):
+@pytest.mark.parametrize("regime,splits,on,profile,top_k", [
+    (registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], False, "plain", 8),
+    (registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], False, "plain", 8),
+    (registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, "plain", 2),  # top_k 8 only
+    (registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, "fp8_group128", 8),
+    (registry.LOCAL_LATENCY_REGIME, [(2, 256), (4, 1 << 30)], True, "plain", 8)])
+def test_no_build_where_it_is_off_or_does_not_apply(regime, splits, on, profile, top_k, monkeypatch):
     loads = []
-    call = _launcher(regime, splits, on, monkeypatch, loads)
-    k = call(40, 8, None)
+    call = _launcher(regime, splits, on, monkeypatch, loads, profile)
+    k = call(40, top_k, None)
     assert loads == [] and k.function_ptr == 1 and k.config.gridDimX == 32
+
+
+@pytest.mark.parametrize("profile", shape_constants.STREAMING_PROFILES)
+def test_the_streaming_program_builds_at_top_k_8_at_every_t(profile, monkeypatch):
+    """The streaming program's builds serve every T of top_k 8 (no MAX_TOKENS), one per weight kind."""
+    import torch
+    loads = []
+    call = _launcher(registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, monkeypatch, loads, profile)
+    for T in (1, shape_constants.MAX_TOKENS + 1, 1 << 16):
+        k = call(T, 8, None)
+        assert k.function_ptr == 1000 + len(shape_constants.defines(7168, 8, 0, 4, 224)), T
+    assert loads == [(f"moe_ar_local_streaming_bf16_ws1_{profile}", shape_constants.defines(7168, 8, 0, 4, 224))]
+    call(300, 8, torch.empty(1, dtype=torch.float32))
+    assert [prefix for _, prefix in loads[1:]] == [shape_constants.defines(7168, 8, 1, 4, 224)]
+    assert call(300, 4, None).function_ptr == 1 and len(loads) == 2
