@@ -1,4 +1,5 @@
-"""Not run yet. The streaming program (local_streaming) built for the call's shape as the latency
+"""Run at 70e0698 (shape_constants.applies and serves as they were then; results:
+bench_results/world_size_1/stream_ring/builds_ab.json). The streaming program (local_streaming) built for the call's shape as the latency
 program is (dispatch/shape_constants.py: hidden size, row split, top_k and router weight kind as
 constants), A/B/A in one process against the program as built for every shape, 192-16,384 tokens.
 NVRTC 13, sm_90a, H 7168 top_k 8: 1,256 -> 1,072 SASS instructions for plain, 2,072 -> 1,824 for FP8
