@@ -43,7 +43,7 @@ COMMITTED_SETS = (
     Declared("h200_nvlink", title="NVIDIA H200, NVLink (2x H200 at world size 2, one H200 at world size 1)",
              match={"product": "NVIDIA H200", "capability": "9.0", "interconnect": "nvlink"},
              files=("bench_results/h200x2-2026-11-30-529cb84-bf16.json",
-                    "bench_results/tuning/h200-ws1-2026-12-03-one-wave.json")),
+                    "bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json")),
 )
 
 

@@ -187,16 +187,21 @@ def test_a_hidden_size_with_boundaries_of_its_own_is_served_by_them(tmp_path):
 
 
 def test_the_committed_world_one_cells_end_the_latency_layout_where_its_grid_leaves_one_wave():
-    """The H200 set fitted world size 1 at H 7168 and 4096, 136 and 144 tokens measured too: the latency
-    layout (one block a token, a block a multiprocessor at H 7168) up to 1.75 MiB a rank, 128 tokens of
-    H 7168, where its grid is one wave of the 132 multiprocessors; H 4096 keeps its own 2 MiB (256
-    tokens: two of its blocks fit a multiprocessor); the streaming layout above, every profile
-    (bench_results/tuning/README.md, "World size 1")."""
+    """The H200 set fitted world size 1 at H 7168, 4096 and 2048, 136 and 144 tokens measured too: the
+    latency layout (one block a token, a block a multiprocessor at H 7168) up to 1.75 MiB a rank, 128
+    tokens of H 7168, where its grid is one wave of the 132 multiprocessors; H 4096 keeps its own 2 MiB
+    (256 tokens: two of its blocks fit a multiprocessor), and so does H 2048 for plain and FP8
+    group-128 (512 tokens; the latency program measured faster there than the streaming one); the
+    streaming layout above, every profile (bench_results/tuning/README.md, "World size 1")."""
     local, streaming = FIELDS.index("local_max_tokens"), FIELDS.index("streaming_max_tokens")
     for profile in ("plain", "nvfp4", "fp8_tensor", "fp8_group128"):
         cell = _committed_cell(profile, world_size=1)
         assert cell.limits[local] == 128 * ROW and cell.limits[streaming] == ALL, profile
-        assert set(cell.by_hidden) == {4096}, profile
+        assert set(cell.by_hidden) == ({2048, 4096} if profile in ("plain", "fp8_group128") else {4096}), profile
+    for profile in ("plain", "fp8_group128"):
+        at_2048 = _resolve(world_size=1, hidden=2048).limits(profile)
+        assert (at_2048["local_max_tokens"], at_2048["streaming_max_tokens"]) == (512, ALL), profile
+    assert _resolve(world_size=1, hidden=2048).limits("nvfp4")["local_max_tokens"] == 128 * ROW // (2048 * 2)
     at_7168, at_4096 = _resolve(world_size=1).limits("plain"), _resolve(world_size=1, hidden=4096).limits("plain")
     assert at_7168["local_max_tokens"] == 128 and at_7168["streaming_max_tokens"] == ALL
     assert (at_4096["local_max_tokens"], at_4096["streaming_max_tokens"]) == (256, ALL)

@@ -5,7 +5,7 @@
 // Table set h200_nvlink: NVIDIA H200, NVLink (2x H200 at world size 2, one H200 at world size 1).
 // For product 'NVIDIA H200', compute capability 9.0, interconnect nvlink (dispatch/table_sets.py picks the set for a device).
 // Measured in bench_results/h200x2-2026-11-30-529cb84-bf16.json: NVIDIA H200 x2, peer 388 GB/s, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, commit 529cb84
-// Measured in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: NVIDIA H200 x1, sm 9.0, none, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, nvrtc 13.0, commit 88e3494
+// Measured in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: NVIDIA H200 x1, sm 9.0, none, driver 580.159.04, cuda 13.0, torch 2.11.0+cu130, nvrtc 13.0, commit a764809
 // Selection for a call with T tokens:
 // T <= local_max_tokens: local; T <= streaming_max_tokens: local_streaming; T
 // <= oneshot_max_tokens: oneshot; T <= early_max_tokens: twoshot_early; T <=
@@ -31,16 +31,16 @@ enum BoundaryKey { kTokens, kBytesPerRank };
 struct LocalBoundaries { BoundaryKey key; long long measured_from, measured_to; long long max[2]; };
 static const LocalBoundaries kLocalBoundaries[2][4] = {
     {  // fp16
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.030x, mean 1.002x; own boundaries at hidden 4096
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // fp16 ws1 fp8_group128: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // fp16 ws1 plain: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 2048, 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // fp16 ws1 nvfp4: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.007x, mean 1.000x; own boundaries at hidden 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // fp16 ws1 fp8_group128: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 2048, 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // fp16 ws1 fp8_tensor: measured (bf16 data) in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.017x, mean 1.000x; own boundaries at hidden 4096
     },
     {  // bf16
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.030x, mean 1.002x; own boundaries at hidden 4096
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // bf16 ws1 fp8_group128: measured in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
-        {kBytesPerRank, 8192, 234881024, {1835008, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-03-one-wave.json: 0 of 40 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // bf16 ws1 plain: measured in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 2048, 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // bf16 ws1 nvfp4: measured in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.007x, mean 1.000x; own boundaries at hidden 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // bf16 ws1 fp8_group128: measured in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.000x, mean 1.000x; own boundaries at hidden 2048, 4096
+        {kBytesPerRank, 4096, 234881024, {1835008, kAllTokens}},  // bf16 ws1 fp8_tensor: measured in bench_results/tuning/h200-ws1-2026-12-03-stream-builds.json: 0 of 60 points over 1.05x the best program (0 at the target shape), at most 1.017x, mean 1.000x; own boundaries at hidden 4096
     },
 };
 // Boundaries of their own for the hidden sizes measured where one set of boundaries cannot serve
@@ -48,12 +48,16 @@ static const LocalBoundaries kLocalBoundaries[2][4] = {
 // its boundaries): a workspace of that hidden size takes these instead of the cell's.
 struct LocalHiddenBoundaries { int dtype, profile, hidden; long long measured_from, measured_to, max[2]; };
 static const LocalHiddenBoundaries kLocalHiddenBoundaries[] = {
+    {0, 0, 2048, 4096, 67108864, {2097152, kAllTokens}},  // fp16 ws1 plain at hidden 2048
     {0, 0, 4096, 8192, 134217728, {2097152, kAllTokens}},  // fp16 ws1 plain at hidden 4096
     {0, 1, 4096, 8192, 134217728, {2097152, kAllTokens}},  // fp16 ws1 nvfp4 at hidden 4096
+    {0, 2, 2048, 4096, 67108864, {2097152, kAllTokens}},  // fp16 ws1 fp8_group128 at hidden 2048
     {0, 2, 4096, 8192, 134217728, {2097152, kAllTokens}},  // fp16 ws1 fp8_group128 at hidden 4096
     {0, 3, 4096, 8192, 134217728, {2097152, kAllTokens}},  // fp16 ws1 fp8_tensor at hidden 4096
+    {1, 0, 2048, 4096, 67108864, {2097152, kAllTokens}},  // bf16 ws1 plain at hidden 2048
     {1, 0, 4096, 8192, 134217728, {2097152, kAllTokens}},  // bf16 ws1 plain at hidden 4096
     {1, 1, 4096, 8192, 134217728, {2097152, kAllTokens}},  // bf16 ws1 nvfp4 at hidden 4096
+    {1, 2, 2048, 4096, 67108864, {2097152, kAllTokens}},  // bf16 ws1 fp8_group128 at hidden 2048
     {1, 2, 4096, 8192, 134217728, {2097152, kAllTokens}},  // bf16 ws1 fp8_group128 at hidden 4096
     {1, 3, 4096, 8192, 134217728, {2097152, kAllTokens}},  // bf16 ws1 fp8_tensor at hidden 4096
 };
