@@ -70,14 +70,19 @@ def _build(name: str, prefix: str, target: str):
                    for f in functions}
 
 
-@pytest.mark.parametrize("profile", ["plain", "nvfp4", "fp8_group128", "fp8_tensor"])
-def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
+def _need_nvrtc():
+    """Skip where CuPy or NVRTC is missing (the test extra brings both)."""
     pytest.importorskip("cupy")
     from moe_ar_common import cuda_env
     try:
         cuda_env.load_nvrtc()
     except cuda_env.MissingToolchain as e:
         pytest.skip(str(e))
+
+
+@pytest.mark.parametrize("profile", ["plain", "nvfp4", "fp8_group128", "fp8_tensor"])
+def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
+    _need_nvrtc()
     name = f"moe_ar_local_bf16_ws1_{profile}"
     entry = registry.program_set().by_name[name]
     symbols = {entry["symbol"], entry["cluster_symbol"]}
@@ -98,13 +103,8 @@ def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
 
 @pytest.mark.parametrize("profile", shape_constants.STREAMING_PROFILES)
 def test_streaming_builds_compile_without_spills_in_fewer_instructions(profile):
-    pytest.importorskip("cupy")
-    from moe_ar_common import cuda_env
     from dispatch.workspace_sizes import row_split
-    try:
-        cuda_env.load_nvrtc()
-    except cuda_env.MissingToolchain as e:
-        pytest.skip(str(e))
+    _need_nvrtc()
     name = f"moe_ar_local_streaming_bf16_ws1_{profile}"
     symbol = registry.program_set().by_name[name]["symbol"]
     _, plain_counts = _build(name, "", "sm_90a")
