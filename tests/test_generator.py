@@ -894,25 +894,25 @@ def _git(repo, *args):
                    check=True, capture_output=True)
 
 
-def _with_own_row_at_2048(manifest):
-    """A copy of the manifest whose h200_nvlink bf16 ws1 plain cell (no row of its own at hidden 2048
-    committed) has a row of its own at hidden 2048 (the latency layout at every T, measured 8 KiB to
+def _with_own_row_at_5120(manifest):
+    """A copy of the manifest whose h200_nvlink bf16 ws1 plain cell (no row of its own at hidden 5120
+    committed) has a row of its own at hidden 5120 (the latency layout at every T, measured 8 KiB to
     128 MiB), as a fit can give (fit.py)."""
     import copy
     new = copy.deepcopy(manifest)
     table_set = next(s for s in new["selection"]["sets"] if s["name"] == "h200_nvlink")
     cell = next(b for b in table_set["boundaries"]
                 if (b["dtype"], b["world_size"], b["profile"]) == ("bf16", 1, "plain"))
-    assert "2048" not in cell.get("by_hidden", {})
-    cell.setdefault("by_hidden", {})["2048"] = {"limits": {field: tuning.ALL_TOKENS for field in cell["limits"]},
+    assert "5120" not in cell.get("by_hidden", {})
+    cell.setdefault("by_hidden", {})["5120"] = {"limits": {field: tuning.ALL_TOKENS for field in cell["limits"]},
                                                 "measured": [8192, 134217728]}
     return new, table_set, cell
 
 
 def test_diff_reports_a_hidden_sizes_own_boundaries(manifest):
     """A cell's row for one hidden size added, changed or dropped is a line of its own."""
-    with_row, _, cell = _with_own_row_at_2048(manifest)
-    label = f"selection h200_nvlink {cell['dtype']} ws{cell['world_size']} {cell['profile']} at hidden 2048"
+    with_row, _, cell = _with_own_row_at_5120(manifest)
+    label = f"selection h200_nvlink {cell['dtype']} ws{cell['world_size']} {cell['profile']} at hidden 5120"
     old, manifest = manifest, with_row
     lines = diff_manifests(old, manifest)
     assert f"~ {label}: none of its own -> all / all / all / all / all / all measured 8KiB to 128MiB" in lines, lines
@@ -1038,14 +1038,14 @@ def test_list_filters():
 
 def test_tables_prints_a_hidden_sizes_own_boundaries(manifest, capsys):
     from generator import cli
-    _, table_set, _ = _with_own_row_at_2048(manifest)
+    _, table_set, _ = _with_own_row_at_5120(manifest)
     local, exchange = spec.BOUNDARY_FIELDS[:spec.LOCAL_RUNGS], spec.BOUNDARY_FIELDS[spec.LOCAL_RUNGS:]
     fields = {(1,): list(local), spec.EXCHANGE_WORLD_SIZES: list(exchange)}
     profiles = [profile["name"] for profile in manifest["axes"]["output_profiles"]]
     cli._print_set(table_set, manifest["axes"], profiles, fields, manifest["selection"]["no_peers"])
     out = capsys.readouterr().out
-    assert "  bf16 ws1 plain at hidden 2048: all / all (measured 8KiB to 128MiB)" in out, out
-    assert out.index("  world size 1: ") < out.index("  bf16 ws1 plain at hidden 2048") < out.index("  world sizes 2,")
+    assert "  bf16 ws1 plain at hidden 5120: all / all (measured 8KiB to 128MiB)" in out, out
+    assert out.index("  world size 1: ") < out.index("  bf16 ws1 plain at hidden 5120") < out.index("  world sizes 2,")
 
 
 def test_tables_marks_holes_and_fallbacks():
