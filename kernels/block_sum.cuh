@@ -44,11 +44,29 @@ __device__ __forceinline__ void cluster_arrive_started() {
 }
 __device__ __forceinline__ void cluster_wait_started() { asm volatile("barrier.cluster.wait.aligned;" ::: "memory"); }
 
+// The mbarrier on which a block of the cluster layout counts the bytes of the row's warp sums that
+// the cluster's blocks send it (cluster_block_sum). One a block, used once a kernel (phase 0).
+__device__ __forceinline__ unsigned cluster_sum_barrier() {
+  __shared__ alignas(8) unsigned long long barrier;
+  return smem_address(&barrier);
+}
+// At the kernel's start, before cluster_arrive_started: the barrier initialized (one arrival, thread
+// 0's expect_tx) and the initialization made visible to the cluster.
+__device__ __forceinline__ void cluster_sum_init() {
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(cluster_sum_barrier()) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+}
+
 // block_sum of a row held by the C blocks of a cluster in order (block c holds the row's threads
 // c * blockDim.x to (c + 1) * blockDim.x - 1, whole warps): each warp's sum goes to every block of
-// the cluster, at its warp's place in the row, then each block adds the row's warp sums as
-// block_sum does. The same bits as block_sum in one block of C * blockDim.x threads. Once a
-// kernel: the cluster's blocks waited for cluster_arrive_started.
+// the cluster, at its warp's place in the row, with st.async, each block waiting on its own mbarrier
+// for all C * warps sums; then each block adds the row's warp sums as block_sum does. The same bits
+// as block_sum in one block of C * blockDim.x threads. No cluster-wide release barrier: that waits
+// for the block's outstanding global stores (MEMBAR.ALL.GPU) and took 0.2-0.6 us a call
+// (bench_results/world_size_1/late_store/). Once a kernel: the cluster's blocks ran cluster_sum_init
+// and cluster_arrive_started.
 __device__ __forceinline__ float cluster_block_sum(float x) {
   __shared__ float warp_sums[kMaxThreads / 32];
   __shared__ float total;
@@ -56,17 +74,30 @@ __device__ __forceinline__ float cluster_block_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   const unsigned C = cluster_blocks(), warps = blockDim.x / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  cluster_wait_started();
+  const unsigned barrier = cluster_sum_barrier();
+  if (threadIdx.x == 0)  // the bytes this block receives (their sends may come first: tx-count goes below 0)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(barrier), "r"(C * warps * 4u)
+                 : "memory");
+  cluster_wait_started();  // every block's barrier is initialized
   if (lane == 0) {
     const unsigned local = smem_address(warp_sums + block_in_cluster() * warps + warp);
     for (unsigned b = 0; b < C; ++b) {
-      unsigned remote;
+      unsigned remote, remote_barrier;
       asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(b));
-      asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(x) : "memory");
+      asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote_barrier) : "r"(barrier), "r"(b));
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];" ::"r"(remote),
+                   "r"(__float_as_uint(x)), "r"(remote_barrier)
+                   : "memory");
     }
   }
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
   if (warp == 0) {
+    unsigned done = 0;
+    while (!done)  // phase 0 completes when every warp sum of the row has landed here
+      asm volatile(
+          "{\n\t.reg .pred q;\n\tmbarrier.try_wait.parity.shared::cta.b64 q, [%1], 0;\n\tselp.u32 %0, 1, 0, q;\n\t}"
+          : "=r"(done)
+          : "r"(barrier)
+          : "memory");
     float y = lane < (int)(C * warps) ? warp_sums[lane] : 0.f;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) y += __shfl_xor_sync(0xffffffffu, y, o);

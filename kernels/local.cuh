@@ -34,7 +34,7 @@ __device__ __forceinline__ void add_residual_from_zero(float (&s)[8], const floa
 // (the residual and shared rows, then the routes' indices and weights, then every route's row of each
 // of its kVec vectors): one memory latency after the indices, not one per batch of routes and vector.
 // The additions are partial_f32's, in its order. For top_k <= kMaxRoutes and vec_per_thread <= kVec.
-template <typename D, int kVec, int kMaxRoutes>
+template <typename D, int kVec, int kMaxRoutes, bool kStore = true>
 __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsigned& bad_rows,
                                                     uint4 (&res)[kMaxVecPerThread],
                                                     RowPlace place = block_row_place()) {
@@ -103,7 +103,20 @@ __device__ __forceinline__ void local_row_all_loads(const Params& p, int t, unsi
     Vec<D>::to_float(resid[r], x);
     add_residual_from_zero(s, x);
     res[r] = Vec<D>::from_float(s);
-    reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
+    if (kStore) reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * H)[v] = res[r];
+  }
+}
+
+// residual_out[t] from res, the thread's vectors of the row (a row whose store comes after its norm).
+template <typename D>
+__device__ __forceinline__ void store_residual_row(const Params& p, int t, const uint4 (&res)[kMaxVecPerThread],
+                                                   RowPlace place) {
+  const int nvec = row_hidden(p) / kElemsPerVec, vpt = row_vec_per_thread(p);
+  uint4* out = reinterpret_cast<uint4*>(static_cast<D*>(p.residual_out) + (long long)t * row_hidden(p));
+#pragma unroll
+  for (int r = 0; r < kMaxVecPerThread; ++r) {
+    const int v = r * place.threads + place.thread;
+    if (r < vpt && v < nvec) out[v] = res[r];
   }
 }
 
@@ -392,6 +405,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
 // addition and sum is that layout's: the same bits, the row's loads spread over C multiprocessors.
 template <typename D, Profile P>
 __device__ __forceinline__ void run_local_cluster(const Params& p) {
+  cluster_sum_init();
   cluster_arrive_started();  // cluster_block_sum waits for every block of the cluster to have started
   wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
   allow_next_kernel();  // as run_local: the grid is all resident at once
@@ -409,8 +423,12 @@ __device__ __forceinline__ void run_local_cluster(const Params& p) {
 #endif
   const int t = (int)(blockIdx.x / C);
   uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
-  local_row_all_loads<D, 2, 8>(p, t, bad_rows, res, place);
+  // plain stores residual_out after norm_out: 0.3 us faster at 1-48 tokens (measured; the quantized
+  // profiles are not faster so: bench_results/world_size_1/late_store/)
+  constexpr bool kResidualLast = P == Profile::kPlain;
+  local_row_all_loads<D, 2, 8, !kResidualLast>(p, t, bad_rows, res, place);
   norm_row<D, P, false, true, false, /*kClusterRow=*/true>(p, t, res, place);
+  if (kResidualLast) store_residual_row<D>(p, t, res, place);
   if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
 }
 
