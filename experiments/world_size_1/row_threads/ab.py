@@ -1,0 +1,41 @@
+"""The latency program at H 7168 with its few-tokens row split on 512 threads (16 warps, 2 vectors a
+thread, the last 128 vector places masked; the cluster layout then 8 blocks of 2 warps) against the
+committed 448 (14 warps; a cluster of 7), interleaved arms in one process, the bench checking every
+output of ours against the float64 reference before it times it; then the Triton kernel. Run on the
+committed tree (row_threads.patch, the change itself, not applied).
+    PYTHONPATH=. python experiments/world_size_1/row_threads/ab.py OUT"""
+import contextlib, sys, time
+from dispatch import registry, workspace
+from dispatch.workspace_sizes import RowSplit
+from moe_ar_tools.bench.cli import main
+
+out = sys.argv[1]
+committed_row_split = workspace.row_split
+threads = [0]  # 0: the committed split; else the few-tokens split of H 7168 on this many threads
+
+
+def row_split(nvec, vec_per_thread, max_tokens):
+    if threads[0] and nvec == 896 and vec_per_thread == 2:
+        return RowSplit(max_tokens, threads[0], 2)
+    return committed_row_split(nvec, vec_per_thread, max_tokens)
+
+
+workspace.row_split = row_split
+TOKENS = "1,16,32,48,64,128"
+for run, n in [("t448", 0), ("t512", 512), ("t448b", 0), ("t512b", 512)]:
+    threads[0] = n
+    registry._loaded.clear()  # the shape builds compile the row's threads in: no build reused across arms
+    t0 = time.perf_counter()
+    with open(f"{out}/{run}.log", "w") as f, contextlib.redirect_stdout(f):
+        main(["--world", "1", "--shapes", "7168:8:shared", "--tokens", TOKENS,
+              "--profiles", "plain,fp8_group128_row,fp8_tensor,nvfp4", "--systems", "ours", "--compile-modes",
+              "dynamic", "--no-programs", "--budget-s", "60", "--out", f"{out}/{run}"], standalone_mode=False)
+    print(f"{run}: {time.perf_counter() - t0:.0f} s", flush=True)
+threads[0] = 0
+registry._loaded.clear()
+t0 = time.perf_counter()
+with open(f"{out}/triton.log", "w") as f, contextlib.redirect_stdout(f):
+    main(["--world", "1", "--shapes", "7168:8:shared", "--tokens", TOKENS,
+          "--profiles", "plain,fp8_tensor", "--systems", "ours,triton_fused", "--compile-modes",
+          "dynamic", "--no-programs", "--budget-s", "60", "--out", f"{out}/triton"], standalone_mode=False)
+print(f"triton: {time.perf_counter() - t0:.0f} s", flush=True)
