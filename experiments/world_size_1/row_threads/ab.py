@@ -21,21 +21,15 @@ def row_split(nvec, vec_per_thread, max_tokens):
 
 
 workspace.row_split = row_split
-TOKENS = "1,16,32,48,64,128"
-for run, n in [("t448", 0), ("t512", 512), ("t448b", 0), ("t512b", 512)]:
+COMMON = ["--world", "1", "--shapes", "7168:8:shared", "--tokens", "1,16,32,48,64,128", "--compile-modes",
+          "dynamic", "--no-programs", "--budget-s", "60"]
+ALL = "plain,fp8_group128_row,fp8_tensor,nvfp4"
+ARMS = [("t448", 0, "ours", ALL), ("t512", 512, "ours", ALL), ("t448b", 0, "ours", ALL), ("t512b", 512, "ours", ALL),
+        ("triton", 0, "ours,triton_fused", "plain,fp8_tensor")]  # last: the committed split beside the Triton kernel
+for run, n, systems, profiles in ARMS:
     threads[0] = n
     registry._loaded.clear()  # the shape builds compile the row's threads in: no build reused across arms
     t0 = time.perf_counter()
     with open(f"{out}/{run}.log", "w") as f, contextlib.redirect_stdout(f):
-        main(["--world", "1", "--shapes", "7168:8:shared", "--tokens", TOKENS,
-              "--profiles", "plain,fp8_group128_row,fp8_tensor,nvfp4", "--systems", "ours", "--compile-modes",
-              "dynamic", "--no-programs", "--budget-s", "60", "--out", f"{out}/{run}"], standalone_mode=False)
+        main(COMMON + ["--profiles", profiles, "--systems", systems, "--out", f"{out}/{run}"], standalone_mode=False)
     print(f"{run}: {time.perf_counter() - t0:.0f} s", flush=True)
-threads[0] = 0
-registry._loaded.clear()
-t0 = time.perf_counter()
-with open(f"{out}/triton.log", "w") as f, contextlib.redirect_stdout(f):
-    main(["--world", "1", "--shapes", "7168:8:shared", "--tokens", TOKENS,
-          "--profiles", "plain,fp8_tensor", "--systems", "ours,triton_fused", "--compile-modes",
-          "dynamic", "--no-programs", "--budget-s", "60", "--out", f"{out}/triton"], standalone_mode=False)
-print(f"triton: {time.perf_counter() - t0:.0f} s", flush=True)
