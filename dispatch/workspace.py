@@ -29,7 +29,7 @@ from .rank_memory import LocalMemory, RankMemory, SymmMemBuffers, state_word
 from .rendezvous import (RankDescriptor, RendezvousOk, choose_backend, exchange_status, gather_status, gpu_identity,
                          host_identity, program_set_sha256, raise_failures, rendezvous, rendezvous_attempt)
 from .workspace_arguments import DTYPES, check_backend, check_workspace_arguments, timeout_ns_from
-from .workspace_sizes import ALL_TOKENS, buffer_elems_for, check_sizes, row_split
+from .workspace_sizes import ALL_TOKENS, buffer_elems_for, check_sizes, cluster_row_split, row_split
 from .workspace_state import WorkspaceState
 
 _IPC_LAZY_ENABLE_PEER_ACCESS = 0x01
@@ -114,10 +114,15 @@ class WorkspaceBase:
         is faster than its by-vector path under the wide split at every T measured on an H200
         (bench_results/world_size_1/row_split/). Its streaming layout keeps the wide split at every T:
         the fewest threads a block, so two blocks fit a multiprocessor
-        (bench_results/world_size_1/two_blocks/). A split fixed by vec_per_thread is every program's."""
+        (bench_results/world_size_1/two_blocks/). A row of the cluster layout's size takes whole
+        clusters of cluster_max_blocks blocks (cluster_row_split). A split fixed by vec_per_thread is
+        every program's."""
         if self.vec_per_thread is None and len(self.row_splits) == 2:
             if regime == registry.LOCAL_LATENCY_REGIME:
-                return (self.row_splits[0]._replace(max_tokens=ALL_TOKENS),)
+                limits = registry.program_set().limits
+                few = cluster_row_split(self.row_splits[0], self.hidden // 8, limits["cluster_min_warps"],
+                                        limits["cluster_max_blocks"], limits["max_threads"])
+                return (few._replace(max_tokens=ALL_TOKENS),)
             if regime == registry.LOCAL_STREAMING_REGIME:
                 return (self.row_splits[1],)
         return self.row_splits

@@ -20,6 +20,20 @@ def row_split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
     return RowSplit(max_tokens, threads, -(-nvec // threads))
 
 
+def cluster_row_split(split: RowSplit, nvec: int, min_warps: int, cluster_blocks: int, max_threads: int) -> RowSplit:
+    """World size 1's latency split where the row takes the cluster layout (min_warps warps or more, 2
+    vectors a thread or fewer): its warps rounded up to a multiple of cluster_blocks, the last vector
+    places masked, so that a cluster holds cluster_blocks blocks (8 blocks of 2 warps at H 7168 rather
+    than 7: 0.86-0.92x of the time at 1-48 tokens on an H200, bench_results/world_size_1/row_threads/)."""
+    warps = split.threads // 32
+    if split.vec_per_thread > 2 or split.threads % 32 or warps < min_warps:
+        return split
+    threads = 32 * cluster_blocks * -(-warps // cluster_blocks)
+    if threads > max_threads:
+        return split
+    return RowSplit(split.max_tokens, threads, -(-nvec // threads))
+
+
 # What the kernel's 32-bit counts hold (kernels/): T times small factors
 # stays an int (the largest, FP8-group scale offsets: (H / 128 - 1) * roundup(T, 4) < 2^31), and a buffer's
 # extent is kept in 16-byte vectors in a 32-bit state word.

@@ -14,7 +14,7 @@ import pytest
 
 from dispatch import launcher, registry
 from dispatch.registry import LOCAL_STREAMING_REGIME
-from dispatch.workspace_sizes import row_split
+from dispatch.workspace_sizes import cluster_row_split, row_split
 from generator import abi, render, spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -52,6 +52,40 @@ def test_cluster_blocks_divide_the_rows_warps(hidden, blocks):
     assert launcher.cluster_blocks_for("local", (split,)) == blocks
     if blocks > 1:
         assert split.threads % (32 * blocks) == 0
+
+
+@pytest.mark.parametrize("hidden, threads, blocks", [(7168, 512, 8), (6144, 512, 8), (8192, 512, 8),
+                                                     (16384, 1024, 8), (4096, 256, 1), (5120, 320, 1),
+                                                     (2048, 128, 1)])
+def test_the_latency_split_takes_whole_clusters_of_eight(hidden, threads, blocks):
+    """Where the row takes the cluster layout its warps round up to a multiple of 8: a cluster of 8
+    blocks (H 7168: 16 warps, not 14 over 7 blocks), the last vector places masked."""
+    limits = registry.program_set().limits
+    nvec = hidden // 8
+    split = cluster_row_split(row_split(nvec, 2, 256), nvec, limits["cluster_min_warps"], limits["cluster_max_blocks"],
+                              limits["max_threads"])
+    assert split.threads == threads and split.max_tokens == 256
+    assert split.threads * split.vec_per_thread >= nvec > split.threads * (split.vec_per_thread - 1)
+    assert launcher.cluster_blocks_for("local", (split,)) == blocks
+
+
+def test_the_rounded_split_stays_under_the_block_limit_and_off_other_splits():
+    wide = row_split(7168 // 8, 4, 1 << 30)
+    assert cluster_row_split(wide, 896, 12, 8, 1024) == wide  # 4 vectors a thread: no cluster layout
+    big = row_split(16384 // 8, 2, 256)._replace(threads=30 * 32)  # would round to 1,024 threads
+    assert cluster_row_split(big, 2048, 12, 8, 960) == big
+
+
+def test_world_size_one_latency_split_is_the_rounded_one():
+    """The workspace hands the latency launcher the rounded split, every other regime the row split."""
+    from dispatch.local import LocalWorkspace
+    ws = LocalWorkspace.__new__(LocalWorkspace)
+    ws.vec_per_thread, ws.hidden = None, 7168
+    ws.row_splits = (row_split(896, 2, 256), row_split(896, 4, 1 << 30))
+    (latency,) = ws.row_splits_for(registry.LOCAL_LATENCY_REGIME)
+    assert (latency.threads, latency.vec_per_thread) == (512, 2)
+    assert ws.row_splits_for(LOCAL_STREAMING_REGIME) == (ws.row_splits[1],)
+    assert ws.row_splits_for("oneshot") == ws.row_splits  # the exchanges keep the row split
 
 
 def test_no_cluster_outside_the_latency_layout_or_with_more_vectors_a_thread():

@@ -29,11 +29,11 @@ for run, p in [("limit", False), ("tokens", True), ("limitb", False), ("tokensb"
     t0 = time.perf_counter()
     with open(f"{out}/{run}.log", "w") as f, contextlib.redirect_stdout(f):
         main(COMMON + ["--profiles", "plain,fp8_tensor,nvfp4,fp8_group128_row", "--systems", "ours",
-                       "--budget-s", "70", "--out", f"{out}/{run}"], standalone_mode=False)
+                       "--budget-s", "50", "--out", f"{out}/{run}"], standalone_mode=False)
     print(f"{run}: {time.perf_counter() - t0:.0f} s", flush=True)
 per_token[0] = False
 t0 = time.perf_counter()
 with open(f"{out}/triton.log", "w") as f, contextlib.redirect_stdout(f):
-    main(COMMON + ["--profiles", "plain", "--systems", "ours,triton_fused", "--budget-s", "60",
+    main(COMMON + ["--profiles", "plain", "--systems", "ours,triton_fused", "--budget-s", "40",
                    "--out", f"{out}/triton"], standalone_mode=False)
 print(f"triton: {time.perf_counter() - t0:.0f} s", flush=True)
