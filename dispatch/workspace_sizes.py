@@ -24,7 +24,8 @@ def cluster_row_split(split: RowSplit, nvec: int, min_warps: int, cluster_blocks
     """World size 1's latency split where the row takes the cluster layout (min_warps warps or more, 2
     vectors a thread or fewer): its warps rounded up to a multiple of cluster_blocks, the last vector
     places masked, so that a cluster holds cluster_blocks blocks (8 blocks of 2 warps at H 7168 rather
-    than 7: 0.86-0.92x of the time at 1-48 tokens on an H200, bench_results/world_size_1/row_threads/)."""
+    than 7: 0.87-0.95x of the time at 1-48 tokens with cold L2 on an H200; H 6144 rounds 12 warps to
+    16; bench_results/world_size_1/row_threads/)."""
     warps = split.threads // 32
     if split.vec_per_thread > 2 or split.threads % 32 or warps < min_warps:
         return split

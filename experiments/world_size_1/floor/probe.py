@@ -20,6 +20,8 @@ source = open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "floor.cu
 module = cp.RawModule(code=source, options=("-std=c++17", "--gpu-architecture=sm_90a",
                                             "-I" + cuda_env.include_dir()))
 VARIANTS = [(1, 2, 1), (1, 2, 0), (1, 2, 2), (4, 1, 1), (8, 1, 1), (8, 1, 0)]  # (cluster blocks, vectors a thread, N)
+if os.environ.get("FLOOR_VARIANTS"):  # e.g. "7,2,1;7,1,1;8,1,1": run 3 (a cluster of 7, as ours was, by vectors a thread)
+    VARIANTS = [tuple(int(x) for x in v.split(",")) for v in os.environ["FLOOR_VARIANTS"].split(";")]
 summary.RECORD_SYSTEMS = summary.RECORD_SYSTEMS + ("floor",)
 committed_build = Setup.build_systems
 
@@ -50,6 +52,6 @@ def build_systems(self, shape, T, profile, data):
 Setup.build_systems = build_systems
 with open(f"{out}/floor.log", "w") as f, contextlib.redirect_stdout(f):
     main(["--world", "1", "--shapes", "7168:8:shared", "--tokens", tokens, "--profiles", "plain", "--systems",
-          "ours,ours_pdl,triton_fused", "--compile-modes", "dynamic", "--no-programs", "--budget-s", "150",
+          "ours,ours_pdl,triton_fused", "--compile-modes", "dynamic", "--no-programs", "--budget-s", os.environ.get("FLOOR_BUDGET_S", "150"),
           "--out", f"{out}/floor"], standalone_mode=False)
 print("floor: done", flush=True)
