@@ -181,11 +181,12 @@ def test_world_size_one_keeps_no_buffers_and_splits_rows_as_the_others():
 
 def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
     """World size 1's `local` program runs the few-tokens row split (2 vectors a thread, its all-loads
-    path) at every T where that split fits a block; the streaming program the wide split at every T
-    (two blocks a multiprocessor); every exchange follows T; a split fixed by vec_per_thread is every
-    program's."""
+    path) at every T where that split fits a block, its warps rounded up to whole clusters of 8 where
+    the row takes the cluster layout (H 7168: 512 threads, not 448); the streaming program the wide
+    split at every T (two blocks a multiprocessor); every exchange follows T; a split fixed by
+    vec_per_thread is every program's."""
     from dispatch import workspace
-    from dispatch.workspace_sizes import ALL_TOKENS
+    from dispatch.workspace_sizes import ALL_TOKENS, cluster_row_split
     from dispatch import registry
     limits = registry.program_set().limits
     for hidden in (7168, 4096, 384, 16384):
@@ -195,8 +196,11 @@ def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
         local = ws.row_splits_for("local")
         assert ws.row_splits_for("local_streaming") == ws.row_splits[-1:]
         if len(ws.row_splits) == 2:  # the few-tokens split fits a block
-            assert local == (ws.row_splits[0]._replace(max_tokens=ALL_TOKENS),), hidden
+            few = cluster_row_split(ws.row_splits[0], hidden // 8, limits["cluster_min_warps"],
+                                    limits["cluster_max_blocks"], limits["max_threads"])
+            assert local == (few._replace(max_tokens=ALL_TOKENS),), hidden
             assert local[0].vec_per_thread <= limits["few_tokens_vec_per_thread"]
+            assert local[0].threads == {7168: 512, 4096: 256}.get(hidden, local[0].threads), hidden
         else:
             assert local == ws.row_splits, hidden
         fixed = workspace.WorkspaceBase()
