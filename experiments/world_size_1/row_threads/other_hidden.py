@@ -3,7 +3,8 @@ cluster_row_split) where it changes the launch besides H 7168: H 6144 (12 warps 
 cluster of 8 blocks of 2 warps, the last 256 vector places masked, against a cluster of 6), top_k 2
 and 8, A/B/A/B in one process, the bench checking every output of ours against the float64 reference
 before it times it; then the Triton kernel. Run on the tree with row_threads.patch applied.
-    PYTHONPATH=. python experiments/world_size_1/row_threads/other_hidden.py OUT"""
+    PYTHONPATH=. python experiments/world_size_1/row_threads/other_hidden.py OUT [SHAPES [BUDGET_S]]
+(run 2: SHAPES 6144:8, BUDGET_S 25)"""
 import contextlib, sys, time
 from dispatch import registry, workspace
 from moe_ar_tools.bench.cli import main
@@ -18,8 +19,10 @@ def cluster_row_split(split, *args):
 
 
 workspace.cluster_row_split = cluster_row_split
-COMMON = ["--world", "1", "--shapes", "6144:2,6144:8", "--tokens", "1,16,32,48,64", "--compile-modes", "dynamic",
-          "--no-programs", "--budget-s", "45"]
+shapes = sys.argv[2] if len(sys.argv) > 2 else "6144:2,6144:8"
+budget = sys.argv[3] if len(sys.argv) > 3 else "45"
+COMMON = ["--world", "1", "--shapes", shapes, "--tokens", "1,16,32,48,64", "--compile-modes", "dynamic",
+          "--no-programs", "--budget-s", budget]
 ARMS = [("c8", True, "ours"), ("c6", False, "ours"), ("c8b", True, "ours"), ("c6b", False, "ours"),
         ("triton", True, "ours,triton_fused")]
 for run, r, systems in ARMS:
