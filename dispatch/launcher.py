@@ -9,6 +9,7 @@ import struct
 import torch
 
 from . import registry, shape_constants
+from .workspace_sizes import cluster_layout_split
 
 _POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
                    "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
@@ -65,6 +66,10 @@ class _Launcher:
         self.cluster_blocks = cluster_blocks_for(self.regime, self.row_splits) if prog.cluster_function_ptr else 1
         limits = registry.program_set().limits
         self.cluster_max_tokens = limits["cluster_max_tokens"] if self.cluster_blocks > 1 else 0
+        # the cluster layout's own split, one vector a thread over the cluster's blocks; a split the
+        # workspace fixes (vec_per_thread) is every call's, the cluster layout's too
+        self.cluster_split = (cluster_layout_split(ws.hidden // 8, self.cluster_blocks, self.cluster_max_tokens)
+                              if ws.vec_per_thread is None else self.row_splits[0])
         # the launch attributes of a cluster launch, without and with PDL (kept alive with the launcher)
         self.cluster_attrs = (_cluster_attributes(self.cluster_blocks, False),
                               _cluster_attributes(self.cluster_blocks, True))
@@ -90,17 +95,19 @@ class _Launcher:
             raise ValueError(f"hidden: {hidden} needs {threads} threads a block, which {self.name} cannot run")
         return max(1, per_sm * sms // sharing)
 
-    def _shape_build(self, ws, top_k: int, scale_kind: int) -> tuple:
-        """(kernel, cluster kernel, grid limit) of this program built for the workspace's row and a
-        call's top_k and router weight kind, built at the first call signature that needs it."""
-        key = (top_k, scale_kind)
+    def _shape_build(self, ws, top_k: int, scale_kind: int, cluster: bool = False) -> tuple:
+        """(kernel, grid limit) of this program built for the workspace's row and a call's top_k and
+        router weight kind, built at the first call signature that needs it; with `cluster`, its
+        cluster kernel built for the cluster layout's split (the grid limit None: a cluster launch
+        takes T * cluster_blocks blocks)."""
+        key = (top_k, scale_kind) + (("cluster",) if cluster else ())
         build = self.shape_builds.get(key)
         if build is None:
-            split = self.row_splits[0]
+            split = self.cluster_split if cluster else self.row_splits[0]
             prefix = shape_constants.defines(ws.hidden, top_k, scale_kind, split.vec_per_thread, split.threads)
             prog = registry.load(self.name, self.device_index, prefix)
-            build = self.shape_builds[key] = (prog.function_ptr, prog.cluster_function_ptr, self._blocks_at_once(
-                prog, split.threads, self.sms, self.sharing, ws.hidden))
+            build = self.shape_builds[key] = (prog.cluster_function_ptr, None) if cluster else (
+                prog.function_ptr, self._blocks_at_once(prog, split.threads, self.sms, self.sharing, ws.hidden))
         return build
 
     def one_wave_tokens(self) -> int:
@@ -129,12 +136,12 @@ class _Launcher:
         params.routed_scaling_factor = a["routed_scaling_factor"]
         params.eps = a["eps"]
         params.weight_bias = float(a["weight_bias"])
-        params.vec_per_thread = self.row_splits[self.row_split_index(T)].vec_per_thread
-        function_ptr, cluster_function_ptr, max_blocks = self.function_ptr, self.cluster_function_ptr, None
+        cluster = self.uses_cluster(T, params.top_k)
+        params.vec_per_thread = (self.cluster_split if cluster else self.row_splits[self.row_split_index(T)]
+                                 ).vec_per_thread
+        function_ptr, max_blocks = self.cluster_function_ptr if cluster else self.function_ptr, None
         if self.shape_builds is not None and shape_constants.serves(self.regime, T, params.top_k):
-            function_ptr, cluster_function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind)
-        if self.uses_cluster(T, params.top_k):
-            function_ptr = cluster_function_ptr
+            function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind, cluster)
         return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"], params.top_k, max_blocks),
                            function_ptr)
 
@@ -152,7 +159,7 @@ class _Launcher:
             # world size 1's cluster layout: a token a cluster, the row's threads over its blocks (local.cuh)
             config.gridDimX = T * self.cluster_blocks
             config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
-            config.blockDimX = self.threads[i] // self.cluster_blocks
+            config.blockDimX = self.cluster_split.threads // self.cluster_blocks
             config.sharedMemBytes = self.dynamic_smem
             attrs = self.cluster_attrs[bool(pdl)]
             config.attrs, config.numAttrs = attrs, len(attrs)

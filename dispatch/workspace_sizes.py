@@ -21,11 +21,11 @@ def row_split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
 
 
 def cluster_row_split(split: RowSplit, nvec: int, min_warps: int, cluster_blocks: int, max_threads: int) -> RowSplit:
-    """World size 1's latency split where the row takes the cluster layout (min_warps warps or more, 2
-    vectors a thread or fewer): its warps rounded up to a multiple of cluster_blocks, the last vector
-    places masked, so that a cluster holds cluster_blocks blocks (8 blocks of 2 warps at H 7168 rather
-    than 7: 0.87-0.95x of the time at 1-48 tokens with cold L2 on an H200; H 6144 rounds 12 warps to
-    16; bench_results/world_size_1/row_threads/)."""
+    """World size 1's latency split (its one-block layout) where the row takes the cluster layout
+    (min_warps warps or more, 2 vectors a thread or fewer): its warps rounded up to a multiple of
+    cluster_blocks, the last vector places masked (H 7168: 512 threads, not 448; H 6144: 16 warps,
+    not 12). Measured the same within 2 % at 64-128 tokens cold, 0.96-0.98x of the time warm on an
+    H200 (bench_results/world_size_1/row_threads/)."""
     warps = split.threads // 32
     if split.vec_per_thread > 2 or split.threads % 32 or warps < min_warps:
         return split
@@ -33,6 +33,14 @@ def cluster_row_split(split: RowSplit, nvec: int, min_warps: int, cluster_blocks
     if threads > max_threads:
         return split
     return RowSplit(split.max_tokens, threads, -(-nvec // threads))
+
+
+def cluster_layout_split(nvec: int, cluster_blocks: int, max_tokens: int) -> RowSplit:
+    """World size 1's cluster layout (few tokens, a token over a cluster of cluster_blocks blocks): one
+    16-byte vector a thread, the row's warps rounded up to whole clusters (H 7168: 8 blocks of 4 warps,
+    1,024 threads, the last 128 masked). A token's bits are the one-block layout's all the same: the
+    sum of squares takes one order whatever the split (kernels/block_sum.cuh)."""
+    return RowSplit(max_tokens, 32 * cluster_blocks * -(-nvec // (32 * cluster_blocks)), 1)
 
 
 # What the kernel's 32-bit counts hold (kernels/): T times small factors

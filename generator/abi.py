@@ -94,10 +94,11 @@ FEW_TOKENS_MAX = 256
 FEW_TOKENS_VEC_PER_THREAD = 2
 # World size 1's latency program (local) spreads each token over a cluster of blocks up to
 # CLUSTER_MAX_TOKENS tokens, for rows of CLUSTER_MIN_WARPS warps or more (H >= 6144 under the
-# few-tokens split): the row's warps over the largest C <= CLUSTER_MAX_BLOCKS blocks that divides
-# them (dispatch rounds the split's warps up to a multiple of CLUSTER_MAX_BLOCKS where that fits a
-# block: dispatch/workspace_sizes.py cluster_row_split). Faster than one block at H 7168 up to 48
-# tokens (at 64 the same or slower), slower at H 4096 and 2048 (bench_results/world_size_1/cluster/).
+# few-tokens split): C <= CLUSTER_MAX_BLOCKS blocks, the largest that divides the one-block split's
+# warps (dispatch rounds them up to a multiple of CLUSTER_MAX_BLOCKS where that fits a block:
+# dispatch/workspace_sizes.py cluster_row_split), one vector a thread (cluster_layout_split).
+# Faster than one block at H 7168 up to 48 tokens (at 64 the same or slower), slower at H 4096 and
+# 2048 (bench_results/world_size_1/cluster/, cluster_one_vector/).
 CLUSTER_MAX_TOKENS = 48
 CLUSTER_MAX_BLOCKS = 8
 CLUSTER_MIN_WARPS = 12

@@ -365,7 +365,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
   allow_next_kernel();
   const int T = p.tokens;
   unsigned bad_rows = 0;
-  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's block_sum barriers
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's row_sum_of_squares barriers
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;
@@ -393,7 +393,10 @@ __device__ __forceinline__ void run_local(const Params& p) {
     } else {
       local_row_by_vector<D, kRoutes, kSharedFirst>(p, t, bad_rows, res);
     }
-    norm_row<D, P>(p, t, res);
+    // the latency layouts sum squares in one order (their cluster layout splits a row otherwise); the
+    // streaming one in block_sum's, which measured up to 10 % faster for FP8 group-128
+    // (bench_results/world_size_1/cluster_one_vector/)
+    norm_row<D, P, false, true, false, false, /*kOneOrderSum=*/R == Regime::kLocal>(p, t, res);
   }
   // kBadRows counts a skipped route once a 16-byte vector
   if (bad_rows) atomicAdd(reinterpret_cast<unsigned long long*>(p.state + kBadRows), (unsigned long long)bad_rows);
@@ -406,7 +409,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
 template <typename D, Profile P>
 __device__ __forceinline__ void run_local_cluster(const Params& p) {
   cluster_sum_init();
-  cluster_arrive_started();  // cluster_block_sum waits for every block of the cluster to have started
+  cluster_arrive_started();  // cluster_row_sum_of_squares waits for every block of the cluster to have started
   wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
   allow_next_kernel();  // as run_local: the grid is all resident at once
   unsigned bad_rows = 0;

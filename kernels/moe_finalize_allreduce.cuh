@@ -24,7 +24,7 @@
 #include "call.cuh"       // profiles and regimes, state and error words, buffer layout, bookkeeping
 #include "lamport.cuh"    // sentinel, polling waits, deadlines
 #include "finalize.cuh"   // this rank's partial: the routed experts' weighted sum + shared expert
-#include "block_sum.cuh"  // the block-wide sum of the RMSNorm
+#include "block_sum.cuh"  // the sum of squares of the RMSNorm
 #include "shape.cuh"      // the call's shape: Params fields, or constants in a shape build
 #include "fp8.cuh"        // FP8 quantization
 #include "nvfp4.cuh"      // NVFP4 quantization

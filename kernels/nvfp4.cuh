@@ -86,7 +86,7 @@ __device__ __forceinline__ float* nvfp4_reciprocals() {
   __shared__ float table[kE4m3Codes];
   return table;
 }
-// Filled before the first row's epilogue; the block_sum barriers of that row publish it before any lookup.
+// Filled before the first row's epilogue; the barriers of that row's sum of squares publish it before any lookup.
 // A byte with the sign bit (b + 128) holds the negated entry of b: both divisions are exact to the sign,
 // 1 / (-v / gs) = -(1 / (v / gs)), -0 (b = 128) included; so a thread computes a pair, and a block of
 // 224 threads fills the table in one round (on the one-shot's critical path).

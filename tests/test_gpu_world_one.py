@@ -717,32 +717,44 @@ def _same_bytes(a, b, *where):
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for, monkeypatch):
-    """Up to cluster_max_tokens tokens the latency program spreads each row over a cluster of blocks
-    (dispatch picks its second kernel); every output must be the one-block layout's bits (the same
-    loads, additions and sum of squares), with and without PDL, eagerly and replayed in a CUDA graph.
-    The one-block layout: a workspace made while the manifest's cluster_max_tokens reads 0."""
+def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for):
+    """Up to cluster_max_tokens tokens the latency program spreads each row over a cluster of blocks,
+    one vector a thread (dispatch picks its second kernel); every output must be the one-block
+    layout's bits, two vectors a thread (the same loads and additions, the sum of squares in one order
+    whatever the split), with and without PDL, eagerly and replayed in a CUDA graph.
+    The one-block layout: a workspace whose launcher is made while the manifest's cluster_max_tokens
+    reads 0 (launchers are made at a workspace's first call of a program)."""
     from dispatch import registry
     limits = registry.program_set().limits
     rnd = random.Random(seed_for("plan"))
     for H in (7168, 6144):
         cluster_ws = dispatch.LocalWorkspace(max_tokens=limits["cluster_max_tokens"], hidden=H, dtype=torch.bfloat16)
-        monkeypatch.setitem(limits, "cluster_max_tokens", 0)
+        # a split the workspace fixes is the cluster layout's too: two vectors a thread over its blocks
+        fixed_ws = dispatch.LocalWorkspace(max_tokens=limits["cluster_max_tokens"], hidden=H, dtype=torch.bfloat16,
+                                           vec_per_thread=2)
         one_block_ws = dispatch.LocalWorkspace(max_tokens=limits["few_tokens_max"], hidden=H, dtype=torch.bfloat16)
-        monkeypatch.undo()
         try:
             for i, T in enumerate((1, 5, limits["cluster_max_tokens"])):
                 case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd, top_k=rnd.choice([1, 6, 8]))
                 got = {}
-                for name, ws in (("cluster", cluster_ws), ("one block", one_block_ws)):
-                    call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1)
+                for name, ws in (("cluster", cluster_ws), ("fixed split", fixed_ws), ("one block", one_block_ws)):
+                    with pytest.MonkeyPatch.context() as patch:
+                        if name == "one block":  # its launcher, made at its first call, sees no cluster layout
+                            patch.setitem(limits, "cluster_max_tokens", 0)
+                        call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1)
                     # the outputs given (the call returns None for some profiles when they are given)
                     got[name] = {k: v.clone() for k, v in call["provided"][0].items()}
                     if name == "cluster":  # and replayed in a graph: the cluster launch captures
                         _check_in_a_graph(ws, call, out, f"cluster H={H} T={T}")
                 _same_bytes(got["cluster"], got["one block"], quant, H, T)
+                _same_bytes(got["fixed split"], got["one block"], quant, H, T, "fixed split")
+            splits = {name: [la.cluster_split.vec_per_thread for la in ws._moe_ar_state.launchers.values()
+                             if la.cluster_max_tokens > 0]
+                      for name, ws in (("cluster", cluster_ws), ("fixed split", fixed_ws), ("one block", one_block_ws))}
+            assert splits == {"cluster": [1], "fixed split": [2], "one block": []}, splits
         finally:
             cluster_ws.close()
+            fixed_ws.close()
             one_block_ws.close()
 
 
@@ -833,7 +845,8 @@ _PER_TOKEN = ("expanded_idx_to_permuted_idx", "residual_in", "shared_expert_outp
 def test_a_tokens_outputs_are_the_same_bits_whatever_the_batch(quant, workspaces, seed_for):
     """The first tokens of a 300-token call, called again alone in batches of 1 to 160 tokens. A
     program forced: the same bits in every output, whichever of its paths each batch runs (the
-    latency program's cluster layout, every load of a row at once, four routes at a time with the
+    latency program's cluster layout of one vector a thread and its one-block layout of two, whose
+    sums of squares take one order; every load of a row at once, four routes at a time with the
     indices read first, on a grid that strides over the tokens or not). The automatic choice, which
     moves from the latency to the streaming program (another order of the sum of squares):
     residual_out the same bits (docs/operation.md, "A token's bits and the batch"). NVFP4's swizzled scales are not sliced per token; its quant_out

@@ -89,6 +89,7 @@ def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
     _, plain_counts = _build(name, "", "sm_90a")
     rows = [(ROW, "sm_90a"), (dict(hidden=4096, top_k=2, scale_kind=0, vec_per_thread=2, threads=256), "sm_90a"),
             (dict(hidden=2064, top_k=5, scale_kind=2, vec_per_thread=2, threads=160), "sm_90a")]
+    rows.append((dict(hidden=7168, top_k=8, scale_kind=1, vec_per_thread=1, threads=1024), "sm_90a"))  # the cluster's
     if profile == "plain":
         rows.append((ROW, "sm_100a"))
     for row, target in rows:
@@ -134,7 +135,7 @@ def _launcher(regime, splits, on, monkeypatch, loads, profile="plain"):
     import types
     import torch
     from dispatch import launcher
-    from dispatch.workspace_sizes import row_split
+    from dispatch.workspace_sizes import cluster_layout_split, row_split
     monkeypatch.setattr(registry, "load", lambda name, device, prefix="": loads.append((name, prefix)) or
                         _FakeProgram(prefix))
     lau = object.__new__(launcher._Launcher)
@@ -145,6 +146,7 @@ def _launcher(regime, splits, on, monkeypatch, loads, profile="plain"):
     lau.threads = [s.threads for s in lau.row_splits]
     lau.max_blocks, lau.dynamic_smem, lau.sms, lau.sharing = [32] * len(splits), 0, 132, 1
     lau.cluster_max_tokens, lau.cluster_blocks = 0, 1
+    lau.cluster_split = cluster_layout_split(7168 // 8, 1, 0)
     lau.function_ptr, lau.cluster_function_ptr = 1, 2
     lau.sliced_units = lau.column_units = False
     if on:
@@ -161,6 +163,7 @@ def _launcher(regime, splits, on, monkeypatch, loads, profile="plain"):
                  allreduce_in=torch.empty(T * top_k, 8), routed_scaling_factor=1.0, eps=1e-6, weight_bias=0,
                  launch_with_pdl=False)
         return lau.kernel_call(ws, T, a, ("allreduce_in", "expanded_idx_to_permuted_idx"))
+    call.launcher = lau
     return call
 
 
@@ -182,6 +185,35 @@ def test_the_launcher_builds_once_per_top_k_and_weight_kind(monkeypatch):
                                                     shape_constants.defines(7168, 8, 2, 2, 448)]
     above = call(shape_constants.MAX_TOKENS + 1, 8, fp32)  # past the builds' range: the program itself
     assert len(loads) == 3 and above.function_ptr == 1 and above.config.gridDimX == 32
+
+
+def test_the_cluster_layout_builds_for_its_own_split(monkeypatch):
+    """A cluster call (few tokens) runs the cluster kernel of a build for the cluster layout's split
+    (one vector a thread, 1,024 threads at H 7168), one build per top_k and weight kind beside the
+    one-block layout's; above cluster_max_tokens the one-block build."""
+    import torch
+    from dispatch import launcher
+    from dispatch.workspace_sizes import cluster_layout_split
+    loads = []
+    call = _launcher(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], True, monkeypatch, loads)
+    lau = call.launcher
+    most = registry.program_set().limits["cluster_max_tokens"]
+    lau.cluster_blocks, lau.cluster_max_tokens = 8, most
+    lau.cluster_split = cluster_layout_split(7168 // 8, 8, most)
+    lau.cluster_attrs = (launcher._cluster_attributes(8, False), launcher._cluster_attributes(8, True))
+    fp32 = torch.empty(1, dtype=torch.float32)
+    few = call(5, 8, fp32)
+    cluster_prefix = shape_constants.defines(7168, 8, 1, 1, 1024)
+    assert loads == [("moe_ar_local_bf16_ws1_plain", cluster_prefix)]
+    assert few.function_ptr == 2000 + len(cluster_prefix)  # the build's cluster kernel
+    assert (few.params.vec_per_thread, few.config.gridDimX, few.config.blockDimX) == (1, 5 * 8, 128)
+    call(most, 8, fp32)
+    assert len(loads) == 1
+    more = call(most + 1, 8, fp32)
+    block_prefix = shape_constants.defines(7168, 8, 1, 2, 448)
+    assert loads[1:] == [("moe_ar_local_bf16_ws1_plain", block_prefix)]
+    assert more.function_ptr == 1000 + len(block_prefix) and more.params.vec_per_thread == 2
+    assert more.config.blockDimX == 448
 
 
 @pytest.mark.parametrize("regime,splits,on,profile,top_k", [

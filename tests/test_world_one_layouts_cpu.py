@@ -14,7 +14,7 @@ import pytest
 
 from dispatch import launcher, registry
 from dispatch.registry import LOCAL_STREAMING_REGIME
-from dispatch.workspace_sizes import cluster_row_split, row_split
+from dispatch.workspace_sizes import cluster_layout_split, cluster_row_split, row_split
 from generator import abi, render, spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -69,6 +69,19 @@ def test_the_latency_split_takes_whole_clusters_of_eight(hidden, threads, blocks
     assert launcher.cluster_blocks_for("local", (split,)) == blocks
 
 
+@pytest.mark.parametrize("hidden, blocks, threads", [(7168, 8, 1024), (6144, 8, 768), (8192, 8, 1024),
+                                                     (7680, 5, 960), (6144, 6, 768)])
+def test_the_cluster_layout_takes_one_vector_a_thread(hidden, blocks, threads):
+    """The cluster layout's own split: one vector a thread, whole warps in each of the cluster's
+    blocks, every vector of the row held, each block within the block limit."""
+    limits = registry.program_set().limits
+    nvec = hidden // 8
+    split = cluster_layout_split(nvec, blocks, limits["cluster_max_tokens"])
+    assert (split.threads, split.vec_per_thread, split.max_tokens) == (threads, 1, limits["cluster_max_tokens"])
+    assert split.threads % (32 * blocks) == 0 and nvec <= split.threads < nvec + 32 * blocks
+    assert split.threads // blocks <= limits["max_threads"]
+
+
 def test_the_rounded_split_stays_under_the_block_limit_and_off_other_splits():
     wide = row_split(7168 // 8, 4, 1 << 30)
     assert cluster_row_split(wide, 896, 12, 8, 1024) == wide  # 4 vectors a thread: no cluster layout
@@ -120,6 +133,7 @@ class _FakeLauncher(launcher._Launcher):
     def __init__(self, cluster_blocks, threads):
         self.cluster_blocks, self.threads = cluster_blocks, [threads]
         self.cluster_max_tokens = registry.program_set().limits["cluster_max_tokens"] if cluster_blocks > 1 else 0
+        self.cluster_split = cluster_layout_split(7168 // 8, cluster_blocks, self.cluster_max_tokens)
         self.cluster_attrs = (launcher._cluster_attributes(cluster_blocks, False),
                               launcher._cluster_attributes(cluster_blocks, True))
         self.row_splits = (row_split(7168 // 8, 2, 1 << 30),)
@@ -130,16 +144,17 @@ class _FakeLauncher(launcher._Launcher):
 
 @pytest.mark.parametrize("pdl", [False, True])
 def test_config_spreads_few_tokens_over_clusters(pdl):
-    la = _FakeLauncher(7, 448)
+    la = _FakeLauncher(8, 512)
     most = registry.program_set().limits["cluster_max_tokens"]
     for T in (1, 5, most):
         assert la.uses_cluster(T, 8)
         config = la.config_for(None, T, pdl, 8)
-        assert (config.gridDimX, config.blockDimX, config.numAttrs) == (T * 7, 64, 1 + pdl)
+        # one vector a thread: 8 blocks of 4 warps hold the 896 vectors of H 7168
+        assert (config.gridDimX, config.blockDimX, config.numAttrs) == (T * 8, 128, 1 + pdl)
         assert config.attrs[0].id == 4
     assert not la.uses_cluster(most + 1, 8) and not la.uses_cluster(1, 9)  # the all-loads row: top_k <= 8
     config = la.config_for(None, most + 1, pdl, 8)
-    assert (config.gridDimX, config.blockDimX, config.numAttrs) == (most + 1, 448, int(pdl))
+    assert (config.gridDimX, config.blockDimX, config.numAttrs) == (most + 1, 512, int(pdl))
     plain = _FakeLauncher(1, 448)  # no cluster kernel or no divisor: never a cluster launch
     assert not plain.uses_cluster(1, 8) and plain.config_for(None, 1, pdl, 8).blockDimX == 448
 
