@@ -419,7 +419,9 @@ __device__ __forceinline__ void run_local_cluster(const Params& p) {
   const unsigned C = cluster_blocks();
   const int thread = (int)(block_in_cluster() * blockDim.x + threadIdx.x);
 #ifdef MOE_AR_FIXED_ROW_THREADS  // a shape build (shape.cuh): the launch makes C * blockDim.x the row's threads
-  __builtin_assume(thread < MOE_AR_FIXED_ROW_THREADS);
+  // No __builtin_assume(thread < MOE_AR_FIXED_ROW_THREADS): where the row fills the threads exactly,
+  // that let ptxas drop the row check and then interleave the row's loads with their additions
+  // (3 in flight, 1.5 us slower at one token; bench_results/world_size_1/cluster_one_vector/).
   const RowPlace place{thread, MOE_AR_FIXED_ROW_THREADS};
 #else
   const RowPlace place{thread, (int)(C * blockDim.x)};
