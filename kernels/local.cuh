@@ -365,7 +365,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
   allow_next_kernel();
   const int T = p.tokens;
   unsigned bad_rows = 0;
-  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's row_sum_of_squares barriers
+  if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's sum-of-squares barriers
   if (P == Profile::kNvfp4) zero_scale_padding(p);
   if (P == Profile::kFp8Group128 && (p.quant_flags & kScalesColumnMajor)) zero_fp8_scale_padding(p);
   // The latency layout's fast path: the row split of few tokens (2 vectors a thread) and top_k <= 8;

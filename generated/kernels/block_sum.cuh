@@ -1,12 +1,13 @@
-// The sums of squares of a token row for its RMSNorm. block_sum (the exchanges'): deterministic for a
-// given block size, so every rank computes the same bits for a row. row_sum_of_squares (world size
-// 1's): in one order whatever the row's split into threads, blocks or a cluster (so a token's norm
-// has the same bits in every layout of a world size 1 call): each 16-byte
-// vector's squares from +0.0 in element order; then the vectors of each group of 32 (32g .. 32g + 31)
-// added by a butterfly over the index's bits, from the highest; then group g and g + 32 added, and the
-// results by the same butterfly. Every layout puts vector r * threads + thread in the thread's r-th
-// register, threads a multiple of 32, so a group is one warp's register r: each layout performs the
-// same additions (fp32 addition is commutative), where the lanes that add differ.
+// The sums of squares of a token row for its RMSNorm.
+// - block_sum (the exchanges' and world size 1's streaming program's): deterministic for a given block
+//   size, so every rank computes the same bits for a row.
+// - row_sum_of_squares (world size 1's latency program): one order whatever the row's split into
+//   threads, blocks or a cluster, so its cluster and one-block layouts give a token the same bits.
+//   Each 16-byte vector's squares from +0.0 in element order; the vectors of each group of 32
+//   (32g .. 32g + 31) added by a butterfly over the index's bits, from the highest; group g and g + 32
+//   added, and the results by the same butterfly. Every layout puts vector r * threads + thread in
+//   the thread's r-th register, threads a multiple of 32, so a group is one warp's register r: each
+//   layout performs the same additions (fp32 addition is commutative), only on other lanes.
 #pragma once
 #include "params.cuh"
 #include "vector.cuh"
@@ -66,7 +67,7 @@ constexpr int kRowVecs = kMaxVecPerThread;
 static_assert(kRowVecs >= 1 && kRowVecs <= 4, "1 to 4 vectors a thread");
 constexpr int kRowSumValues = kRowVecs <= 1 ? 1 : kRowVecs <= 2 ? 2 : 4;
 
-// Each of the thread's group sums (groups[r], the squares of its vector r, zero past the row) added
+// Each of the thread's group sums (sq[r], the squares of its vector r, zero past the row) added
 // over its warp: where the lane holds one, its group's index in the row and true.
 template <int kN>
 __device__ __forceinline__ bool group_sum_of(float (&sq)[kN], RowPlace place, float& sum, int& group) {

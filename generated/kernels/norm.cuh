@@ -15,8 +15,9 @@ namespace moe_ar {
 // -> RMSNorm -> norm_out (+ NVFP4 or FP8). The whole block calls it for the same row.
 // kOverlapQuantRounds, kFewestQuantInstructions: see quantize_row_nvfp4. kStreamingStores: the
 // stores of norm_out and of the quantized row evict first (see pipelined_two_shot). kOneOrderSum: the
-// sum of squares in one order whatever the row's split (row_sum_of_squares; world size 1, whose
-// layouts split a row three ways); else the exchanges' block_sum, whose order follows the split.
+// sum of squares in one order whatever the row's split (row_sum_of_squares; world size 1's latency
+// program, whose cluster and one-block layouts split a row differently); else block_sum, whose
+// order follows the split.
 // kClusterRow: the row is held by the blocks of a cluster (world size 1's cluster layout, `place` in
 // it), which sum its squares together (cluster_row_sum_of_squares, one order).
 template <typename D, Profile P, bool kOverlapQuantRounds = false, bool kFewestQuantInstructions = true,
