@@ -24,8 +24,8 @@ def cluster_row_split(split: RowSplit, nvec: int, min_warps: int, cluster_blocks
     """World size 1's latency split (its one-block layout) where the row takes the cluster layout
     (min_warps warps or more, 2 vectors a thread or fewer): its warps rounded up to a multiple of
     cluster_blocks, the last vector places masked (H 7168: 512 threads, not 448; H 6144: 16 warps,
-    not 12). Measured the same within 2 % at 64-128 tokens cold, 0.96-0.98x of the time warm on an
-    H200 (bench_results/world_size_1/row_threads/)."""
+    not 12): as fast or faster than the row split at 64-128 tokens on an H200
+    (bench_results/world_size_1/row_threads/)."""
     warps = split.threads // 32
     if split.vec_per_thread > 2 or split.threads % 32 or warps < min_warps:
         return split

@@ -394,7 +394,7 @@ __device__ __forceinline__ void run_local(const Params& p) {
       local_row_by_vector<D, kRoutes, kSharedFirst>(p, t, bad_rows, res);
     }
     // the latency layouts sum squares in one order (their cluster layout splits a row otherwise); the
-    // streaming one in block_sum's, which measured up to 10 % faster for FP8 group-128
+    // streaming one in block_sum's, which measured faster there for FP8 group-128
     // (bench_results/world_size_1/cluster_one_vector/)
     norm_row<D, P, false, true, false, false, /*kOneOrderSum=*/R == Regime::kLocal>(p, t, res);
   }
@@ -420,8 +420,8 @@ __device__ __forceinline__ void run_local_cluster(const Params& p) {
   const int thread = (int)(block_in_cluster() * blockDim.x + threadIdx.x);
 #ifdef MOE_AR_FIXED_ROW_THREADS  // a shape build (shape.cuh): the launch makes C * blockDim.x the row's threads
   // No __builtin_assume(thread < MOE_AR_FIXED_ROW_THREADS): where the row fills the threads exactly,
-  // that let ptxas drop the row check and then interleave the row's loads with their additions
-  // (3 in flight, 1.5 us slower at one token; bench_results/world_size_1/cluster_one_vector/).
+  // that let ptxas drop the row check and then interleave the row's loads with their additions, a
+  // few in flight instead of all (bench_results/world_size_1/cluster_one_vector/).
   const RowPlace place{thread, MOE_AR_FIXED_ROW_THREADS};
 #else
   const RowPlace place{thread, (int)(C * blockDim.x)};
