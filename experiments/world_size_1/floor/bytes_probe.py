@@ -3,9 +3,11 @@ read and write exactly what the plain tail must (a token's indices and weights, 
 shared and residual rows; residual_out and norm_out) and skip the sum of squares and the norm
 (norm_out gets residual_out's bits), beside ours and the Triton kernel, H 7168 top_k 8 + shared, cold
 L2. `bytes_triton`: the Triton kernel of moe_ar_tools.baselines with its norm cut out (num_warps 4, 8,
-16); `floor` c1_v2_n2: floor.cu's one token a block, every load at once, both stores. No output is
-checked (they do less than the op).
-    PYTHONPATH=. python experiments/world_size_1/floor/bytes_probe.py OUT [TOKENS]"""
+16); `floor` c1_v2_n2: floor.cu's one token a block, every load at once, both stores. No output of
+those is checked (they do less than the op). `floor` c1_v2_n1: floor.cu's whole plain tail, one token a
+block (checked like ours). PROFILES (default plain) adds the FP8 profiles' ours and Triton kernel to
+the same run (the floor kernels run with plain).
+    PYTHONPATH=. [PROFILES=plain,fp8_group128_row,fp8_tensor] python experiments/world_size_1/floor/bytes_probe.py OUT [TOKENS]"""
 import contextlib, os, sys
 import cupy as cp
 import torch
@@ -45,9 +47,9 @@ summary.RECORD_SYSTEMS = summary.RECORD_SYSTEMS + ("floor", "bytes_triton")
 committed_build = Setup.build_systems
 
 
-def floor_system(self, shape, T, data):
+def floor_system(self, shape, T, data, n=2):
     sets, H = data["sets"], shape.hidden
-    f = module.get_function("floor_c1_v2_n2")
+    f = module.get_function(f"floor_c1_v2_n{n}")
     outs = [self.outputs(T, H, "plain") for _ in sets]
 
     def call(j):
@@ -56,7 +58,7 @@ def floor_system(self, shape, T, data):
                                                          x.norm_weight, o["residual_out"], o["norm_out"]))
         with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
             f((T,), (H // 16,), args + (cp.int32(H), cp.float32(ROUTED_SCALING_FACTOR), cp.float32(EPS)))
-    return System("floor", "c1_v2_n2", call, [])
+    return System("floor", f"c1_v2_n{n}", call, list(enumerate(outs)) if n == 1 else [])
 
 
 def triton_system(self, nw, shape, T, data):
@@ -73,13 +75,13 @@ def triton_system(self, nw, shape, T, data):
 def build_systems(self, shape, T, profile, data):
     systems, nulls = committed_build(self, shape, T, profile, data)
     if profile == "plain" and shape.top_k == 8 and shape.shared:
-        systems += [floor_system(self, shape, T, data)] + [triton_system(self, nw, shape, T, data) for nw in (4, 8, 16)]
+        systems += [floor_system(self, shape, T, data, n) for n in (2, 1)] + [triton_system(self, nw, shape, T, data) for nw in (4, 8, 16)]
     return systems, nulls
 
 
 Setup.build_systems = build_systems
 with open(f"{out}/bytes.log", "w") as f, contextlib.redirect_stdout(f):
-    main(["--world", "1", "--shapes", "7168:8:shared", "--tokens", tokens, "--profiles", "plain", "--systems",
+    main(["--world", "1", "--shapes", "7168:8:shared", "--tokens", tokens, "--profiles", os.environ.get("PROFILES", "plain"), "--systems",
           "ours,triton_fused", "--compile-modes", "dynamic", "--no-programs", "--l2", "cold",
           "--budget-s", os.environ.get("FLOOR_BUDGET_S", "150"), "--out", f"{out}/bytes"], standalone_mode=False)
 print("bytes: done", flush=True)
