@@ -1,4 +1,4 @@
-"""The op's bytes at 128-8,192 tokens, measured the way the bench measures every system: kernels that
+"""The op's bytes at TOKENS (default 128-8,192), measured the way the bench measures every system: kernels that
 read and write exactly what the plain tail must (a token's indices and weights, its 8 routed rows, the
 shared and residual rows; residual_out and norm_out) and skip the sum of squares and the norm
 (norm_out gets residual_out's bits), beside ours and the Triton kernel, H 7168 top_k 8 + shared, cold
