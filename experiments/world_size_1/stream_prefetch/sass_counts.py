@@ -37,7 +37,8 @@ for profile in %r:
         source = prefix + registry._manifest.source_for(ps.manifest, ps.dir, name)
         cubin, log = registry.compile_cubin(source, name, "sm_90a")
         log = log if isinstance(log, str) else log.decode()
-        out[f"{profile} {H}" + ("" if built else " (no shape build)")] = {"sass": sass_diff.disassemble(sass_diff.complete_cubin(cubin), tools), "log": log}
+        out[f"{profile} {H}"] = {"sass": sass_diff.disassemble(sass_diff.complete_cubin(cubin), tools), "log": log,
+                                 "built": built}
 json.dump(out, sys.stdout)
 '''
 
@@ -89,7 +90,8 @@ def main(arms):
             regs = re.search(r"Used (\d+) registers", log).group(1)
             spill = max(int(x) for x in re.findall(r"(\d+) bytes spill stores", log))
             instr, stall = per_token(builds[key]["sass"])
-            cells.append(f"{regs} regs, {spill} B spill, {instr} instr, {stall} stall")
+            program = "" if builds[key]["built"] else " (no shape build)"
+            cells.append(f"{regs} regs, {spill} B spill, {instr} instr, {stall} stall{program}")
         print(f"| {key} | " + " | ".join(cells) + " |")
 
 
