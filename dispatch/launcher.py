@@ -58,7 +58,8 @@ class _Launcher:
         self.max_blocks = [self._blocks_at_once(prog, split.threads, sms, sharing, ws.hidden)
                            for split in self.row_splits]  # per row split of this program on the workspace
         # world size 1's programs built per call shape (shape_constants.py; one row split only)
-        self.shape_builds = {} if shape_constants.applies(self.regime, self.row_splits, self.profile) else None
+        builds = shape_constants.applies(self.regime, self.row_splits, self.profile, ws.hidden)
+        self.shape_builds = {} if builds else None
         self.sms, self.sharing = sms, sharing
         self.function_ptr = prog.function_ptr
         self.cluster_function_ptr = prog.cluster_function_ptr

@@ -20,8 +20,9 @@ Where they serve, on an H200 (bench_results/world_size_1/all_loads/ and stream_r
   every point to there, 0.72-0.93x of its time at 32-256 tokens of H 4096 and 2048. At H 7168 and
   4096 the tables end the latency range before it; at smaller rows it can run further, as the program.
 - the streaming program at top_k 8: 0.95-0.99x of the program's time for NVFP4 and FP8 per-tensor
-  from 512 tokens, plain level to 0.97x. Not FP8 group-128 (1.02-1.04x at H 7168 from 2,048 tokens)
-  nor top_k 2 (1.04-1.05x from 4,096 tokens of H 4096).
+  from 512 tokens, plain level to 0.97x, at every hidden size. Not top_k 2 (1.04-1.05x from 4,096
+  tokens of H 4096), nor FP8 group-128 (1.02-1.04x at H 7168 from 2,048 tokens, though 0.82-0.99x at
+  H 4096 and 2048): STREAMING_MAX_HIDDEN holds each profile's largest hidden size.
 """
 from __future__ import annotations
 
@@ -41,7 +42,9 @@ def enabled() -> bool:
 
 
 STREAMING_TOP_K = 8  # the top_k the streaming program's builds serve
-STREAMING_PROFILES = ("plain", "nvfp4", "fp8_tensor")  # the profiles whose streaming program builds
+# the profiles whose streaming program builds, each with the largest hidden size where it does
+STREAMING_MAX_HIDDEN = {"plain": 1 << 14, "nvfp4": 1 << 14, "fp8_tensor": 1 << 14, "fp8_group128": 0}
+STREAMING_PROFILES = tuple(STREAMING_MAX_HIDDEN)
 
 
 def serves(regime: str, T: int, top_k: int) -> bool:
@@ -52,15 +55,16 @@ def serves(regime: str, T: int, top_k: int) -> bool:
     return regime == registry.LOCAL_STREAMING_REGIME and top_k == STREAMING_TOP_K
 
 
-def applies(regime: str, row_splits, profile: str) -> bool:
-    """Whether a launcher of a program of `regime` and `profile` with these row splits builds per call
-    shape: the switch is not off, the program is world size 1's latency program, or its streaming
-    program of STREAMING_PROFILES, and it runs one row split."""
+def applies(regime: str, row_splits, profile: str, hidden: int) -> bool:
+    """Whether a launcher of a program of `regime` and `profile` with these row splits, on a workspace
+    of `hidden`, builds per call shape: the switch is not off, the program is world size 1's latency
+    program, or its streaming program of a profile of STREAMING_MAX_HIDDEN up to its hidden size, and
+    it runs one row split."""
     from . import registry
     if not enabled() or len(row_splits) != 1:
         return False
     return regime == registry.LOCAL_LATENCY_REGIME or (regime == registry.LOCAL_STREAMING_REGIME
-                                                       and profile in STREAMING_PROFILES)
+                                                       and hidden <= STREAMING_MAX_HIDDEN.get(profile, 0))
 
 
 def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threads: int) -> str:

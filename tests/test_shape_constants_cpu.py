@@ -130,7 +130,7 @@ class _FakeProgram:
         return 3 if self.prefix else 1
 
 
-def _launcher(regime, splits, on, monkeypatch, loads, profile="plain"):
+def _launcher(regime, splits, on, monkeypatch, loads, profile="plain", hidden=7168):
     """A real launcher._Launcher's kernel_call without a GPU (fields as __init__ sets them)."""
     import types
     import torch
@@ -142,19 +142,20 @@ def _launcher(regime, splits, on, monkeypatch, loads, profile="plain"):
     family = "local" if regime == registry.LOCAL_LATENCY_REGIME else "local_streaming"
     lau.name, lau.regime, lau.profile, lau.device_index = f"moe_ar_{family}_bf16_ws1_{profile}", regime, profile, 0
     lau.template = registry.params_struct()()
-    lau.row_splits = tuple(row_split(7168 // 8, vpt, top) for vpt, top in splits)
+    lau.row_splits = tuple(row_split(hidden // 8, vpt, top) for vpt, top in splits)
     lau.threads = [s.threads for s in lau.row_splits]
     lau.max_blocks, lau.dynamic_smem, lau.sms, lau.sharing = [32] * len(splits), 0, 132, 1
     lau.cluster_max_tokens, lau.cluster_blocks = 0, 1
-    lau.cluster_split = cluster_layout_split(7168 // 8, 1, 0)
+    lau.cluster_split = cluster_layout_split(hidden // 8, 1, 0)
     lau.function_ptr, lau.cluster_function_ptr = 1, 2
     lau.sliced_units = lau.column_units = False
     if on:
         monkeypatch.delenv(shape_constants.ENV, raising=False)  # the default
     else:
         monkeypatch.setenv(shape_constants.ENV, "0")
-    lau.shape_builds = {} if shape_constants.applies(regime, lau.row_splits, profile) else None  # as __init__ sets it
-    ws = types.SimpleNamespace(hidden=7168, world_size=1,
+    lau.shape_builds = ({} if shape_constants.applies(regime, lau.row_splits, profile, hidden)
+                        else None)  # as __init__ sets it
+    ws = types.SimpleNamespace(hidden=hidden, world_size=1,
                                _moe_ar_state=types.SimpleNamespace(fault_stop_after_units=0))
 
     def call(T, top_k, scale):
@@ -229,16 +230,35 @@ def test_no_build_where_it_is_off_or_does_not_apply(regime, splits, on, profile,
     assert loads == [] and k.function_ptr == 1 and k.config.gridDimX == 32
 
 
-@pytest.mark.parametrize("profile", shape_constants.STREAMING_PROFILES)
-def test_the_streaming_program_builds_at_top_k_8_at_every_t(profile, monkeypatch):
+@pytest.mark.parametrize("profile,hidden", [(p, h) for p in shape_constants.STREAMING_PROFILES
+                                             for h in (7168, 4096, 2048)
+                                             if h <= shape_constants.STREAMING_MAX_HIDDEN[p]])
+def test_the_streaming_program_builds_at_top_k_8_at_every_t(profile, hidden, monkeypatch):
     """The streaming program's builds serve every T of top_k 8 (no MAX_TOKENS), one per weight kind."""
     import torch
+    from dispatch.workspace_sizes import row_split
     loads = []
-    call = _launcher(registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, monkeypatch, loads, profile)
+    call = _launcher(registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, monkeypatch, loads, profile, hidden)
+    threads = row_split(hidden // 8, 4, 1 << 30).threads
     for T in (1, shape_constants.MAX_TOKENS + 1, 1 << 16):
         k = call(T, 8, None)
-        assert k.function_ptr == 1000 + len(shape_constants.defines(7168, 8, 0, 4, 224)), T
-    assert loads == [(f"moe_ar_local_streaming_bf16_ws1_{profile}", shape_constants.defines(7168, 8, 0, 4, 224))]
+        assert k.function_ptr == 1000 + len(shape_constants.defines(hidden, 8, 0, 4, threads)), T
+    assert loads == [(f"moe_ar_local_streaming_bf16_ws1_{profile}", shape_constants.defines(hidden, 8, 0, 4, threads))]
     call(300, 8, torch.empty(1, dtype=torch.float32))
-    assert [prefix for _, prefix in loads[1:]] == [shape_constants.defines(7168, 8, 1, 4, 224)]
+    assert [prefix for _, prefix in loads[1:]] == [shape_constants.defines(hidden, 8, 1, 4, threads)]
     assert call(300, 4, None).function_ptr == 1 and len(loads) == 2
+
+
+def test_the_streaming_builds_end_at_each_profiles_largest_hidden_size(monkeypatch):
+    """A profile's streaming program builds at rows up to STREAMING_MAX_HIDDEN[profile] elements and
+    runs the program above (FP8 group-128's build is slower than its program at H 7168)."""
+    assert all(shape_constants.STREAMING_MAX_HIDDEN[p] >= 1 << 14 for p in ("plain", "nvfp4", "fp8_tensor"))
+    assert shape_constants.STREAMING_MAX_HIDDEN["fp8_group128"] < 7168
+    for profile, most in shape_constants.STREAMING_MAX_HIDDEN.items():
+        for hidden in (2048, 4096, 5120, 7168):
+            loads = []
+            call = _launcher(registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, monkeypatch, loads,
+                             profile, hidden)
+            k = call(300, 8, None)
+            builds = hidden <= most
+            assert (k.function_ptr != 1) == builds and len(loads) == builds, (profile, hidden)
