@@ -797,12 +797,12 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_streaming_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
-    """The streaming program of plain, NVFP4 and FP8 per-tensor runs a build with the call's shape as
-    constants at top_k 8 (dispatch/shape_constants.py): every output against the reference, and the
+    """The streaming program runs a build with the call's shape as constants at top_k 8, up to its
+    profile's STREAMING_MAX_HIDDEN (dispatch/shape_constants.py): every output against the reference, and the
     bits of the program without constants (a launcher made while MOE_AR_SHAPE_CONSTANTS=0), at H 7168,
     4096 and 2064 (vectors past the row), from one token to past a wave of blocks, with and without
     PDL, eagerly and replayed in a CUDA graph; top_k 2 runs the program, and so does FP8 group-128
-    above STREAMING_MAX_HIDDEN (H 7168)."""
+    above its STREAMING_MAX_HIDDEN (H 7168)."""
     from dispatch import shape_constants
     rnd = random.Random(seed_for("plan"))
     profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]

@@ -14,4 +14,4 @@ cat "$out/ab_table.md"
     --systems ours,triton_fused --compile-modes dynamic --no-programs --budget-s 80 --out "$ab/triton" \
     > "$ab/triton.log" 2>&1)
 cp "$ab/triton/table.md" "$out/triton_table.md" && cat "$out/triton_table.md"
-tail -3 "$ab"/*.log
+tail -n 3 "$ab"/*.log
