@@ -355,6 +355,30 @@ def test_pdl_back_to_back_and_chained(workspaces, seed_for):
         ref.check_outputs(case, [out], [p], label=f"world size 1 PDL chain, link {j} of {len(links)}")
 
 
+@pytest.mark.parametrize("T", [100, MAX_TOKENS])
+def test_pdl_chain_on_the_streaming_program(T, workspaces, seed_for):
+    """A chain of PDL calls on the streaming program, each link's residual_in the previous link's
+    residual_out: at 100 tokens its grid leaves block slots free and it lets the next kernel launch
+    only when its blocks exit; at 2,048 its grid fills every slot and it lets it launch at its start
+    (kernels/local.cuh, run_local). Either way each link must read what the previous one wrote."""
+    H = 4096
+    ws = workspaces.get(MAX_TOKENS, H, torch.bfloat16)
+    rnd = random.Random(seed_for(f"plan{T}"))
+    links = [_case(T, H, torch.bfloat16, seed_for(f"link{T}-{j}"), rnd, top_k=8, shared=j % 2 == 0) for j in range(6)]
+    provided = [ref.alloc_outputs(case)[0] for case in links]
+    for j, case in enumerate(links):  # link j reads link j - 1's residual_out
+        if j:
+            case[0]["residual_in"] = provided[j - 1]["residual_out"]
+    outs = [dispatch.moe_finalize_allreduce(ws, **case[0], **p, launch_with_pdl=True,
+                                            program="moe_ar_local_streaming_bf16_ws1_plain")
+            for case, p in zip(links, provided)]
+    torch.cuda.synchronize()
+    ws.check()
+    for j, (case, out, p) in enumerate(zip(links, outs, provided)):
+        ref.check_outputs(case, [out], [p], label=f"world size 1 PDL chain on the streaming program, T={T}, "
+                                                  f"link {j} of {len(links)}")
+
+
 def _refresh(case, seed):
     """New random values, routing included, into the case's tensors (same shapes and options)."""
     m = case.meta

@@ -359,11 +359,14 @@ __device__ __forceinline__ void local_row_by_vector(const Params& p, int t, unsi
 template <typename D, Profile P, Regime R, int kRoutes, bool kSharedFirst>
 __device__ __forceinline__ void run_local(const Params& p) {
   wait_for_previous_kernel();  // inputs and outputs belong to the previous kernel until here
+  const int T = p.tokens;
   // The next kernel's griddepcontrol.wait still waits for this whole grid to finish and its writes to
   // be visible, and this grid is all resident at once (dispatch sizes it so): letting the next kernel
-  // launch now only lets its blocks take the multiprocessors' free room early.
-  allow_next_kernel();
-  const int T = p.tokens;
+  // launch now only lets its blocks take the multiprocessors' free room early. The streaming layout
+  // does so only where its grid fills every block slot (T > grid): below that a next call placed in
+  // the free slots beside it took up to 1.27x the time with warm L2 (bench_results/world_size_1/
+  // stream_pdl/); its blocks' exit lets the next kernel launch then.
+  if (R != Regime::kLocalStreaming || T > (int)gridDim.x) allow_next_kernel();
   unsigned bad_rows = 0;
   if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's sum-of-squares barriers
   if (P == Profile::kNvfp4) zero_scale_padding(p);

@@ -2,7 +2,7 @@
 # Trees against each other, arms interleaved (each tree twice, in the order given), each arm the
 # world-size-1 bench in its own process (every output of ours checked against the float64 reference
 # before it is timed). TREES: space-separated name=path pairs.
-#   TREES="old=/path/a new=/path/b" [SHAPES=H:K[:shared],...] [PROFILES=p,...] bash experiments/world_size_1/stream_indices/ab.sh OUT [TOKENS] [BUDGET]
+#   TREES="old=/path/a new=/path/b" [SHAPES=H:K[:shared],...] [PROFILES=p,...] [SYSTEMS=ours,ours_pdl] bash experiments/world_size_1/stream_indices/ab.sh OUT [TOKENS] [BUDGET]
 set -uo pipefail
 out=$1; tokens=${2:-256,1024,2048,8192}; budget=${3:-90}; shapes=${SHAPES:-7168:8:shared}
 profiles=${PROFILES:-plain,fp8_group128_row,fp8_tensor,nvfp4}
@@ -13,7 +13,7 @@ for pass in "" b; do
         t0=$SECONDS
         (cd "$tree" && PYTHONPATH=. MOE_AR_CACHE_DIR=$(mktemp -d) python3 -m moe_ar_tools.bench --world 1 \
             --shapes "$shapes" --tokens "$tokens" --profiles "$profiles" \
-            --systems ours --compile-modes dynamic --no-programs --budget-s "$budget" --out "$out/$name" \
+            --systems "${SYSTEMS:-ours}" --compile-modes dynamic --no-programs --budget-s "$budget" --out "$out/$name" \
             > "$out/$name.log" 2>&1)
         echo "$name: rc $? $((SECONDS - t0)) s"
     done
