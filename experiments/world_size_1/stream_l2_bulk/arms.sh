@@ -1,27 +1,8 @@
 #!/usr/bin/env bash
-# Build the A/B's trees under DEST (default .baselines): v0 = this checkout's programs; v1, v2, v3 =
-# variants.patch applied with MOE_AR_PROBE_L2_BULK 1 (this token's later routes to L2), 2 (the next
-# token's rows to L2 before this token's epilogue), 3 (both), each regenerated (gen-programs) in its
-# own copy. Run from the repository root on this machine, then carry DEST to the GPU machine; prints
-# the TREES line for ../stream_indices/ab.sh.
+# The A/B's four trees under DEST (default .baselines/l2bulk_v0..3): v0 this checkout's programs; v1,
+# v2, v3 variants.patch with MOE_AR_PROBE_L2_BULK 1 (this token's later routes to L2), 2 (the next
+# token's rows to L2 before this token's epilogue), 3 (both). Prints the TREES line for run.sh's A/B.
 #   [PYTHON=.venv/bin/python] [DEST=.baselines] bash experiments/world_size_1/stream_l2_bulk/arms.sh
-set -euo pipefail
-python=$(command -v "${PYTHON:-python3}")  # an absolute path: gen-programs runs inside each tree
-python=$(cd "$(dirname "$python")" && pwd)/$(basename "$python")
-dest=${DEST:-.baselines}; patch=$(pwd)/experiments/world_size_1/stream_l2_bulk/variants.patch
-trees=""
-for arm in "v0 0" "v1 1" "v2 2" "v3 3"; do
-    set -- $arm
-    tree=$dest/l2bulk_$1
-    rm -rf "$tree" && mkdir -p "$tree"
-    git ls-files -co --exclude-standard | grep -v '^experiments/' | tar -cf - -T - | tar -xf - -C "$tree"
-    if [ "$1" != v0 ]; then
-        (cd "$tree" && patch -s -p1 < "$patch" \
-            && sed -i "s/^#define MOE_AR_PROBE_L2_BULK 0/#define MOE_AR_PROBE_L2_BULK $2/" kernels/local.cuh \
-            && grep -q "^#define MOE_AR_PROBE_L2_BULK $2" kernels/local.cuh \
-            && "$python" -m generator.cli > /dev/null)
-    fi
-    rm -rf "$tree/bench_results"  # the generator's input, not the bench's: keep the tree small to carry
-    trees="$trees $1=$tree"  # relative to the repository root, where ab.sh runs
-done
-echo "TREES=\"${trees# }\""
+here=$(dirname "$0")
+exec bash "$here/../stream_indices/patch_trees.sh" "$here/variants.patch" MOE_AR_PROBE_L2_BULK l2bulk \
+    v0=- v1=1 v2=2 v3=3
