@@ -8,7 +8,8 @@ from typing import Optional
 from moe_ar_tools.bench.plotting import Line, Panel, draw
 from moe_ar_tools.bench.config import L2_MODES
 from moe_ar_tools.bench.world_one.config import PROFILES, SYSTEMS, TARGET_SHAPE
-from moe_ar_tools.bench.world_one.summary import FLOOR_FRACTION, FLOOR_FROM_TOKENS, NVFP4_OVER_PLAIN, SPEEDUP_BANDS
+from moe_ar_tools.bench.world_one.summary import (FLOOR_FRACTION, FLOOR_FROM_TOKENS, NVFP4_OVER_PLAIN, PDL_SLOWER_BY,
+                                                 SPEEDUP_BANDS)
 
 
 def table_shapes(rows: list) -> list:
@@ -71,10 +72,12 @@ def format_markdown(summary: dict) -> str:
     lines += [f"Targets: the fastest baseline's time over ours at least {bands} (plain and FP8; the worst point "
               f"of the range), ours at {100 * FLOOR_FRACTION:.0f}% of the read floor from {FLOOR_FROM_TOKENS:,} "
               f"tokens, never slower than any baseline, NVFP4 at most {NVFP4_OVER_PLAIN:.2f}x plain's time; one "
-              "token against the empty kernel, reported.", "",
+              f"token against the empty kernel and the points where PDL takes over {PDL_SLOWER_BY:.2f}x the time "
+              "without, reported.", "",
               "| shape | profile | " + " | ".join(f"{lo:,}-{hi:,} tokens" for lo, hi, _ in SPEEDUP_BANDS) +
-              f" | read floor from {FLOOR_FROM_TOKENS:,} | never slower | NVFP4 / plain | 1 token / empty kernel | all |",
-              "|---|---|" + "---|" * (len(SPEEDUP_BANDS) + 5)]
+              f" | read floor from {FLOOR_FROM_TOKENS:,} | never slower | NVFP4 / plain | 1 token / empty kernel | "
+              f"PDL over {PDL_SLOWER_BY:.2f}x without | all |",
+              "|---|---|" + "---|" * (len(SPEEDUP_BANDS) + 6)]
     for t in summary["targets"]:
         bands = [f"{_yes(b['pass'])} ({b['worst']:.2f}x at {b['worst_tokens']})" if b["worst"] is not None else "-"
                  for b in t["speedup"]] or ["-"] * len(SPEEDUP_BANDS)
@@ -89,8 +92,11 @@ def format_markdown(summary: dict) -> str:
         one = "-" if o["over_empty"] is None else \
             f"{_us(o['ours_us'])} / {_us(o['empty_kernel_us'])} us ({o['over_empty']:.2f}x" + \
             ("" if o["over_empty_pdl"] is None else f"; PDL {o['over_empty_pdl']:.2f}x") + ")"
+        ps = t.get("pdl_slower") or {"points": 0, "slower": []}  # summaries written before it have none
+        pdl = "-" if not ps["points"] else ", ".join(f"{s['ratio']:.2f}x at {s['tokens']}" for s in ps["slower"]) or "none"
         lines.append(f"| {t['hidden']}/{t['top_k']}{'s' if t['shared'] else ''} {t.get('mode', 'cold')} | "
-                     f"{t['profile']} | {' | '.join(bands)} | {floor} | {nsl} | {nvfp4} | {one} | {_yes(t['pass'])} |")
+                     f"{t['profile']} | {' | '.join(bands)} | {floor} | {nsl} | {nvfp4} | {one} | {pdl} | "
+                     f"{_yes(t['pass'])} |")
     if summary.get("skipped"):
         lines += ["", f"{len(summary['skipped'])} points skipped (summary.json `skipped`)."]
     return "\n".join(lines) + "\n"
