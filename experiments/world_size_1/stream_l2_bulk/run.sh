@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, from the repository root, after arms.sh's trees were carried: the A/B of the
-# streaming layout's L2 bulk prefetches (v0..v3 interleaved, each twice), then v2 and v3 against the
-# Triton kernel in one bench process.
+# streaming layout's L2 bulk prefetches (v0..v3 interleaved, each twice), then v0 and v3 each against
+# the Triton kernel in a bench process of its own.
 #   bash experiments/world_size_1/stream_l2_bulk/run.sh OUT
 set -uo pipefail
 out=$1; here=$(dirname "$0"); ab=$(mktemp -d)
