@@ -114,14 +114,14 @@ class WorkspaceBase:
         is faster than its by-vector path under the wide split at every T measured on an H200
         (bench_results/world_size_1/row_split/). Its streaming layout keeps the wide split at every T:
         the fewest threads a block, so two blocks fit a multiprocessor
-        (bench_results/world_size_1/two_blocks/). A row of the cluster layout's size takes a multiple
-        of cluster_max_blocks warps (cluster_row_split); the cluster layout itself, up to
+        (bench_results/world_size_1/two_blocks/). A row of cluster_round_min_warps warps or more takes a
+        multiple of cluster_max_blocks warps (cluster_row_split); the cluster layout itself, up to
         cluster_max_tokens, has its own split (launcher.py, cluster_layout_split). A split fixed by
         vec_per_thread is every program's and layout's."""
         if self.vec_per_thread is None and len(self.row_splits) == 2:
             if regime == registry.LOCAL_LATENCY_REGIME:
                 limits = registry.program_set().limits
-                few = cluster_row_split(self.row_splits[0], self.hidden // 8, limits["cluster_min_warps"],
+                few = cluster_row_split(self.row_splits[0], self.hidden // 8, limits["cluster_round_min_warps"],
                                         limits["cluster_max_blocks"], limits["max_threads"])
                 return (few._replace(max_tokens=ALL_TOKENS),)
             if regime == registry.LOCAL_STREAMING_REGIME:

@@ -21,8 +21,8 @@ def row_split(nvec: int, vec_per_thread: int, max_tokens: int) -> RowSplit:
 
 
 def cluster_row_split(split: RowSplit, nvec: int, min_warps: int, cluster_blocks: int, max_threads: int) -> RowSplit:
-    """World size 1's latency split (its one-block layout) where the row takes the cluster layout
-    (min_warps warps or more, 2 vectors a thread or fewer): its warps rounded up to a multiple of
+    """World size 1's latency split (its one-block layout) for a row of min_warps warps or more
+    (the manifest's cluster_round_min_warps), 2 vectors a thread or fewer: its warps rounded up to a multiple of
     cluster_blocks, the last vector places masked (H 7168: 512 threads, not 448; H 6144: 16 warps,
     not 12): as fast or faster than the row split at 64-128 tokens on an H200
     (bench_results/world_size_1/row_threads/)."""

@@ -93,15 +93,17 @@ REGISTERS_PER_SM = 65536  # sm_90 and sm_100
 FEW_TOKENS_MAX = 256
 FEW_TOKENS_VEC_PER_THREAD = 2
 # World size 1's latency program (local) spreads each token over a cluster of blocks up to
-# CLUSTER_MAX_TOKENS tokens, for rows of CLUSTER_MIN_WARPS warps or more (H >= 6144 under the
+# CLUSTER_MAX_TOKENS tokens, for rows of CLUSTER_MIN_WARPS warps or more (H >= 2048 under the
 # few-tokens split): C <= CLUSTER_MAX_BLOCKS blocks, the largest that divides the one-block split's
-# warps (dispatch rounds them up to a multiple of CLUSTER_MAX_BLOCKS where that fits a block:
-# dispatch/workspace_sizes.py cluster_row_split), one vector a thread (cluster_layout_split).
-# Faster than one block at H 7168 up to 48 tokens (at 64 the same or slower), slower at H 4096 and
-# 2048 (bench_results/world_size_1/cluster/, cluster_one_vector/).
+# warps, one vector a thread (dispatch/workspace_sizes.py cluster_layout_split). Rows of
+# CLUSTER_ROUND_MIN_WARPS warps or more round their one-block split up to a multiple of
+# CLUSTER_MAX_BLOCKS warps where that fits a block (cluster_row_split; H 7168: 16 warps, not 14).
+# Faster than one block up to 48 tokens at H 7168 (at 64 the same or slower) and at H 4096 and 2048
+# (bench_results/world_size_1/cluster_one_vector/, small_rows_cluster/).
 CLUSTER_MAX_TOKENS = 48
 CLUSTER_MAX_BLOCKS = 8
-CLUSTER_MIN_WARPS = 12
+CLUSTER_MIN_WARPS = 4
+CLUSTER_ROUND_MIN_WARPS = 12
 # Its one-block layout issues every load of a row at once (one memory latency) up to
 # ALL_LOADS_MAX_TOKENS tokens; above, with a block on nearly every multiprocessor, every load at once
 # measured slower than four routes at a time with the token's indices read first

@@ -148,6 +148,7 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
             "cluster_max_tokens": abi.CLUSTER_MAX_TOKENS,
             "cluster_max_blocks": abi.CLUSTER_MAX_BLOCKS,
             "cluster_min_warps": abi.CLUSTER_MIN_WARPS,
+            "cluster_round_min_warps": abi.CLUSTER_ROUND_MIN_WARPS,
         },
         "targets": list(spec.ARCH_TARGETS),
         "compile_options": list(spec.COMPILE_OPTIONS),

@@ -196,7 +196,7 @@ def test_the_latency_layout_keeps_the_few_tokens_split_at_every_token_count():
         local = ws.row_splits_for("local")
         assert ws.row_splits_for("local_streaming") == ws.row_splits[-1:]
         if len(ws.row_splits) == 2:  # the few-tokens split fits a block
-            few = cluster_row_split(ws.row_splits[0], hidden // 8, limits["cluster_min_warps"],
+            few = cluster_row_split(ws.row_splits[0], hidden // 8, limits["cluster_round_min_warps"],
                                     limits["cluster_max_blocks"], limits["max_threads"])
             assert local == (few._replace(max_tokens=ALL_TOKENS),), hidden
             assert local[0].vec_per_thread <= limits["few_tokens_vec_per_thread"]

@@ -42,12 +42,14 @@ def test_latency_programs_have_a_cluster_kernel_and_no_other_program_has(rendere
     assert limits["cluster_max_tokens"] == abi.CLUSTER_MAX_TOKENS > 0
     assert 2 <= limits["cluster_max_blocks"] == abi.CLUSTER_MAX_BLOCKS <= 8  # the portable cluster size
     assert limits["cluster_min_warps"] == abi.CLUSTER_MIN_WARPS
+    assert limits["cluster_round_min_warps"] == abi.CLUSTER_ROUND_MIN_WARPS
 
 
-@pytest.mark.parametrize("hidden, blocks", [(7168, 7), (6144, 6), (8192, 8), (7680, 5), (4096, 1), (2048, 1),
-                                            (5120, 1), (256, 1), (16384, 8)])
+@pytest.mark.parametrize("hidden, blocks", [(7168, 7), (6144, 6), (8192, 8), (7680, 5), (4096, 8), (2048, 4),
+                                            (5120, 5), (1024, 1), (256, 1), (16384, 8)])
 def test_cluster_blocks_divide_the_rows_warps(hidden, blocks):
-    """The few-tokens split's warps over the largest divisor <= 8, for rows of 12 warps or more."""
+    """The few-tokens split's warps over the largest divisor <= 8, for rows of 4 warps or more (H 1024:
+    2 warps, no cluster layout; H 256: not whole warps)."""
     split = row_split(hidden // 8, 2, 256)
     assert launcher.cluster_blocks_for("local", (split,)) == blocks
     if blocks > 1:
@@ -55,14 +57,15 @@ def test_cluster_blocks_divide_the_rows_warps(hidden, blocks):
 
 
 @pytest.mark.parametrize("hidden, threads, blocks", [(7168, 512, 8), (6144, 512, 8), (8192, 512, 8),
-                                                     (16384, 1024, 8), (4096, 256, 1), (5120, 320, 1),
-                                                     (2048, 128, 1)])
+                                                     (16384, 1024, 8), (4096, 256, 8), (5120, 320, 5),
+                                                     (2048, 128, 4)])
 def test_the_latency_split_takes_whole_clusters_of_eight(hidden, threads, blocks):
-    """Where the row takes the cluster layout its warps round up to a multiple of 8: a cluster of 8
-    blocks (H 7168: 16 warps, not 14 over 7 blocks), the last vector places masked."""
+    """Where the row has 12 warps or more its warps round up to a multiple of 8: a cluster of 8
+    blocks (H 7168: 16 warps, not 14 over 7 blocks), the last vector places masked. Smaller rows keep
+    their split and take the largest divisor of their warps (H 5120: 10 warps over 5 blocks)."""
     limits = registry.program_set().limits
     nvec = hidden // 8
-    split = cluster_row_split(row_split(nvec, 2, 256), nvec, limits["cluster_min_warps"], limits["cluster_max_blocks"],
+    split = cluster_row_split(row_split(nvec, 2, 256), nvec, limits["cluster_round_min_warps"], limits["cluster_max_blocks"],
                               limits["max_threads"])
     assert split.threads == threads and split.max_tokens == 256
     assert split.threads * split.vec_per_thread >= nvec > split.threads * (split.vec_per_thread - 1)
@@ -109,7 +112,7 @@ def test_no_cluster_outside_the_latency_layout_or_with_more_vectors_a_thread():
     assert launcher.cluster_blocks_for("local", (few, row_split(7168 // 8, 4, 1 << 30))) == 1  # not one split
     odd = few._replace(threads=440)  # not whole warps (the splits round to warps: defensive)
     assert launcher.cluster_blocks_for("local", (odd,)) == 1
-    assert launcher.cluster_blocks_for("local", (few._replace(threads=10 * 32),)) == 1  # under 12 warps
+    assert launcher.cluster_blocks_for("local", (few._replace(threads=3 * 32),)) == 1  # under 4 warps
     prime = few._replace(threads=13 * 32)  # 13 warps: no divisor from 2 to 8
     assert launcher.cluster_blocks_for("local", (prime,)) == 1
 
