@@ -751,7 +751,7 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for):
     from dispatch import registry
     limits = registry.program_set().limits
     rnd = random.Random(seed_for("plan"))
-    for H in (7168, 6144, 4096, 2048):  # clusters of 8, 8, 8 and 4 blocks
+    for H in (7168, 6144, 5120, 4096, 2048):  # clusters of 8, 8, 5, 8 and 4 blocks
         cluster_ws = dispatch.LocalWorkspace(max_tokens=limits["cluster_max_tokens"], hidden=H, dtype=torch.bfloat16)
         # a split the workspace fixes is the cluster layout's too: two vectors a thread over its blocks
         fixed_ws = dispatch.LocalWorkspace(max_tokens=limits["cluster_max_tokens"], hidden=H, dtype=torch.bfloat16,
