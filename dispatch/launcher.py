@@ -65,8 +65,7 @@ class _Launcher:
         self.cluster_function_ptr = prog.cluster_function_ptr
         self.threads = [split.threads for split in self.row_splits]
         self.cluster_blocks = cluster_blocks_for(self.regime, self.row_splits) if prog.cluster_function_ptr else 1
-        limits = registry.program_set().limits
-        self.cluster_max_tokens = limits["cluster_max_tokens"] if self.cluster_blocks > 1 else 0
+        self.cluster_max_tokens = cluster_max_tokens_for(self.row_splits, self.cluster_blocks)
         # the cluster layout's own split, one vector a thread over the cluster's blocks; a split the
         # workspace fixes (vec_per_thread) is every call's, the cluster layout's too
         self.cluster_split = (cluster_layout_split(ws.hidden // 8, self.cluster_blocks, self.cluster_max_tokens)
@@ -205,6 +204,18 @@ def cluster_blocks_for(regime: str, row_splits) -> int:
     most = limits["cluster_max_blocks"]
     blocks = max(c for c in range(1, most + 1) if warps % c == 0)
     return blocks if blocks >= 2 else 1
+
+
+def cluster_max_tokens_for(row_splits, cluster_blocks: int) -> int:
+    """The most tokens a call of world size 1's latency program runs in its cluster layout (0: none):
+    the manifest's cluster_max_tokens for rows of cluster_round_min_warps warps or more, else its
+    cluster_small_row_max_tokens (rows of H 2048-5120 gain less from the spread and lose at 32-48
+    tokens: generator/abi.py)."""
+    if cluster_blocks <= 1:
+        return 0
+    limits = registry.program_set().limits
+    big = row_splits[0].threads // 32 >= limits["cluster_round_min_warps"]
+    return limits["cluster_max_tokens" if big else "cluster_small_row_max_tokens"]
 
 
 class _KernelCall:

@@ -92,15 +92,18 @@ REGISTERS_PER_SM = 65536  # sm_90 and sm_100
 # every rank of a call has the same T, so every rank picks the same split.
 FEW_TOKENS_MAX = 256
 FEW_TOKENS_VEC_PER_THREAD = 2
-# World size 1's latency program (local) spreads each token over a cluster of blocks up to
-# CLUSTER_MAX_TOKENS tokens, for rows of CLUSTER_MIN_WARPS warps or more (H >= 2048 under the
-# few-tokens split): C <= CLUSTER_MAX_BLOCKS blocks, the largest that divides the one-block split's
-# warps, one vector a thread (dispatch/workspace_sizes.py cluster_layout_split). Rows of
-# CLUSTER_ROUND_MIN_WARPS warps or more round their one-block split up to a multiple of
-# CLUSTER_MAX_BLOCKS warps where that fits a block (cluster_row_split; H 7168: 16 warps, not 14).
-# Faster than one block up to 48 tokens at H 7168 (at 64 the same or slower) and at H 4096 and 2048
-# (bench_results/world_size_1/cluster_one_vector/, small_rows_cluster/).
+# World size 1's latency program (local) spreads each token over a cluster of blocks, for rows of
+# CLUSTER_MIN_WARPS warps or more (H >= 2048 under the few-tokens split): C <= CLUSTER_MAX_BLOCKS
+# blocks, the largest that divides the one-block split's warps, one vector a thread
+# (dispatch/workspace_sizes.py cluster_layout_split). Rows of CLUSTER_ROUND_MIN_WARPS warps or more
+# (H >= 6144) round their one-block split up to a multiple of CLUSTER_MAX_BLOCKS warps where that
+# fits a block (cluster_row_split; H 7168: 16 warps, not 14) and take the cluster layout up to
+# CLUSTER_MAX_TOKENS tokens (faster than one block at H 7168 up to 48, at 64 the same or slower:
+# bench_results/world_size_1/cluster_one_vector/); smaller rows up to CLUSTER_SMALL_ROW_MAX_TOKENS
+# (H 2048-5120: faster at 1-16 tokens, at 32-48 up to 8 % slower for plain and NVFP4:
+# bench_results/world_size_1/small_rows_cluster/).
 CLUSTER_MAX_TOKENS = 48
+CLUSTER_SMALL_ROW_MAX_TOKENS = 16
 CLUSTER_MAX_BLOCKS = 8
 CLUSTER_MIN_WARPS = 4
 CLUSTER_ROUND_MIN_WARPS = 12

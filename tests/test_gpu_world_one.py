@@ -742,29 +742,36 @@ def _same_bytes(a, b, *where):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for):
-    """Up to cluster_max_tokens tokens the latency program spreads each row over a cluster of blocks,
+    """Up to its token limit (cluster_max_tokens, or cluster_small_row_max_tokens for rows under
+    cluster_round_min_warps warps) the latency program spreads each row over a cluster of blocks,
     one vector a thread (dispatch picks its second kernel); every output must be the one-block
     layout's bits, two vectors a thread (the same loads and additions, the sum of squares in one order
     whatever the split), with and without PDL, eagerly and replayed in a CUDA graph.
-    The one-block layout: a workspace whose launcher is made while the manifest's cluster_max_tokens
-    reads 0 (launchers are made at a workspace's first call of a program)."""
-    from dispatch import registry
+    The one-block layout: a workspace whose launcher is made while the manifest's token limits
+    read 0 (launchers are made at a workspace's first call of a program)."""
+    from dispatch import launcher, registry
+    from dispatch.workspace_sizes import cluster_row_split, row_split
     limits = registry.program_set().limits
     rnd = random.Random(seed_for("plan"))
     for H in (7168, 6144, 5120, 4096, 2048):  # clusters of 8, 8, 5, 8 and 4 blocks
-        cluster_ws = dispatch.LocalWorkspace(max_tokens=limits["cluster_max_tokens"], hidden=H, dtype=torch.bfloat16)
+        split = cluster_row_split(row_split(H // 8, limits["few_tokens_vec_per_thread"], limits["few_tokens_max"]),
+                                  H // 8, limits["cluster_round_min_warps"], limits["cluster_max_blocks"],
+                                  limits["max_threads"])
+        most = launcher.cluster_max_tokens_for((split,), launcher.cluster_blocks_for("local", (split,)))
+        assert most == (limits["cluster_max_tokens"] if H >= 6144 else limits["cluster_small_row_max_tokens"]), H
+        cluster_ws = dispatch.LocalWorkspace(max_tokens=most, hidden=H, dtype=torch.bfloat16)
         # a split the workspace fixes is the cluster layout's too: two vectors a thread over its blocks
-        fixed_ws = dispatch.LocalWorkspace(max_tokens=limits["cluster_max_tokens"], hidden=H, dtype=torch.bfloat16,
-                                           vec_per_thread=2)
+        fixed_ws = dispatch.LocalWorkspace(max_tokens=most, hidden=H, dtype=torch.bfloat16, vec_per_thread=2)
         one_block_ws = dispatch.LocalWorkspace(max_tokens=limits["few_tokens_max"], hidden=H, dtype=torch.bfloat16)
         try:
-            for i, T in enumerate((1, 5, limits["cluster_max_tokens"])):
+            for i, T in enumerate((1, 5, most)):
                 case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd, top_k=rnd.choice([1, 6, 8]))
                 got = {}
                 for name, ws in (("cluster", cluster_ws), ("fixed split", fixed_ws), ("one block", one_block_ws)):
                     with pytest.MonkeyPatch.context() as patch:
                         if name == "one block":  # its launcher, made at its first call, sees no cluster layout
                             patch.setitem(limits, "cluster_max_tokens", 0)
+                            patch.setitem(limits, "cluster_small_row_max_tokens", 0)
                         call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1)
                     # the outputs given (the call returns None for some profiles when they are given)
                     got[name] = {k: v.clone() for k, v in call["provided"][0].items()}

@@ -43,6 +43,20 @@ def test_latency_programs_have_a_cluster_kernel_and_no_other_program_has(rendere
     assert 2 <= limits["cluster_max_blocks"] == abi.CLUSTER_MAX_BLOCKS <= 8  # the portable cluster size
     assert limits["cluster_min_warps"] == abi.CLUSTER_MIN_WARPS
     assert limits["cluster_round_min_warps"] == abi.CLUSTER_ROUND_MIN_WARPS
+    assert 0 < limits["cluster_small_row_max_tokens"] == abi.CLUSTER_SMALL_ROW_MAX_TOKENS <= limits["cluster_max_tokens"]
+
+
+@pytest.mark.parametrize("hidden, tokens", [(7168, 48), (6144, 48), (8192, 48), (16384, 48), (5120, 16), (4096, 16),
+                                            (2048, 16), (1024, 0)])
+def test_smaller_rows_take_the_cluster_layout_to_fewer_tokens(hidden, tokens):
+    """Rows of 12 warps or more take the cluster layout up to cluster_max_tokens, smaller ones up to
+    cluster_small_row_max_tokens, rows of under 4 warps never."""
+    limits = registry.program_set().limits
+    nvec = hidden // 8
+    split = cluster_row_split(row_split(nvec, 2, 256), nvec, limits["cluster_round_min_warps"],
+                              limits["cluster_max_blocks"], limits["max_threads"])
+    blocks = launcher.cluster_blocks_for("local", (split,))
+    assert launcher.cluster_max_tokens_for((split,), blocks) == tokens
 
 
 @pytest.mark.parametrize("hidden, blocks", [(7168, 7), (6144, 6), (8192, 8), (7680, 5), (4096, 8), (2048, 4),
