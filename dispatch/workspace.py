@@ -116,7 +116,7 @@ class WorkspaceBase:
         the fewest threads a block, so two blocks fit a multiprocessor
         (bench_results/world_size_1/two_blocks/). A row of cluster_round_min_warps warps or more takes a
         multiple of cluster_max_blocks warps (cluster_row_split); the cluster layout itself, up to
-        cluster_max_tokens, has its own split (launcher.py, cluster_layout_split). A split fixed by
+        its token limit (launcher.py, cluster_max_tokens_for), has its own split (cluster_layout_split). A split fixed by
         vec_per_thread is every program's and layout's."""
         if self.vec_per_thread is None and len(self.row_splits) == 2:
             if regime == registry.LOCAL_LATENCY_REGIME:

@@ -100,7 +100,7 @@ FEW_TOKENS_VEC_PER_THREAD = 2
 # fits a block (cluster_row_split; H 7168: 16 warps, not 14) and take the cluster layout up to
 # CLUSTER_MAX_TOKENS tokens (faster than one block at H 7168 up to 48, at 64 the same or slower:
 # bench_results/world_size_1/cluster_one_vector/); smaller rows up to CLUSTER_SMALL_ROW_MAX_TOKENS
-# (H 2048-5120: faster at 1-16 tokens, at 32-48 up to 8 % slower for plain and NVFP4:
+# (H 2048-5120: faster at 1-16 tokens, at 32-48 up to 11 % slower for plain and NVFP4:
 # bench_results/world_size_1/small_rows_cluster/).
 CLUSTER_MAX_TOKENS = 48
 CLUSTER_SMALL_ROW_MAX_TOKENS = 16
