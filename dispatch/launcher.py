@@ -209,7 +209,7 @@ def cluster_blocks_for(regime: str, row_splits) -> int:
 def cluster_max_tokens_for(row_splits, cluster_blocks: int) -> int:
     """The most tokens a call of world size 1's latency program runs in its cluster layout (0: none):
     the manifest's cluster_max_tokens for rows of cluster_round_min_warps warps or more, else its
-    cluster_small_row_max_tokens (rows of H 2048-5120 gain less from the spread and lose at 32-48
+    cluster_small_row_max_tokens (rows of H 2048 to 6143 gain less from the spread and lose at 32-48
     tokens: generator/abi.py)."""
     if cluster_blocks <= 1:
         return 0
