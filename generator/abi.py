@@ -101,7 +101,8 @@ FEW_TOKENS_VEC_PER_THREAD = 2
 # CLUSTER_MAX_TOKENS tokens (faster than one block at H 7168 up to 48, at 64 the same or slower:
 # bench_results/world_size_1/cluster_one_vector/); smaller rows up to CLUSTER_SMALL_ROW_MAX_TOKENS
 # (H 2048-5120: faster at 1-16 tokens, at 32-48 up to 11 % slower for plain and NVFP4:
-# bench_results/world_size_1/small_rows_cluster/).
+# bench_results/world_size_1/small_rows_cluster/; but NVFP4 at top_k 2 is 2-7 % slower from 2
+# tokens, where a finer rule would follow top_k and the profile: small_rows_limit/).
 CLUSTER_MAX_TOKENS = 48
 CLUSTER_SMALL_ROW_MAX_TOKENS = 16
 CLUSTER_MAX_BLOCKS = 8
