@@ -65,7 +65,10 @@ class _Launcher:
         self.cluster_function_ptr = prog.cluster_function_ptr
         self.threads = [split.threads for split in self.row_splits]
         self.cluster_blocks = cluster_blocks_for(self.regime, self.row_splits) if prog.cluster_function_ptr else 1
-        self.cluster_max_tokens = cluster_max_tokens_for(self.row_splits, self.cluster_blocks)
+        # the most tokens a call runs in the cluster layout, per top_k (index: top_k), and at any top_k
+        self.cluster_max_tokens_by_top_k = tuple(cluster_max_tokens_for(self.row_splits, self.cluster_blocks, k)
+                                                 for k in range(_CLUSTER_MAX_ROUTES + 1))
+        self.cluster_max_tokens = max(self.cluster_max_tokens_by_top_k)
         # the cluster layout's own split, one vector a thread over the cluster's blocks; a split the
         # workspace fixes (vec_per_thread) is every call's, the cluster layout's too
         self.cluster_split = (cluster_layout_split(ws.hidden // 8, self.cluster_blocks, self.cluster_max_tokens)
@@ -147,7 +150,7 @@ class _Launcher:
 
     def uses_cluster(self, T: int, top_k: int) -> bool:
         """Whether a call of T tokens and top_k routes runs the cluster layout (world size 1, few tokens)."""
-        return T <= self.cluster_max_tokens and top_k <= _CLUSTER_MAX_ROUTES
+        return top_k <= _CLUSTER_MAX_ROUTES and T <= self.cluster_max_tokens_by_top_k[top_k]
 
     def config_for(self, ws, T, pdl, top_k, max_blocks=None):
         """The launch configuration of a call of T tokens and top_k routes (the stream is set at each
@@ -206,16 +209,20 @@ def cluster_blocks_for(regime: str, row_splits) -> int:
     return blocks if blocks >= 2 else 1
 
 
-def cluster_max_tokens_for(row_splits, cluster_blocks: int) -> int:
-    """The most tokens a call of world size 1's latency program runs in its cluster layout (0: none):
-    the manifest's cluster_max_tokens for rows of cluster_round_min_warps warps or more, else its
-    cluster_small_row_max_tokens (rows of H 2048 to 6143 gain less from the spread and lose at 32-48
-    tokens: generator/abi.py)."""
-    if cluster_blocks <= 1:
+def cluster_max_tokens_for(row_splits, cluster_blocks: int, top_k: int) -> int:
+    """The most tokens a call of world size 1's latency program with top_k routes runs in its cluster
+    layout (0: none): the manifest's cluster_max_tokens for rows of cluster_round_min_warps warps or
+    more; smaller rows (H 2048 to 6143) gain less from the spread, the less the fewer routes a token
+    loads: cluster_small_row_many_routes_max_tokens at top_k >= cluster_many_routes_top_k, else
+    cluster_small_row_max_tokens (generator/abi.py)."""
+    if cluster_blocks <= 1 or top_k > _CLUSTER_MAX_ROUTES:
         return 0
     limits = registry.program_set().limits
-    big = row_splits[0].threads // 32 >= limits["cluster_round_min_warps"]
-    return limits["cluster_max_tokens" if big else "cluster_small_row_max_tokens"]
+    if row_splits[0].threads // 32 >= limits["cluster_round_min_warps"]:
+        return limits["cluster_max_tokens"]
+    if top_k >= limits["cluster_many_routes_top_k"]:
+        return limits["cluster_small_row_many_routes_max_tokens"]
+    return limits["cluster_small_row_max_tokens"]
 
 
 class _KernelCall:

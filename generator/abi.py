@@ -99,12 +99,16 @@ FEW_TOKENS_VEC_PER_THREAD = 2
 # (H >= 6144) round their one-block split up to a multiple of CLUSTER_MAX_BLOCKS warps where that
 # fits a block (cluster_row_split; H 7168: 16 warps, not 14) and take the cluster layout up to
 # CLUSTER_MAX_TOKENS tokens (faster than one block at H 7168 up to 48, at 64 the same or slower:
-# bench_results/world_size_1/cluster_one_vector/); smaller rows up to CLUSTER_SMALL_ROW_MAX_TOKENS
-# (H 2048-5120: faster at 1-16 tokens, at 32-48 up to 11 % slower for plain and NVFP4:
-# bench_results/world_size_1/small_rows_cluster/; but NVFP4 at top_k 2 is 2-7 % slower from 2
-# tokens, where a finer rule would follow top_k and the profile: small_rows_limit/).
+# bench_results/world_size_1/cluster_one_vector/). Smaller rows load less a token, so the spread pays
+# to fewer tokens, and fewer still with fewer routes: up to CLUSTER_SMALL_ROW_MANY_ROUTES_MAX_TOKENS
+# at top_k >= CLUSTER_MANY_ROUTES_TOP_K (H 2048 and 4096 top_k 8: 0.82-0.93x of the one-block time
+# cold at 32 tokens), else up to CLUSTER_SMALL_ROW_MAX_TOKENS (plain breaks even at 12-16 tokens of
+# H 4096 top_k 2, 24-32 of H 5120 top_k 1 + shared; NVFP4 at H 4096 top_k 2 is 2-7 % slower from 2
+# tokens all the same): bench_results/world_size_1/small_rows_limit/.
 CLUSTER_MAX_TOKENS = 48
 CLUSTER_SMALL_ROW_MAX_TOKENS = 16
+CLUSTER_SMALL_ROW_MANY_ROUTES_MAX_TOKENS = 32
+CLUSTER_MANY_ROUTES_TOP_K = 8
 CLUSTER_MAX_BLOCKS = 8
 CLUSTER_MIN_WARPS = 4
 CLUSTER_ROUND_MIN_WARPS = 12

@@ -147,6 +147,8 @@ def build(enumeration: Enumeration, sets: tuple[TableSet, ...], files: dict, cod
             "few_tokens_vec_per_thread": abi.FEW_TOKENS_VEC_PER_THREAD,
             "cluster_max_tokens": abi.CLUSTER_MAX_TOKENS,
             "cluster_small_row_max_tokens": abi.CLUSTER_SMALL_ROW_MAX_TOKENS,
+            "cluster_small_row_many_routes_max_tokens": abi.CLUSTER_SMALL_ROW_MANY_ROUTES_MAX_TOKENS,
+            "cluster_many_routes_top_k": abi.CLUSTER_MANY_ROUTES_TOP_K,
             "cluster_max_blocks": abi.CLUSTER_MAX_BLOCKS,
             "cluster_min_warps": abi.CLUSTER_MIN_WARPS,
             "cluster_round_min_warps": abi.CLUSTER_ROUND_MIN_WARPS,

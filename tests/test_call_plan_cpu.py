@@ -316,6 +316,7 @@ def _cpu_launcher(launched):
     lau.row_splits = (types.SimpleNamespace(threads=32, vec_per_thread=1, max_tokens=MAX_T),)
     lau.threads, lau.max_blocks, lau.dynamic_smem = [32], [8], 0
     lau.cluster_max_tokens, lau.function_ptr, lau.cluster_function_ptr, lau.shape_builds = 0, 0, 0, None
+    lau.cluster_max_tokens_by_top_k = (0,) * 9
     lau.sliced_units = lau.column_units = False
     lau.profile, lau.regime = _FakeLauncher.profile, _FakeLauncher.regime
     lau.launch = lambda kernel, pointers: launched.append(kernel.params.fault_stop_after)

@@ -742,9 +742,10 @@ def _same_bytes(a, b, *where):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for):
-    """Up to its token limit (cluster_max_tokens, or cluster_small_row_max_tokens for rows under
-    cluster_round_min_warps warps) the latency program spreads each row over a cluster of blocks,
-    one vector a thread (dispatch picks its second kernel); every output must be the one-block
+    """Up to its token limit (cluster_max_tokens; for rows under cluster_round_min_warps warps
+    cluster_small_row_many_routes_max_tokens at top_k 8, else cluster_small_row_max_tokens) the
+    latency program spreads each row over a cluster of blocks, one vector a thread (dispatch picks
+    its second kernel), each limit timed at its top_k here; every output must be the one-block
     layout's bits, two vectors a thread (the same loads and additions, the sum of squares in one order
     whatever the split), with and without PDL, eagerly and replayed in a CUDA graph.
     The one-block layout: a workspace whose launcher is made while the manifest's token limits
@@ -757,21 +758,26 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for):
         split = cluster_row_split(row_split(H // 8, limits["few_tokens_vec_per_thread"], limits["few_tokens_max"]),
                                   H // 8, limits["cluster_round_min_warps"], limits["cluster_max_blocks"],
                                   limits["max_threads"])
-        most = launcher.cluster_max_tokens_for((split,), launcher.cluster_blocks_for("local", (split,)))
-        assert most == (limits["cluster_max_tokens"] if H >= 6144 else limits["cluster_small_row_max_tokens"]), H
+        blocks = launcher.cluster_blocks_for("local", (split,))
+        most, few_routes = (launcher.cluster_max_tokens_for((split,), blocks, k) for k in (8, 2))
+        assert (most, few_routes) == ((limits["cluster_max_tokens"],) * 2 if H >= 6144 else (
+            limits["cluster_small_row_many_routes_max_tokens"], limits["cluster_small_row_max_tokens"])), H
         cluster_ws = dispatch.LocalWorkspace(max_tokens=most, hidden=H, dtype=torch.bfloat16)
         # a split the workspace fixes is the cluster layout's too: two vectors a thread over its blocks
         fixed_ws = dispatch.LocalWorkspace(max_tokens=most, hidden=H, dtype=torch.bfloat16, vec_per_thread=2)
         one_block_ws = dispatch.LocalWorkspace(max_tokens=limits["few_tokens_max"], hidden=H, dtype=torch.bfloat16)
         try:
-            for i, T in enumerate((1, 5, most)):
-                case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd, top_k=rnd.choice([1, 6, 8]))
+            # each limit at its top_k: the most tokens at top_k 8, fewer routes' limit at top_k 1, 2 or 6
+            for i, (T, top_k) in enumerate(((1, rnd.choice([1, 6, 8])), (5, rnd.choice([1, 6, 8])), (most, 8),
+                                            (few_routes, rnd.choice([1, 2, 6])))):
+                case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}-{top_k}"), rnd, top_k=top_k)
                 got = {}
                 for name, ws in (("cluster", cluster_ws), ("fixed split", fixed_ws), ("one block", one_block_ws)):
                     with pytest.MonkeyPatch.context() as patch:
                         if name == "one block":  # its launcher, made at its first call, sees no cluster layout
                             patch.setitem(limits, "cluster_max_tokens", 0)
                             patch.setitem(limits, "cluster_small_row_max_tokens", 0)
+                            patch.setitem(limits, "cluster_small_row_many_routes_max_tokens", 0)
                         call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T}", pdl=i % 2 == 1)
                     # the outputs given (the call returns None for some profiles when they are given)
                     got[name] = {k: v.clone() for k, v in call["provided"][0].items()}
@@ -783,6 +789,9 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for):
                              if la.cluster_max_tokens > 0]
                       for name, ws in (("cluster", cluster_ws), ("fixed split", fixed_ws), ("one block", one_block_ws))}
             assert splits == {"cluster": [1], "fixed split": [2], "one block": []}, splits
+            (la,) = [la for la in cluster_ws._moe_ar_state.launchers.values() if la.cluster_max_tokens > 0]
+            assert la.uses_cluster(most, 8) and la.uses_cluster(few_routes, 2), H
+            assert not la.uses_cluster(most + 1, 8) and not la.uses_cluster(few_routes + 1, 2), H
         finally:
             cluster_ws.close()
             fixed_ws.close()

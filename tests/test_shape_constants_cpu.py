@@ -145,7 +145,7 @@ def _launcher(regime, splits, on, monkeypatch, loads, profile="plain", hidden=71
     lau.row_splits = tuple(row_split(hidden // 8, vpt, top) for vpt, top in splits)
     lau.threads = [s.threads for s in lau.row_splits]
     lau.max_blocks, lau.dynamic_smem, lau.sms, lau.sharing = [32] * len(splits), 0, 132, 1
-    lau.cluster_max_tokens, lau.cluster_blocks = 0, 1
+    lau.cluster_max_tokens, lau.cluster_max_tokens_by_top_k, lau.cluster_blocks = 0, (0,) * 9, 1
     lau.cluster_split = cluster_layout_split(hidden // 8, 1, 0)
     lau.function_ptr, lau.cluster_function_ptr = 1, 2
     lau.sliced_units = lau.column_units = False
@@ -199,7 +199,7 @@ def test_the_cluster_layout_builds_for_its_own_split(monkeypatch):
     call = _launcher(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], True, monkeypatch, loads)
     lau = call.launcher
     most = registry.program_set().limits["cluster_max_tokens"]
-    lau.cluster_blocks, lau.cluster_max_tokens = 8, most
+    lau.cluster_blocks, lau.cluster_max_tokens, lau.cluster_max_tokens_by_top_k = 8, most, (most,) * 9
     lau.cluster_split = cluster_layout_split(7168 // 8, 8, most)
     lau.cluster_attrs = (launcher._cluster_attributes(8, False), launcher._cluster_attributes(8, True))
     fp32 = torch.empty(1, dtype=torch.float32)

@@ -43,20 +43,37 @@ def test_latency_programs_have_a_cluster_kernel_and_no_other_program_has(rendere
     assert 2 <= limits["cluster_max_blocks"] == abi.CLUSTER_MAX_BLOCKS <= 8  # the portable cluster size
     assert limits["cluster_min_warps"] == abi.CLUSTER_MIN_WARPS
     assert limits["cluster_round_min_warps"] == abi.CLUSTER_ROUND_MIN_WARPS
-    assert 0 < limits["cluster_small_row_max_tokens"] == abi.CLUSTER_SMALL_ROW_MAX_TOKENS <= limits["cluster_max_tokens"]
+    assert 0 < limits["cluster_small_row_max_tokens"] == abi.CLUSTER_SMALL_ROW_MAX_TOKENS \
+        <= limits["cluster_small_row_many_routes_max_tokens"] == abi.CLUSTER_SMALL_ROW_MANY_ROUTES_MAX_TOKENS \
+        <= limits["cluster_max_tokens"]
+    assert 1 <= limits["cluster_many_routes_top_k"] == abi.CLUSTER_MANY_ROUTES_TOP_K <= launcher._CLUSTER_MAX_ROUTES
 
 
-@pytest.mark.parametrize("hidden, tokens", [(7168, 48), (6144, 48), (8192, 48), (16384, 48), (5120, 16), (4096, 16),
-                                            (2048, 16), (1024, 0)])
-def test_smaller_rows_take_the_cluster_layout_to_fewer_tokens(hidden, tokens):
-    """Rows of 12 warps or more take the cluster layout up to cluster_max_tokens, smaller ones up to
-    cluster_small_row_max_tokens, rows of under 4 warps never."""
+@pytest.mark.parametrize("hidden, top_k, tokens", [
+    (7168, 8, 48), (7168, 1, 48), (6144, 2, 48), (8192, 8, 48), (16384, 4, 48), (5120, 8, 32), (5120, 1, 16),
+    (4096, 8, 32), (4096, 7, 16), (4096, 2, 16), (2048, 8, 32), (2048, 6, 16), (1024, 8, 0), (7168, 9, 0),
+    (4096, 9, 0)])
+def test_smaller_rows_take_the_cluster_layout_to_fewer_tokens(hidden, top_k, tokens):
+    """Rows of 12 warps or more take the cluster layout up to cluster_max_tokens whatever top_k,
+    smaller ones up to cluster_small_row_many_routes_max_tokens at top_k 8, up to
+    cluster_small_row_max_tokens at fewer routes; rows of under 4 warps and top_k over 8 never."""
     limits = registry.program_set().limits
     nvec = hidden // 8
     split = cluster_row_split(row_split(nvec, 2, 256), nvec, limits["cluster_round_min_warps"],
                               limits["cluster_max_blocks"], limits["max_threads"])
     blocks = launcher.cluster_blocks_for("local", (split,))
-    assert launcher.cluster_max_tokens_for((split,), blocks) == tokens
+    assert launcher.cluster_max_tokens_for((split,), blocks, top_k) == tokens
+
+
+def test_a_small_rows_token_limit_follows_top_k():
+    """A launcher of a small row (H 4096: a cluster of 8 blocks) keeps a limit per top_k: 32 tokens
+    at top_k 8, 16 below."""
+    la = _FakeLauncher(8, 256)
+    la.row_splits = (row_split(4096 // 8, 2, 256),)
+    la.cluster_max_tokens_by_top_k = tuple(launcher.cluster_max_tokens_for(la.row_splits, 8, k) for k in range(9))
+    assert la.cluster_max_tokens_by_top_k == (16,) * 8 + (32,)
+    assert la.uses_cluster(32, 8) and not la.uses_cluster(33, 8)
+    assert la.uses_cluster(16, 2) and not la.uses_cluster(17, 2) and not la.uses_cluster(17, 7)
 
 
 @pytest.mark.parametrize("hidden, blocks", [(7168, 7), (6144, 6), (8192, 8), (7680, 5), (4096, 8), (2048, 4),
@@ -150,6 +167,7 @@ class _FakeLauncher(launcher._Launcher):
     def __init__(self, cluster_blocks, threads):
         self.cluster_blocks, self.threads = cluster_blocks, [threads]
         self.cluster_max_tokens = registry.program_set().limits["cluster_max_tokens"] if cluster_blocks > 1 else 0
+        self.cluster_max_tokens_by_top_k = (self.cluster_max_tokens,) * 9
         self.cluster_split = cluster_layout_split(7168 // 8, cluster_blocks, self.cluster_max_tokens)
         self.cluster_attrs = (launcher._cluster_attributes(cluster_blocks, False),
                               launcher._cluster_attributes(cluster_blocks, True))

@@ -2,7 +2,7 @@
 # On the GPU machine, from the repository root, after arms.sh's tree was carried: where the cluster
 # layout stops paying at rows under 12 warps. "off" (limit 0: the one-block layout at every T) against
 # "on" (limit 32), H 4096 top_k 8 and 2, H 2048 top_k 8, H 5120 top_k 1 + shared, 1-32 tokens, every
-# profile, off/on/off/on (ours without PDL); the committed limit is 16. SHAPES and BUDGET (s an arm)
+# profile, off/on/off/on (ours without PDL); committed: 32 at top_k 8, 16 below. SHAPES and BUDGET (s an arm)
 # narrow a rerun: run 1's 110 s reached only H 4096 (bench_results/world_size_1/small_rows_limit/).
 #   [SHAPES=2048:8,5120:1:shared] [BUDGET=110] bash experiments/world_size_1/small_rows_limit/run.sh OUT
 set -uo pipefail
