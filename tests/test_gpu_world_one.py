@@ -745,7 +745,7 @@ def test_cluster_layout_gives_the_one_block_layouts_bits(quant, seed_for):
     """Up to its token limit (cluster_max_tokens; for rows under cluster_round_min_warps warps
     cluster_small_row_many_routes_max_tokens at top_k 8, else cluster_small_row_max_tokens) the
     latency program spreads each row over a cluster of blocks, one vector a thread (dispatch picks
-    its second kernel), each limit timed at its top_k here; every output must be the one-block
+    its second kernel), each limit tested at its top_k here; every output must be the one-block
     layout's bits, two vectors a thread (the same loads and additions, the sum of squares in one order
     whatever the split), with and without PDL, eagerly and replayed in a CUDA graph.
     The one-block layout: a workspace whose launcher is made while the manifest's token limits
