@@ -20,6 +20,7 @@ import statistics
 import sys
 
 import cupy
+import numpy
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
@@ -197,9 +198,9 @@ def main():
                 f = fns[f"tail_k{K}_n{n}"]
 
                 def launch(s, f=f, threads=threads):
-                    f((T,), (threads,), (s["x"].data_ptr(), s["idx"].data_ptr(), s["w"].data_ptr(), s["res"].data_ptr(),
-                                         gamma.data_ptr(), s["res_out"].data_ptr(), s["norm_out"].data_ptr(),
-                                         cupy.int32(H), cupy.float32(EPS)),
+                    ptrs = [numpy.uint64(t.data_ptr()) for t in (s["x"], s["idx"], s["w"], s["res"], gamma,
+                                                                   s["res_out"], s["norm_out"])]
+                    f((T,), (threads,), (*ptrs, numpy.int32(H), numpy.float32(EPS)),
                       stream=cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
                 systems[f"bare N={n} ({threads // 32} warps)"] = (launch, lambda s: (s["res_out"], s["norm_out"]))
             for nw in WARPS:
