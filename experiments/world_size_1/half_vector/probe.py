@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
-import statistics
 import sys
 
 import cupy
@@ -26,6 +24,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 from dispatch import registry  # noqa: E402
 from moe_ar_tools.baselines import triton_fused  # noqa: E402
+from moe_ar_tools.bench import timing  # noqa: E402
 
 EPS = 1e-6
 SOURCE = r"""
@@ -142,26 +141,13 @@ def max_ulps(a, b):
 
 
 def time_graph(launch, sets, calls, reps=30):
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            launch(sets[i % len(sets)])
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, stream=stream):
-        for i in range(calls):
-            launch(sets[i % len(sets)])
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1000.0 / calls)
-    return statistics.median(times)
+    """us a call: a CUDA graph of `calls` launches rotating through `sets`, replayed `reps` times
+    (the bench's own capture and replay, moe_ar_tools.bench.timing)."""
+    device = torch.device("cuda")
+    graph, _, _ = timing.capture_graph(lambda i: launch(sets[i % len(sets)]), calls, (0, 1), device)
+    graph.replay()
+    ms = timing.timed_replays([graph], reps, 0, device)[0]
+    return timing.median(ms) * 1000.0 / calls
 
 
 def main():
@@ -186,8 +172,8 @@ def main():
     for H, K in shapes:
         gamma = (torch.rand(H, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
         for T in tokens:
-            per_set = (T * K + T * 3) * H * 2
-            n_cold = max(2, math.ceil(3 * l2 / per_set))
+            per_set = (T * K + T * 3) * H * 2  # the rows read, residual_in, the two outputs
+            n_cold = max(2, timing.cold_input_sets(per_set, l2))
             sets = [make_set(T, H, K, gen) for _ in range(n_cold)]
             ref_r, ref_n = reference(sets[0], gamma)
             systems = {}
