@@ -105,7 +105,8 @@ def bound(n):
 
 def kernels(top_ks, target):
     """Every (top_k, N) entry, compiled as the programs are (registry.compile_cubin: NVRTC, the manifest's
-    options) for `target`; returns (module, {name: function}) (the module must outlive the functions)."""
+    options) for `target`; returns (module, {name: function}, ptxas log); the module must outlive the
+    functions."""
     from cupy.cuda import function
     src = SOURCE + "".join(ENTRY.format(K=k, N=n, B=bound(n)) for k in top_ks for n in ELEMS)
     cubin, log = registry.compile_cubin(src, "half_vector", target)
@@ -184,7 +185,7 @@ def main():
                 f = fns[f"tail_k{K}_n{n}"]
 
                 def launch(s, f=f, threads=threads):
-                    ptrs = [numpy.uint64(t.data_ptr()) for t in (s["x"], s["idx"], s["w"], s["res"], gamma,
+                    ptrs = [numpy.uint64(a.data_ptr()) for a in (s["x"], s["idx"], s["w"], s["res"], gamma,
                                                                    s["res_out"], s["norm_out"])]
                     f((T,), (threads,), (*ptrs, numpy.int32(H), numpy.float32(EPS)),
                       stream=cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream))
