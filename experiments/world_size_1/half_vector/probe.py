@@ -1,11 +1,15 @@
 """The plain tail as one bare CUDA kernel, one block a token, with N elements a thread (N = 2, 4, 8,
-16: 4-, 8-, 16-byte loads and two 16-byte loads a route), beside the Triton kernel at num_warps 4-32,
-in one process. Question: is the Triton kernel's best configuration at rows under 12 warps (4
-elements a thread: 8-byte loads, 4x the threads of our two-vector split) faster because of the
-layout itself or because of Triton's code? A bare kernel has no state words, checks or PDL; only
-the ratios between its own N matter. Plain, bf16, fp32 router weights, no shared expert, every load
-of a row issued before any is used (as the latency program's builds), CUDA-graph replay, cold (input
-sets rotated through more than 3x the L2) and warm (one set).
+16: 4-, 8-, 16-byte loads and two 16-byte loads a route), beside ours (the automatic choice) and the
+Triton kernel at num_warps 4-32, in one process.
+
+Question: is the Triton kernel's best configuration at rows under 12 warps (4 elements a thread:
+8-byte loads, 4x the threads of our two-vector split) faster because of the layout itself or
+because of Triton's code? The bare kernel has no state words, checks or PDL: the ratios between its
+own N answer the question, and ours against N = 16 (our split) shows what the rest of ours costs.
+Plain, bf16, fp32 router weights, no shared expert, every load of a row issued before any is used
+(as the latency program's builds), CUDA-graph replay, cold (input sets rotated through more than 3x
+the L2) and warm (one set). Each system's outputs for the first set are checked against a float32
+reference first (bf16 ulps printed; more than 1 / 2 is flagged INVALID).
 
     PYTHONPATH=. python experiments/world_size_1/half_vector/probe.py --out DIR [--shapes 2048:8,4096:8]
         [--tokens 32,48,128,256]
@@ -22,9 +26,11 @@ import numpy
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
+import dispatch  # noqa: E402
 from dispatch import registry  # noqa: E402
 from moe_ar_tools.baselines import triton_fused  # noqa: E402
 from moe_ar_tools.bench import timing  # noqa: E402
+from moe_ar_tools.bench.outputs import alloc_outputs  # noqa: E402
 
 EPS = 1e-6
 SOURCE = r"""
@@ -123,7 +129,8 @@ def make_set(T, H, K, gen):
     w = torch.rand(T, K, generator=gen, device="cuda")
     res = torch.randn(T, H, generator=gen, device="cuda").to(torch.bfloat16)
     return dict(x=x, idx=idx, w=w, res=res, res_out=torch.empty_like(res), norm_out=torch.empty_like(res),
-                outs=triton_fused.outputs(T, H, torch.bfloat16, None, "cuda"))
+                outs=triton_fused.outputs(T, H, torch.bfloat16, None, "cuda"),
+                ours=alloc_outputs(T, H, torch.bfloat16, None, "cuda"))
 
 
 def reference(s, gamma):
@@ -172,12 +179,18 @@ def main():
     print(f"{props.name}, L2 {l2 >> 20} MiB")
     for H, K in shapes:
         gamma = (torch.rand(H, generator=gen, device="cuda") + 0.5).to(torch.bfloat16)
+        ws = dispatch.LocalWorkspace(max_tokens=max(tokens), hidden=H, dtype=torch.bfloat16)
         for T in tokens:
             per_set = (T * K + T * 3) * H * 2  # the rows read, residual_in, the two outputs
             n_cold = max(2, timing.cold_input_sets(per_set, l2))
             sets = [make_set(T, H, K, gen) for _ in range(n_cold)]
             ref_r, ref_n = reference(sets[0], gamma)
-            systems = {}
+            def launch(s):
+                dispatch.moe_finalize_allreduce(ws, allreduce_in=s["x"], expanded_idx_to_permuted_idx=s["idx"],
+                                                residual_in=s["res"], norm_weight=gamma, expert_scale_factor=s["w"],
+                                                eps=EPS, **s["ours"])
+            # ours: the automatic choice (the latency program's one-block or cluster layout at these T)
+            systems = {"ours": (launch, lambda s: (s["ours"]["residual_out"], s["ours"]["norm_out"]))}
             for n in ELEMS:
                 threads = H // n
                 if threads > bound(n) or threads < 32 or H % n or H > MAX_HIDDEN:
@@ -192,7 +205,8 @@ def main():
                 systems[f"bare N={n} ({threads // 32} warps)"] = (launch, lambda s: (s["res_out"], s["norm_out"]))
             for nw in WARPS:
                 def launch(s, nw=nw):
-                    triton_fused.fused(s["outs"], s["x"], s["idx"], s["w"], None, s["res"], gamma, eps=EPS, num_warps=nw)
+                    triton_fused.fused(s["outs"], s["x"], s["idx"], s["w"], None, s["res"], gamma, eps=EPS,
+                                       num_warps=nw)
                 systems[f"triton {nw} warps"] = (launch, lambda s: (s["outs"]["residual_out"], s["outs"]["norm_out"]))
             for name, (launch, result) in systems.items():
                 s0 = sets[0]
@@ -211,6 +225,7 @@ def main():
                       f"  ulps {err[0]:.0f}/{err[1]:.0f}{'' if row['valid'] else '  INVALID'}", flush=True)
             del sets
             torch.cuda.empty_cache()
+        ws.close()
     (out / "probe.json").write_text(json.dumps({"gpu": props.name, "rows": rows}, indent=1))
 
 
