@@ -98,16 +98,20 @@ class _Launcher:
             raise ValueError(f"hidden: {hidden} needs {threads} threads a block, which {self.name} cannot run")
         return max(1, per_sm * sms // sharing)
 
-    def _shape_build(self, ws, top_k: int, scale_kind: int, cluster: bool = False) -> tuple:
+    def _shape_build(self, ws, top_k: int, scale_kind: int, T: int, cluster: bool = False) -> tuple:
         """(kernel, grid limit) of this program built for the workspace's row and a call's top_k and
         router weight kind, built at the first call signature that needs it; with `cluster`, its
         cluster kernel built for the cluster layout's split (the grid limit None: a cluster launch
-        takes T * cluster_blocks blocks)."""
-        key = (top_k, scale_kind) + (("cluster",) if cluster else ())
+        takes T * cluster_blocks blocks). The latency program's one-block kernel is built bound to one
+        block a multiprocessor at least for calls of T tokens where shape_constants says so."""
+        split = self.cluster_split if cluster else self.row_splits[0]
+        min_blocks = (None if cluster or self.regime != registry.LOCAL_LATENCY_REGIME
+                      else shape_constants.one_block_min_blocks(split.vec_per_thread, split.threads, T))
+        key = (top_k, scale_kind, min_blocks) + (("cluster",) if cluster else ())
         build = self.shape_builds.get(key)
         if build is None:
-            split = self.cluster_split if cluster else self.row_splits[0]
-            prefix = shape_constants.defines(ws.hidden, top_k, scale_kind, split.vec_per_thread, split.threads)
+            prefix = shape_constants.defines(ws.hidden, top_k, scale_kind, split.vec_per_thread, split.threads,
+                                             min_blocks)
             prog = registry.load(self.name, self.device_index, prefix)
             build = self.shape_builds[key] = (prog.cluster_function_ptr, None) if cluster else (
                 prog.function_ptr, self._blocks_at_once(prog, split.threads, self.sms, self.sharing, ws.hidden))
@@ -144,7 +148,7 @@ class _Launcher:
                                  ).vec_per_thread
         function_ptr, max_blocks = self.cluster_function_ptr if cluster else self.function_ptr, None
         if self.shape_builds is not None and shape_constants.serves(self.regime, T, params.top_k):
-            function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind, cluster)
+            function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind, T, cluster)
         return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"], params.top_k, max_blocks),
                            function_ptr)
 

@@ -42,6 +42,28 @@ def enabled() -> bool:
     return value != "0"
 
 
+# The latency program's one-block kernel, for calls of up to ONE_BLOCK_MIN_BLOCKS_MAX_TOKENS tokens
+# at rows of 2 vectors a thread and ONE_BLOCK_MIN_BLOCKS_MAX_THREADS threads or fewer (H 2048 and
+# below), is built bound to one block a multiprocessor at least (ONE_BLOCK_MIN_BLOCKS_DEFINE,
+# generator/spec.py LOCAL_MIN_BLOCKS): ptxas then gives a thread 128 registers and issues a row's
+# loads before its first addition, where it issued 8 of 20. On an H200 at H 2048 top_k 8 that took
+# 0.88-0.94x of the time at 48-128 tokens cold, 1.00-1.05x warm, and at 256 tokens 1.00-1.01x cold,
+# 1.04-1.05x warm; rows of 8 warps and more (H 4096, 7168) measured slower from 64-128 tokens
+# (bench_results/world_size_1/load_order/). Calls of more tokens run a build without the bound.
+ONE_BLOCK_MIN_BLOCKS_MAX_TOKENS = 128
+ONE_BLOCK_MIN_BLOCKS_MAX_THREADS = 128
+ONE_BLOCK_MIN_BLOCKS_VEC_PER_THREAD = 2
+ONE_BLOCK_MIN_BLOCKS_DEFINE = "MOE_AR_FIXED_MIN_BLOCKS"
+
+
+def one_block_min_blocks(vec_per_thread: int, threads: int, T: int) -> int | None:
+    """The fewest blocks a multiprocessor the one-block build for a call of T tokens at this row split
+    names (None: none)."""
+    small = (vec_per_thread == ONE_BLOCK_MIN_BLOCKS_VEC_PER_THREAD and threads <= ONE_BLOCK_MIN_BLOCKS_MAX_THREADS
+             and T <= ONE_BLOCK_MIN_BLOCKS_MAX_TOKENS)
+    return 1 if small else None
+
+
 STREAMING_TOP_K = 8  # the top_k the streaming program's builds serve
 # the profiles whose streaming program builds, each with the largest hidden size where it does
 STREAMING_MAX_HIDDEN = {"plain": 1 << 14, "nvfp4": 1 << 14, "fp8_tensor": 1 << 14, "fp8_group128": 1 << 12}
@@ -68,17 +90,22 @@ def applies(regime: str, row_splits, profile: str, hidden: int) -> bool:
                                                        and hidden <= STREAMING_MAX_HIDDEN.get(profile, 0))
 
 
-def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threads: int) -> str:
+def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threads: int,
+            min_blocks: int | None = None) -> str:
     """The lines put before the program's source: a row of `hidden` elements held by `threads`
-    threads, `vec_per_thread` 16-byte vectors each, `top_k` routes, router weights of `scale_kind`."""
+    threads, `vec_per_thread` 16-byte vectors each, `top_k` routes, router weights of `scale_kind`;
+    with `min_blocks`, the fewest blocks a multiprocessor the one-block kernel's bound names."""
     for name, value, low, high in (("hidden", hidden, 16, 1 << 14), ("top_k", top_k, 1, 16),
                                    ("vec_per_thread", vec_per_thread, 1, 4), ("threads", threads, 32, 1024)):
         if type(value) is not int or not low <= value <= high:
             raise ValueError(f"{name}: {value!r}, expected an int in [{low}, {high}]")
     if scale_kind not in SCALE_KINDS or type(scale_kind) is not int:
         raise ValueError(f"scale_kind: {scale_kind!r}, expected one of {SCALE_KINDS}")
+    if min_blocks is not None and (type(min_blocks) is not int or not 1 <= min_blocks <= 32):
+        raise ValueError(f"min_blocks: {min_blocks!r}, expected None or an int in [1, 32]")
     if hidden % 16 or threads % 32 or threads * vec_per_thread * 8 < hidden:
         raise ValueError(f"threads: {threads} threads of {vec_per_thread} vectors do not hold a row of {hidden}")
     return (f"#define MOE_AR_FIXED_HIDDEN {hidden}\n#define MOE_AR_FIXED_TOP_K {top_k}\n"
             f"#define MOE_AR_FIXED_SCALE_KIND {scale_kind}\n#define MOE_AR_FIXED_VEC_PER_THREAD {vec_per_thread}\n"
-            f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n#define MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS {MAX_TOKENS}\n")
+            f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n#define MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS {MAX_TOKENS}\n"
+            + ("" if min_blocks is None else f"#define {ONE_BLOCK_MIN_BLOCKS_DEFINE} {min_blocks}\n"))

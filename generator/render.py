@@ -246,16 +246,35 @@ def _selection_context(table_set: table_sets.TableSet) -> dict:
     }
 
 
+ONE_BLOCK_BOUND = "MOE_AR_ONE_BLOCK_BOUND"  # the macro the local program's one-block kernel is qualified with
+
+
 def register_bound(program: spec.ProgramSpec) -> str:
-    """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP)."""
+    """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP); for world size 1's
+    latency program the macro ONE_BLOCK_BOUND, which its file defines (one_block_bound_lines)."""
     cap = spec.register_cap(program.family, program.world_size, program.profile)
     if cap is None:
+        if spec.FAMILY_BY_NAME[program.family].regime == "local":
+            return ONE_BLOCK_BOUND
         return f"__launch_bounds__({abi.MAX_THREADS})"
     # __maxnreg__ and __launch_bounds__ exclude each other; the cap must still let a block of
     # MAX_THREADS threads launch.
     if cap * abi.MAX_THREADS > abi.REGISTERS_PER_SM:
         raise ValueError(f"register cap {cap} for {program.name}: a block of {abi.MAX_THREADS} threads would not fit")
     return f"__maxnreg__({cap})"
+
+
+def one_block_bound_lines() -> str:
+    """The definition of ONE_BLOCK_BOUND: MAX_THREADS and the fewest blocks a multiprocessor a shape
+    build names (spec.ONE_BLOCK_MIN_BLOCKS_DEFINE), else MAX_THREADS only."""
+    define = spec.ONE_BLOCK_MIN_BLOCKS_DEFINE
+    return (f"#ifdef {define}\n#define {ONE_BLOCK_BOUND} __launch_bounds__({abi.MAX_THREADS}, {define})\n"
+            f"#else\n#define {ONE_BLOCK_BOUND} __launch_bounds__({abi.MAX_THREADS})\n#endif")
+
+
+def cluster_bound() -> str:
+    """The cluster kernel's qualifier: MAX_THREADS, spec.LOCAL_MIN_BLOCKS blocks a multiprocessor."""
+    return f"__launch_bounds__({abi.MAX_THREADS}, {spec.LOCAL_MIN_BLOCKS})"
 
 
 def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
@@ -328,6 +347,8 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       row_stages=spec.row_stages(program.family, program.profile),
                       body_file=body_name,
                       register_bound=register_bound(program),
+                      one_block_bound_lines=one_block_bound_lines() if register_bound(program) == ONE_BLOCK_BOUND else "",
+                      cluster_bound=cluster_bound(),
                       family_meaning=family.meaning,
                       profile_quant="None" if profile.quant is None else f'"{profile.quant}"',
                       profile_meaning=profile.meaning)

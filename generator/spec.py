@@ -225,6 +225,14 @@ COMPILE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=tru
 # is uncapped (a row's loads all in registers); the streaming one has its own cap (below).
 REGISTER_CAP = {("twoshot", 2): 72, ("twoshot_early", 2): 72, ("twoshot_pipelined_loads", 2): 72}
 
+# World size 1's latency program (local) names the fewest blocks a multiprocessor, one, so ptxas may
+# give a thread 128 registers and issues a row's loads before its first addition: its cluster kernel
+# always; its one-block kernel where a shape build defines ONE_BLOCK_MIN_BLOCKS_DEFINE (rows of few
+# warps, dispatch/shape_constants.py), since with rows of 8 warps and more it measured slower from
+# 64-128 tokens, warm L2 most (bench_results/world_size_1/load_order/).
+LOCAL_MIN_BLOCKS = 1
+ONE_BLOCK_MIN_BLOCKS_DEFINE = "MOE_AR_FIXED_MIN_BLOCKS"
+
 # The pipelined two-shot with the row ring reads its partials' rows through a ring of this many
 # rows in shared memory, filled by bulk copies (dynamic shared memory: stages x H x the dtype's
 # bytes + 128 for the barriers). No loads in flight in registers, so it compiles under its own cap:

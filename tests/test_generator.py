@@ -348,9 +348,15 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         cap = spec.register_cap(p["family"], p["world_size"], p["profile"])
         assert p["register_cap"] == cap
         text = rendered.outputs[p["file"]].decode()
-        want = f"__maxnreg__({cap})" if cap else f"__launch_bounds__({render.abi.MAX_THREADS})"
+        local = spec.FAMILY_BY_NAME[p["family"]].regime == "local"
+        want = (f"__maxnreg__({cap})" if cap else render.ONE_BLOCK_BOUND if local
+                else f"__launch_bounds__({render.abi.MAX_THREADS})")
         assert f'extern "C" __global__ void {want} {p["symbol"]}(' in text
         assert ("__maxnreg__" in text) == bool(cap) and ("__launch_bounds__" in text) != bool(cap)
+        assert (render.ONE_BLOCK_BOUND in text) == local and (render.one_block_bound_lines() in text) == local
+        if p["cluster_symbol"]:  # the cluster kernel: one block a multiprocessor (spec.LOCAL_MIN_BLOCKS)
+            assert local and (f'extern "C" __global__ void __launch_bounds__({render.abi.MAX_THREADS}, '
+                              f'{spec.LOCAL_MIN_BLOCKS}) {p["cluster_symbol"]}(') in text
         capped += bool(cap)
     assert capped == sum(1 for p in manifest["programs"]
                          if (spec.FAMILY_BY_NAME[p["family"]].regime, p["world_size"]) in spec.REGISTER_CAP

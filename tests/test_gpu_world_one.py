@@ -803,12 +803,13 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
     """Up to shape_constants.MAX_TOKENS tokens the latency program runs a build with the call's shape
     as constants (dispatch/shape_constants.py), one per top_k and router weight kind: every output
     against the reference, and the bits of the program without constants (a launcher made while
-    MOE_AR_SHAPE_CONSTANTS=0), at H 7168 (the cluster layout included), 4096 and 2064 (vectors past the
-    row), with and without PDL, eagerly and replayed in a CUDA graph; above, both run the program."""
+    MOE_AR_SHAPE_CONSTANTS=0), at H 7168 (the cluster layout included), 4096, 2064 (vectors past the
+    row) and 2048 (up to 128 tokens bound to one block a multiprocessor), with and without PDL, eagerly
+    and replayed in a CUDA graph; above, both run the program."""
     from dispatch import shape_constants
     rnd = random.Random(seed_for("plan"))
     profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
-    for H in (7168, 4096, 2064):
+    for H in (7168, 4096, 2064, 2048):
         if quant == "fp8_group128" and H % 128:
             continue
         top = shape_constants.MAX_TOKENS + 8
@@ -830,6 +831,10 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
                 _same_bytes(got["plain"], got["shape build"], quant, H, T)
             assert any(la.shape_builds for la in built_ws._moe_ar_state.launchers.values()), "no shape build ran"
             assert not any(la.shape_builds for la in plain_ws._moe_ar_state.launchers.values())
+            # the one-block builds: bound (min_blocks 1, key[2]) at H 2048 up to 128 tokens only
+            keys = [key for la in built_ws._moe_ar_state.launchers.values() for key in (la.shape_builds or {})
+                    if "cluster" not in key]
+            assert sorted({key[2] for key in keys}, key=str) == ([1, None] if H == 2048 else [None]), (H, keys)
         finally:
             plain_ws.close()
             built_ws.close()

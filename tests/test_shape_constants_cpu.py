@@ -17,7 +17,8 @@ ROW = dict(hidden=7168, top_k=8, scale_kind=1, vec_per_thread=2, threads=448)
 
 @pytest.mark.parametrize("name,value", [("hidden", 8), ("hidden", 1 << 15), ("hidden", 7168.0), ("top_k", 0),
                                         ("top_k", 17), ("vec_per_thread", 5), ("threads", 16), ("threads", True),
-                                        ("scale_kind", 3), ("scale_kind", 1.0)])
+                                        ("scale_kind", 3), ("scale_kind", 1.0), ("min_blocks", 0),
+                                        ("min_blocks", 33), ("min_blocks", 1.0), ("min_blocks", True)])
 def test_defines_refuse_a_bad_value_by_name(name, value):
     with pytest.raises(ValueError, match=f"^{name}: "):
         shape_constants.defines(**dict(ROW, **{name: value}))
@@ -35,6 +36,28 @@ def test_defines_name_every_constant_once():
                                  "#define MOE_AR_FIXED_SCALE_KIND 1", "#define MOE_AR_FIXED_VEC_PER_THREAD 2",
                                  "#define MOE_AR_FIXED_ROW_THREADS 448",
                                  f"#define MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS {shape_constants.MAX_TOKENS}"]
+
+
+def test_a_build_names_the_fewest_blocks_a_multiprocessor_in_the_define_the_programs_read():
+    from generator import spec
+    text = shape_constants.defines(2048, 8, 1, 2, 128, min_blocks=1)
+    assert text == shape_constants.defines(2048, 8, 1, 2, 128) + "#define MOE_AR_FIXED_MIN_BLOCKS 1\n"
+    assert shape_constants.ONE_BLOCK_MIN_BLOCKS_DEFINE == spec.ONE_BLOCK_MIN_BLOCKS_DEFINE
+    program = (registry.program_set().dir / "programs" / "moe_ar_local_bf16_ws1_plain.cu").read_text()
+    assert f"#ifdef {spec.ONE_BLOCK_MIN_BLOCKS_DEFINE}\n" in program
+
+
+@pytest.mark.parametrize("vec_per_thread,threads,T,blocks", [
+    (2, 128, 1, 1), (2, 128, 128, 1), (2, 64, 48, 1), (2, 32, 100, 1), (2, 128, 129, None), (2, 64, 256, None),
+    (2, 160, 64, None), (2, 256, 64, None), (2, 512, 64, None), (1, 128, 64, None), (4, 128, 64, None),
+    (1, 1024, 1, None)])
+def test_the_one_block_bound_is_named_for_rows_of_four_warps_at_most_up_to_128_tokens(vec_per_thread, threads,
+                                                                                      T, blocks):
+    """Rows of 2 vectors a thread and 4 warps or fewer (H 2048 and below), calls of up to 128 tokens
+    only: at 8 warps and more, and at 256 tokens, the bound measured slower
+    (bench_results/world_size_1/load_order/)."""
+    assert shape_constants.ONE_BLOCK_MIN_BLOCKS_MAX_TOKENS == 128 <= shape_constants.MAX_TOKENS
+    assert shape_constants.one_block_min_blocks(vec_per_thread, threads, T) == blocks
 
 
 @pytest.mark.parametrize("value,on", [(None, True), ("", True), ("0", False), ("1", True)])
@@ -90,6 +113,8 @@ def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
     rows = [(ROW, "sm_90a"), (dict(hidden=4096, top_k=2, scale_kind=0, vec_per_thread=2, threads=256), "sm_90a"),
             (dict(hidden=2064, top_k=5, scale_kind=2, vec_per_thread=2, threads=160), "sm_90a")]
     rows.append((dict(hidden=7168, top_k=8, scale_kind=1, vec_per_thread=1, threads=1024), "sm_90a"))  # the cluster's
+    # the one-block build of small rows, one block a multiprocessor at least (128 registers at most)
+    rows.append((dict(hidden=2048, top_k=8, scale_kind=1, vec_per_thread=2, threads=128, min_blocks=1), "sm_90a"))
     if profile == "plain":
         rows.append((ROW, "sm_100a"))
     for row, target in rows:
@@ -215,6 +240,37 @@ def test_the_cluster_layout_builds_for_its_own_split(monkeypatch):
     assert loads[1:] == [("moe_ar_local_bf16_ws1_plain", block_prefix)]
     assert more.function_ptr == 1000 + len(block_prefix) and more.params.vec_per_thread == 2
     assert more.config.blockDimX == 448
+
+
+@pytest.mark.parametrize("hidden,one_block_blocks", [(2048, 1), (1024, 1), (4096, None), (7168, None)])
+def test_the_one_block_build_of_small_rows_names_one_block_a_multiprocessor(hidden, one_block_blocks, monkeypatch):
+    """The latency program's one-block build at rows of 4 warps or fewer defines MOE_AR_FIXED_MIN_BLOCKS 1
+    for calls of up to 128 tokens, beside a build without it for 129-256; its cluster build and larger
+    rows' builds do not."""
+    import torch
+    from dispatch import launcher
+    from dispatch.workspace_sizes import cluster_layout_split
+    loads = []
+    call = _launcher(registry.LOCAL_LATENCY_REGIME, [(2, 1 << 30)], True, monkeypatch, loads, hidden=hidden)
+    lau = call.launcher
+    lau.cluster_blocks, lau.cluster_max_tokens, lau.cluster_max_tokens_by_top_k = 4, 16, (16,) * 9
+    lau.cluster_split = cluster_layout_split(hidden // 8, 4, 16)
+    lau.cluster_attrs = (launcher._cluster_attributes(4, False), launcher._cluster_attributes(4, True))
+    fp32 = torch.empty(1, dtype=torch.float32)
+    cluster, bound = call(16, 8, fp32), call(17, 8, fp32)
+    assert call(128, 8, fp32).function_ptr == bound.function_ptr and len(loads) == 2  # the same build
+    above = call(129, 8, fp32)  # past ONE_BLOCK_MIN_BLOCKS_MAX_TOKENS: a build without the bound
+    assert call(256, 8, fp32).function_ptr == above.function_ptr
+    split = lau.row_splits[0]
+    assert split.vec_per_thread == 2 and split.threads == hidden // 16
+    program = "moe_ar_local_bf16_ws1_plain"
+    want = [(program, shape_constants.defines(hidden, 8, 1, 1, lau.cluster_split.threads)),
+            (program, shape_constants.defines(hidden, 8, 1, 2, hidden // 16, one_block_blocks))]
+    if one_block_blocks:
+        want.append((program, shape_constants.defines(hidden, 8, 1, 2, hidden // 16)))
+    assert loads == want
+    assert cluster.function_ptr == 2000 + len(want[0][1]) and bound.function_ptr == 1000 + len(want[1][1])
+    assert above.function_ptr == 1000 + len(want[-1][1])
 
 
 @pytest.mark.parametrize("regime,splits,on,profile,top_k", [

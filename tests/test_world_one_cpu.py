@@ -89,7 +89,13 @@ def test_the_manifest_and_tables_carry_world_size_one():
     program = (ROOT / "generated" / "programs" / "moe_ar_local_bf16_ws1_nvfp4.cu").read_text()
     assert ("moe_ar::run<__nv_bfloat16, 1, moe_ar::Profile::kNvfp4, moe_ar::Regime::kLocal, /*shared_prefetch=*/false, "
             "/*routes_in_flight=*/4, /*shared_row_first=*/true>(p);") in program
-    assert f"__launch_bounds__({abi.MAX_THREADS}) moe_ar_local_bf16_ws1_nvfp4(" in program  # uncapped: spec.REGISTER_CAP
+    # uncapped (spec.REGISTER_CAP): the one-block kernel's bound is the build's (one block a
+    # multiprocessor at least at small rows, MAX_THREADS only otherwise), the cluster kernel's one block
+    assert "void MOE_AR_ONE_BLOCK_BOUND moe_ar_local_bf16_ws1_nvfp4(" in program
+    assert (f"#ifdef MOE_AR_FIXED_MIN_BLOCKS\n#define MOE_AR_ONE_BLOCK_BOUND __launch_bounds__({abi.MAX_THREADS}, "
+            f"MOE_AR_FIXED_MIN_BLOCKS)\n#else\n#define MOE_AR_ONE_BLOCK_BOUND __launch_bounds__({abi.MAX_THREADS})\n"
+            "#endif\n") in program
+    assert f"__launch_bounds__({abi.MAX_THREADS}, 1) moe_ar_local_bf16_ws1_nvfp4_cluster(" in program
     # the streaming program: two blocks a multiprocessor, register loads, for every profile
     for profile in spec.OUTPUT_PROFILES:
         name = f"moe_ar_local_streaming_bf16_ws1_{profile}"

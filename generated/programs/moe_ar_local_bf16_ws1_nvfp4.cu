@@ -3,11 +3,18 @@
 // moe_ar_local_bf16_ws1_nvfp4: world size 1, nothing exchanged: each block finalizes whole token rows in fp32, adds the residual, rounds once, then RMSNorm; every load of a row issued before any is used up to 16 tokens, four routes at a time above, the token's indices read first (few T)
 // dtype bf16, world size 1, output profile nvfp4 (quant="nvfp4"): norm_out + residual_out + NVFP4 quant_out/scale_out (128x4 swizzled E4M3 scales)
 #include "moe_finalize_allreduce.cuh"
+// The one-block kernel's bound: one block a multiprocessor at least (128 registers a thread, a row's
+// loads before its first addition) where the launcher's build for a call shape of small rows names it
+#ifdef MOE_AR_FIXED_MIN_BLOCKS
+#define MOE_AR_ONE_BLOCK_BOUND __launch_bounds__(512, MOE_AR_FIXED_MIN_BLOCKS)
+#else
+#define MOE_AR_ONE_BLOCK_BOUND __launch_bounds__(512)
+#endif
 
-extern "C" __global__ void __launch_bounds__(512) moe_ar_local_bf16_ws1_nvfp4(const moe_ar::Params p) {
+extern "C" __global__ void MOE_AR_ONE_BLOCK_BOUND moe_ar_local_bf16_ws1_nvfp4(const moe_ar::Params p) {
   moe_ar::run<__nv_bfloat16, 1, moe_ar::Profile::kNvfp4, moe_ar::Regime::kLocal, /*shared_prefetch=*/false, /*routes_in_flight=*/4, /*shared_row_first=*/true>(p);
 }
 // The same row over a cluster of blocks a token (few tokens; the launcher picks it)
-extern "C" __global__ void __launch_bounds__(512) moe_ar_local_bf16_ws1_nvfp4_cluster(const moe_ar::Params p) {
+extern "C" __global__ void __launch_bounds__(512, 1) moe_ar_local_bf16_ws1_nvfp4_cluster(const moe_ar::Params p) {
   moe_ar::run_local_cluster<__nv_bfloat16, moe_ar::Profile::kNvfp4>(p);
 }
