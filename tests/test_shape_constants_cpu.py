@@ -127,6 +127,37 @@ def test_shape_builds_compile_without_spills_in_fewer_instructions(profile):
                 assert counts[symbol] < plain_counts[symbol], (row, symbol, counts[symbol], plain_counts[symbol])
 
 
+@pytest.mark.parametrize("profile", ["plain", "nvfp4"])
+def test_the_one_block_bound_changes_registers_and_order_not_arithmetic(profile):
+    """The build bound to one block a multiprocessor (H 2048) gets more registers, no spills, and the
+    same arithmetic as the build without the bound: as many of each floating-point and conversion
+    instruction (ptxas fuses no other multiply-add), the same loads and stores."""
+    from moe_ar_tools import sass_diff
+    _need_nvrtc()
+    try:
+        tools = sass_diff.find_tools()
+    except Exception as e:  # noqa: BLE001 - cuobjdump and nvdisasm come with the test extra
+        pytest.skip(str(e))
+    name = f"moe_ar_local_bf16_ws1_{profile}"
+    ps = registry.program_set()
+    source = registry._manifest.source_for(ps.manifest, ps.dir, name)
+    got = []
+    for blocks in (None, 1):
+        cubin, log = registry.compile_cubin(shape_constants.defines(2048, 8, 1, 2, 128, blocks) + source, name,
+                                            "sm_90a")
+        log = log.decode("utf-8", "replace") if isinstance(log, bytes) else log
+        stats = {s.function: s for s in nvrtc_build.parse_ptxas_log(log)}[name]
+        assert stats.spill_store_bytes == 0 and stats.spill_load_bytes == 0, (blocks, stats)
+        body = next(f for f in re.split(r"\n\s*Function : ", sass_diff.disassemble(cubin, tools))[1:]
+                    if f.split("\n", 1)[0].strip() == name)
+        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", body)
+        kinds = ("FFMA", "FADD", "FMUL", "MUFU", "F2FP", "F2F", "HADD2", "LDG", "STG")
+        got.append((stats.registers, {k: ops.count(k) for k in kinds}))
+    (plain_regs, plain_ops), (bound_regs, bound_ops) = got
+    assert bound_regs > plain_regs and bound_regs <= 128, got
+    assert bound_ops == plain_ops and plain_ops["FFMA"] > 0, got
+
+
 @pytest.mark.parametrize("profile", shape_constants.STREAMING_PROFILES)
 def test_streaming_builds_compile_without_spills_in_fewer_instructions(profile):
     from dispatch.workspace_sizes import row_split
