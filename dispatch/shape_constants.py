@@ -46,9 +46,8 @@ def enabled() -> bool:
 # at rows of 2 vectors a thread and ONE_BLOCK_MIN_BLOCKS_MAX_THREADS threads or fewer (H 2048 and
 # below), is built bound to one block a multiprocessor at least (ONE_BLOCK_MIN_BLOCKS_DEFINE,
 # generator/spec.py LOCAL_MIN_BLOCKS): ptxas then gives a thread 128 registers and issues a row's
-# loads before its first addition, where it issued 8 of 20. On an H200 at H 2048 top_k 8 that took
-# 0.88-0.94x of the time at 48-128 tokens cold, 1.00-1.05x warm, and at 256 tokens 1.00-1.01x cold,
-# 1.04-1.05x warm; rows of 8 warps and more (H 4096, 7168) measured slower from 64-128 tokens
+# loads before its first addition, where it issued 8 of 20: faster there with cold L2, a little
+# slower with warm L2; at 256 tokens and at rows of 8 warps and more it measured slower
 # (bench_results/world_size_1/load_order/). Calls of more tokens run a build without the bound.
 ONE_BLOCK_MIN_BLOCKS_MAX_TOKENS = 128
 ONE_BLOCK_MIN_BLOCKS_MAX_THREADS = 128
