@@ -334,6 +334,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
     for program in enumeration.programs:
         family = spec.FAMILY_BY_NAME[program.family]
         profile = spec.PROFILE_BY_NAME[program.profile]
+        bound = register_bound(program)
         text = render(PROGRAM_TEMPLATE,
                       spec=program,
                       name=program.name,
@@ -346,8 +347,8 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       loads=spec.loads_in_flight(program.family, program.profile),
                       row_stages=spec.row_stages(program.family, program.profile),
                       body_file=body_name,
-                      register_bound=register_bound(program),
-                      one_block_bound_lines=one_block_bound_lines() if register_bound(program) == ONE_BLOCK_BOUND else "",
+                      register_bound=bound,
+                      one_block_bound_lines=one_block_bound_lines() if bound == ONE_BLOCK_BOUND else "",
                       cluster_bound=cluster_bound(),
                       family_meaning=family.meaning,
                       profile_quant="None" if profile.quant is None else f'"{profile.quant}"',
