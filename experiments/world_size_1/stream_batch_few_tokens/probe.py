@@ -32,7 +32,6 @@ registry.cached_cubin = cached_cubin
 
 if __name__ == "__main__":
     import re
-    import sys
     from dispatch import shape_constants
     ps = registry.program_set()
     for profile in ("plain", "fp8_tensor", "nvfp4"):
@@ -41,4 +40,6 @@ if __name__ == "__main__":
             batch[0] = b
             pre = shape_constants.defines(7168, 8, 1, 4, 224) + (f"#define MOE_AR_PROBE_STREAM_BATCH {b}\n" if b else "")
             cubin, log = registry.compile_cubin(pre + source_for(ps.manifest, ps.dir, name), name, "sm_90a")
-            print(profile, b, cubin.__len__(), re.findall(r"(\d+) registers|(\d+) bytes spill", str(log))[:4], file=sys.stdout)
+            registers = re.search(r"Used (\d+) registers", str(log)).group(1)
+            spill = max(int(n) for n in re.findall(r"(\d+) bytes spill", str(log)))
+            print(f"{profile}, {b or 'committed'} routes a batch: {registers} registers, {spill} bytes spilled")
