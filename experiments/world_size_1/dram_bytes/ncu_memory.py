@@ -1,4 +1,4 @@
-"""Kernels for Nsight Compute's memory counters at 2,048 and 8,192 tokens (H 7168, top_k 8 + shared, bf16,
+"""Kernels for Nsight Compute's memory counters at 256, 2,048 and 8,192 tokens (H 7168, top_k 8 + shared, bf16,
 plain): our streaming program (as the launcher builds it) and the Triton kernel at num_warps 8, each
 launched twice on one input set (the inputs of ../mid_tokens/ncu_probe.py).
 
@@ -26,7 +26,7 @@ from ncu_probe import DT, EPS, H, RSF, inputs  # noqa: E402
 
 
 def main():
-    for T in (2048, 8192):
+    for T in (256, 2048, 8192):
         x = inputs(T)
         o = {"residual_out": torch.empty(T, H, dtype=DT, device="cuda"),
              "norm_out": torch.empty(T, H, dtype=DT, device="cuda")}
