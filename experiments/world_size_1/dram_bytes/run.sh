@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the device machine: ncu_memory.py under Nsight Compute (full set, caches flushed: cold), then the
-# report's memory counters, its details page and each kernel's SASS with per-instruction counts, as
-# CSV under $OUT.
+# report's memory counters, its details page and each kernel's SASS with per-instruction counts and
+# stall samples, as CSV under $OUT (the SASS pages in sass.tgz).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=.
 export MOE_AR_CACHE_DIR=$(mktemp -d)
@@ -21,5 +21,7 @@ for i in 1 3 5 7 9 11; do
     > "$OUT/sass_$i.csv" 2>&1 || true
 done
 ncu -i "$D/mem.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_all.csv" 2>&1 || true
-gzip -f "$OUT"/sass_*.csv "$OUT/details.csv"
+# the device tool brings back at most 8 files: the SASS pages in one archive
+gzip -f "$OUT/details.csv"
+tar -czf "$OUT/sass.tgz" -C "$OUT" $(cd "$OUT" && ls sass_*.csv) && rm -f "$OUT"/sass_*.csv
 ls -la "$D" >> "$OUT/ncu_log.txt"
