@@ -48,7 +48,14 @@ __device__ __forceinline__ void fma8(float (&acc)[8], float s, const uint4& q) {
 // kResFirst: the shared and residual rows loaded before the routes (our streaming program's order);
 // kPairs: the routes two at a time in a loop that is not unrolled (its structure); kSum3: its block_sum
 // (three barriers a row) instead of one barrier with the warp sums double-buffered.
-template <int NT, bool kResFirst, bool kPairs, bool kSum3>
+template <bool kPlain>
+__device__ __forceinline__ uint4 load16(const uint4* p) {
+  if (!kPlain) return *p;
+  uint4 q;  // ld.global without .nc, as the Triton kernel's loads
+  asm("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(q.x), "=r"(q.y), "=r"(q.z), "=r"(q.w) : "l"(p));
+  return q;
+}
+template <int NT, bool kResFirst, bool kPairs, bool kSum3, bool kPlain = false, bool kIdxFirst = false>
 __device__ __forceinline__ void clone_row(
     const __nv_bfloat16* __restrict__ x, const int* __restrict__ idx, const float* __restrict__ w,
     const __nv_bfloat16* __restrict__ shared, const __nv_bfloat16* __restrict__ res_in,
@@ -62,12 +69,21 @@ __device__ __forceinline__ void clone_row(
     const uint4* sh = reinterpret_cast<const uint4*>(shared + (long long)t * H);
     const uint4* rs = reinterpret_cast<const uint4*>(res_in + (long long)t * H);
     uint4 a_sh[VPT], a_rs[VPT];
+    int rows_k[K];
+    float s_k[K];
+    if (kIdxFirst) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        rows_k[k] = idx[(long long)t * K + k];
+        s_k[k] = w[(long long)t * K + k];
+      }
+    }
     if (kResFirst) {
 #pragma unroll
       for (int r = 0; r < VPT; ++r) {
         const int v = r * NT + threadIdx.x;
-        a_sh[r] = v < NV ? sh[v] : make_uint4(0, 0, 0, 0);
-        a_rs[r] = v < NV ? rs[v] : make_uint4(0, 0, 0, 0);
+        a_sh[r] = v < NV ? load16<kPlain>(sh + v) : make_uint4(0, 0, 0, 0);
+        a_rs[r] = v < NV ? load16<kPlain>(rs + v) : make_uint4(0, 0, 0, 0);
       }
     }
     float acc[VPT][8];
@@ -104,8 +120,8 @@ __device__ __forceinline__ void clone_row(
     } else {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        int row = idx[(long long)t * K + k];
-        float s = w[(long long)t * K + k];
+        int row = kIdxFirst ? rows_k[k] : idx[(long long)t * K + k];
+        float s = kIdxFirst ? s_k[k] : w[(long long)t * K + k];
         const bool ok = row >= 0 && row < rows;
         s = ok ? s : 0.f;
         row = ok ? row : 0;
@@ -114,7 +130,7 @@ __device__ __forceinline__ void clone_row(
         for (int r = 0; r < VPT; ++r) {
           const int v = r * NT + threadIdx.x;
           if (v < NV) {
-            const uint4 q = src[v];  // one 16-byte load (through the reference, the compiler loads 4-byte words)
+            const uint4 q = load16<kPlain>(src + v);  // one 16-byte load (through the reference, the compiler loads 4-byte words)
             fma8(acc[r], s, q);
           }
         }
@@ -219,18 +235,19 @@ def inputs(T, seed):
                 norm_out=torch.empty(T, H, dtype=DT, device="cuda"))
 
 
-def main(out_path):
+def main(out_path, source=SOURCE, arms=ARMS, tokens=(256, 1024, 2048, 8192)):
+    """Times `arms` (name: (entry, threads, persistent grid)) of `source` beside the Triton kernel and ours."""
     # our programs' compiler and options (dispatch.registry), loaded as they are
-    cubin, log = registry.compile_cubin(SOURCE, "clone", "sm_90a")
+    cubin, log = registry.compile_cubin(source, "clone", "sm_90a")
     module = function.Module()
     module.load(cubin)
-    kernels = {n: module.get_function(f"clone_{entry}") for n, (entry, _, _) in ARMS.items()}
+    kernels = {n: module.get_function(f"clone_{entry}") for n, (entry, _, _) in arms.items()}
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     result = {"gpu": torch.cuda.get_device_name(0), "sms": sms, "l2": l2, "rows": []}
     result["ptxas"] = log if isinstance(log, str) else log.decode()
     print(result, flush=True)
-    for T in (256, 1024, 2048, 8192):
+    for T in tokens:
         set_bytes = T * (K + 4) * H * 2
         n_cold = max(2, math.ceil(3 * l2 / set_bytes) + 1)
         sets = [inputs(T, 1000 * T + i) for i in range(n_cold)]
@@ -248,7 +265,7 @@ def main(out_path):
                     routed_scaling_factor=RSF, shared_expert_output=s["shared"], eps=EPS,
                     residual_out=s["residual_out"], norm_out=s["norm_out"])
             else:
-                _, nt, persist = ARMS[arm]
+                _, nt, persist = arms[arm]
                 grid = min(T, 2 * sms) if persist else T
                 stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
                 ptrs = [np.uint64(s[n].data_ptr()) for n in ("allreduce_in", "idx", "scale", "shared", "residual",
@@ -256,14 +273,14 @@ def main(out_path):
                 kernels[arm]((grid, 1, 1), (nt, 1, 1), (*ptrs, np.int32(T), np.int32(T * K), np.float32(RSF),
                                                         np.float32(EPS)), stream=stream)
 
-        arms = ["triton", "ours", *ARMS]
+        names = ["triton", "ours", *arms]
         # outputs: every arm against the Triton kernel's (poisoned first)
         s = sets[0]
         call("triton", s)
         torch.cuda.synchronize()
         want_r, want_n = s["residual_out"].clone(), s["norm_out"].clone()
         checks = {}
-        for arm in arms[1:]:
+        for arm in names[1:]:
             s["residual_out"].fill_(float("nan"))
             s["norm_out"].fill_(float("nan"))
             call(arm, s)
@@ -276,7 +293,7 @@ def main(out_path):
         for mode in ("cold", "warm"):
             use = sets if mode == "cold" else sets[:1]
             calls = max(20, len(use) * 2) if mode == "cold" else 20
-            for arm in arms:
+            for arm in names:
                 for s in use:
                     call(arm, s)
                 torch.cuda.synchronize()
@@ -301,7 +318,7 @@ def main(out_path):
             ts.sort()
             result["rows"].append({"tokens": T, "mode": mode, "arm": arm, "us": ts[len(ts) // 2], "all_us": ts,
                                    "check": checks.get(arm)})
-        line = " ".join(f"{arm} {sorted(times[('cold', arm)])[2]:.2f}/{sorted(times[('warm', arm)])[2]:.2f}" for arm in arms)
+        line = " ".join(f"{arm} {sorted(times[('cold', arm)])[2]:.2f}/{sorted(times[('warm', arm)])[2]:.2f}" for arm in names)
         print(f"T {T} cold/warm us: {line}", flush=True)
         del graphs, sets
         ws.close()
