@@ -20,9 +20,9 @@ from moe_ar_tools.baselines import triton_fused as tf  # noqa: E402
 DT, RSF, EPS, H, K = torch.bfloat16, 2.5, 1e-6, 7168, 8
 
 
-def inputs(T):
+def inputs(T, seed=None):
     g = torch.Generator(device="cuda")
-    g.manual_seed(T)
+    g.manual_seed(T if seed is None else seed)
     x = 0.5 * torch.randn(T * K, H, generator=g, device="cuda", dtype=DT)
     idx = torch.argsort(torch.rand(T * K, generator=g, device="cuda")).view(T, K).to(torch.int32)
     sc = torch.rand(T, K, generator=g, device="cuda") + 0.05

@@ -30,6 +30,8 @@ from cupy.cuda import function
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3]))
 import dispatch  # noqa: E402
 from dispatch import registry  # noqa: E402
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "mid_tokens"))
+import ncu_probe  # noqa: E402
 from moe_ar_tools.baselines import triton_fused as tf  # noqa: E402
 
 DT, RSF, EPS, H, K = torch.bfloat16, 2.5, 1e-6, 7168, 8
@@ -222,16 +224,9 @@ ARMS = {"g256": ("n256", 256, False), "g224": ("n224", 224, False), "p256": ("n2
 
 
 def inputs(T, seed):
-    g = torch.Generator(device="cuda")
-    g.manual_seed(seed)
-    x = 0.5 * torch.randn(T * K, H, generator=g, device="cuda", dtype=DT)
-    idx = torch.argsort(torch.rand(T * K, generator=g, device="cuda")).view(T, K).to(torch.int32)
-    sc = torch.rand(T, K, generator=g, device="cuda") + 0.05
-    return dict(allreduce_in=x, idx=idx, scale=sc / sc.sum(-1, keepdim=True),
-                residual=torch.randn(T, H, generator=g, device="cuda", dtype=DT),
-                shared=0.5 * torch.randn(T, H, generator=g, device="cuda", dtype=DT),
-                gamma=(1 + 0.1 * torch.randn(H, generator=g, device="cuda")).to(DT),
-                residual_out=torch.empty(T, H, dtype=DT, device="cuda"),
+    """One input set (../mid_tokens/ncu_probe.py's, seeded) with its two outputs."""
+    x = ncu_probe.inputs(T, seed)
+    return dict(x, residual_out=torch.empty(T, H, dtype=DT, device="cuda"),
                 norm_out=torch.empty(T, H, dtype=DT, device="cuda"))
 
 
