@@ -20,7 +20,6 @@ for i in 1 3 5 7 9 11; do
   ncu -i "$D/mem.ncu-rep" --page source --csv --print-source sass --launch-skip $i --launch-count 1 \
     > "$OUT/sass_$i.csv" 2>&1 || true
 done
-ncu -i "$D/mem.ncu-rep" --page source --csv --print-source sass > "$OUT/sass_all.csv" 2>&1 || true
 # the device tool brings back at most 8 files: the SASS pages in one archive
 gzip -f "$OUT/details.csv"
 tar -czf "$OUT/sass.tgz" -C "$OUT" $(cd "$OUT" && ls sass_*.csv) && rm -f "$OUT"/sass_*.csv
