@@ -230,8 +230,23 @@ def inputs(T, seed):
                 norm_out=torch.empty(T, H, dtype=DT, device="cuda"))
 
 
-def main(out_path, source=SOURCE, arms=ARMS, tokens=(256, 1024, 2048, 8192)):
-    """Times `arms` (name: (entry, threads, persistent grid)) of `source` beside the Triton kernel and ours."""
+def call_triton(s):
+    """The Triton kernel (num_warps 8) on input set s."""
+    tf.fused({"residual_out": s["residual_out"], "norm_out": s["norm_out"]}, s["allreduce_in"], s["idx"], s["scale"],
+             s["shared"], s["residual"], s["gamma"], eps=EPS, routed_scaling_factor=RSF, num_warps=8)
+
+
+def call_ours(ws, s):
+    """Our automatic choice on input set s."""
+    dispatch.moe_finalize_allreduce(
+        ws, allreduce_in=s["allreduce_in"], expanded_idx_to_permuted_idx=s["idx"], residual_in=s["residual"],
+        norm_weight=s["gamma"], expert_scale_factor=s["scale"], routed_scaling_factor=RSF,
+        shared_expert_output=s["shared"], eps=EPS, residual_out=s["residual_out"], norm_out=s["norm_out"])
+
+
+def main(out_path, source=SOURCE, arms=ARMS, tokens=(256, 1024, 2048, 8192), extra=None):
+    """Times `arms` (name: (entry, threads, persistent grid)) of `source` beside the Triton kernel and ours;
+    `extra(T)`, where given, returns more arms for T tokens: {name: call(input set)}."""
     # our programs' compiler and options (dispatch.registry), loaded as they are
     cubin, log = registry.compile_cubin(source, "clone", "sm_90a")
     module = function.Module()
@@ -247,18 +262,15 @@ def main(out_path, source=SOURCE, arms=ARMS, tokens=(256, 1024, 2048, 8192)):
         n_cold = max(2, math.ceil(3 * l2 / set_bytes) + 1)
         sets = [inputs(T, 1000 * T + i) for i in range(n_cold)]
         ws = dispatch.LocalWorkspace(max_tokens=T, hidden=H, dtype=DT)
+        more = extra(T) if extra else {}
 
         def call(arm, s):
-            if arm == "triton":
-                tf.fused({"residual_out": s["residual_out"], "norm_out": s["norm_out"]}, s["allreduce_in"], s["idx"],
-                         s["scale"], s["shared"], s["residual"], s["gamma"], eps=EPS, routed_scaling_factor=RSF,
-                         num_warps=8)
+            if arm in more:
+                more[arm](s)
+            elif arm == "triton":
+                call_triton(s)
             elif arm == "ours":
-                dispatch.moe_finalize_allreduce(
-                    ws, allreduce_in=s["allreduce_in"], expanded_idx_to_permuted_idx=s["idx"],
-                    residual_in=s["residual"], norm_weight=s["gamma"], expert_scale_factor=s["scale"],
-                    routed_scaling_factor=RSF, shared_expert_output=s["shared"], eps=EPS,
-                    residual_out=s["residual_out"], norm_out=s["norm_out"])
+                call_ours(ws, s)
             else:
                 _, nt, persist = arms[arm]
                 grid = min(T, 2 * sms) if persist else T
@@ -268,7 +280,7 @@ def main(out_path, source=SOURCE, arms=ARMS, tokens=(256, 1024, 2048, 8192)):
                 kernels[arm]((grid, 1, 1), (nt, 1, 1), (*ptrs, np.int32(T), np.int32(T * K), np.float32(RSF),
                                                         np.float32(EPS)), stream=stream)
 
-        names = ["triton", "ours", *arms]
+        names = ["triton", "ours", *arms, *more]
         # outputs: every arm against the Triton kernel's (poisoned first)
         s = sets[0]
         call("triton", s)
@@ -315,7 +327,7 @@ def main(out_path, source=SOURCE, arms=ARMS, tokens=(256, 1024, 2048, 8192)):
                                    "check": checks.get(arm)})
         line = " ".join(f"{arm} {sorted(times[('cold', arm)])[2]:.2f}/{sorted(times[('warm', arm)])[2]:.2f}" for arm in names)
         print(f"T {T} cold/warm us: {line}", flush=True)
-        del graphs, sets
+        del graphs, sets, more
         ws.close()
         torch.cuda.empty_cache()
     pathlib.Path(out_path).write_text(json.dumps(result, indent=1))
