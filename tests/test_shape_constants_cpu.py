@@ -334,6 +334,8 @@ def test_the_streaming_program_builds_at_top_k_8_at_every_t(profile, hidden, mon
     call(300, 8, torch.empty(1, dtype=torch.float32))
     assert [prefix for _, prefix in loads[1:]] == [shape_constants.defines(hidden, 8, 1, 4, threads)]
     assert call(300, 4, None).function_ptr == 1 and len(loads) == 2
+    # a build's key (top_k, weight kind, one-block bound), as the GPU tests read it: never bound here
+    assert set(call.launcher.shape_builds) == {(8, 0, None), (8, 1, None)}
 
 
 def test_the_streaming_builds_end_at_each_profiles_largest_hidden_size(monkeypatch):
