@@ -9,7 +9,7 @@ import struct
 import torch
 
 from . import registry, shape_constants
-from .workspace_sizes import cluster_layout_split
+from .workspace_sizes import ALL_TOKENS, cluster_layout_split, row_split
 
 _POINTER_FIELDS = ("allreduce_in", "expanded_idx", "expert_scale", "shared_in", "residual_in", "norm_weight",
                    "quant_scale", "norm_out", "residual_out", "quant_out", "scale_out")
@@ -60,6 +60,10 @@ class _Launcher:
         # world size 1's programs built per call shape (shape_constants.py; one row split only)
         builds = shape_constants.applies(self.regime, self.row_splits, self.profile, ws.hidden)
         self.shape_builds = {} if builds else None
+        # the streaming builds for calls of few routes split the row their own way (shape_constants.few_routes)
+        self.few_routes_split = (row_split(ws.hidden // 8, shape_constants.FEW_ROUTES_VEC_PER_THREAD, ALL_TOKENS)
+                                 if builds and ws.vec_per_thread is None and shape_constants.few_routes(
+                                     self.regime, self.profile, ws.hidden, 1) else None)
         self.sms, self.sharing = sms, sharing
         self.function_ptr = prog.function_ptr
         self.cluster_function_ptr = prog.cluster_function_ptr
@@ -99,22 +103,25 @@ class _Launcher:
         return max(1, per_sm * sms // sharing)
 
     def _shape_build(self, ws, top_k: int, scale_kind: int, T: int, cluster: bool = False) -> tuple:
-        """(kernel, grid limit) of this program built for the workspace's row and a call's top_k and
-        router weight kind, built at the first call signature that needs it; with `cluster`, its
-        cluster kernel built for the cluster layout's split (the grid limit None: a cluster launch
+        """(kernel, grid limit, row split) of this program built for the workspace's row and a call's
+        top_k and router weight kind, built at the first call signature that needs it; with `cluster`,
+        its cluster kernel built for the cluster layout's split (the grid limit None: a cluster launch
         takes T * cluster_blocks blocks). The latency program's one-block kernel is built bound to one
-        block a multiprocessor at least for calls of T tokens where shape_constants says so."""
-        split = self.cluster_split if cluster else self.row_splits[0]
+        block a multiprocessor at least for calls of T tokens where shape_constants says so; the
+        streaming program's build for a call of few routes has its own split and register cap."""
+        few = self.few_routes_split is not None and top_k <= shape_constants.FEW_ROUTES_MAX_TOP_K
+        split = self.few_routes_split if few else self.cluster_split if cluster else self.row_splits[0]
         min_blocks = (None if cluster or self.regime != registry.LOCAL_LATENCY_REGIME
                       else shape_constants.one_block_min_blocks(split.vec_per_thread, split.threads, T))
         key = (top_k, scale_kind, min_blocks) + (("cluster",) if cluster else ())
         build = self.shape_builds.get(key)
         if build is None:
             prefix = shape_constants.defines(ws.hidden, top_k, scale_kind, split.vec_per_thread, split.threads,
-                                             min_blocks)
+                                             min_blocks, shape_constants.FEW_ROUTES_REGISTER_CAP if few else None)
             prog = registry.load(self.name, self.device_index, prefix)
-            build = self.shape_builds[key] = (prog.cluster_function_ptr, None) if cluster else (
-                prog.function_ptr, self._blocks_at_once(prog, split.threads, self.sms, self.sharing, ws.hidden))
+            build = self.shape_builds[key] = (prog.cluster_function_ptr, None, split) if cluster else (
+                prog.function_ptr, self._blocks_at_once(prog, split.threads, self.sms, self.sharing, ws.hidden),
+                split)
         return build
 
     def one_wave_tokens(self) -> int:
@@ -144,21 +151,23 @@ class _Launcher:
         params.eps = a["eps"]
         params.weight_bias = float(a["weight_bias"])
         cluster = self.uses_cluster(T, params.top_k)
-        params.vec_per_thread = (self.cluster_split if cluster else self.row_splits[self.row_split_index(T)]
-                                 ).vec_per_thread
+        split = self.cluster_split if cluster else self.row_splits[self.row_split_index(T)]
         function_ptr, max_blocks = self.cluster_function_ptr if cluster else self.function_ptr, None
-        if self.shape_builds is not None and shape_constants.serves(self.regime, T, params.top_k):
-            function_ptr, max_blocks = self._shape_build(ws, params.top_k, params.scale_kind, T, cluster)
-        return _KernelCall(params, order, self.config_for(ws, T, a["launch_with_pdl"], params.top_k, max_blocks),
-                           function_ptr)
+        if self.shape_builds is not None and shape_constants.serves(self.regime, T, params.top_k,
+                                                                     self.few_routes_split is not None):
+            function_ptr, max_blocks, split = self._shape_build(ws, params.top_k, params.scale_kind, T, cluster)
+        params.vec_per_thread = split.vec_per_thread
+        config = self.config_for(ws, T, a["launch_with_pdl"], params.top_k, max_blocks, split.threads)
+        return _KernelCall(params, order, config, function_ptr)
 
     def uses_cluster(self, T: int, top_k: int) -> bool:
         """Whether a call of T tokens and top_k routes runs the cluster layout (world size 1, few tokens)."""
         return top_k <= _CLUSTER_MAX_ROUTES and T <= self.cluster_max_tokens_by_top_k[top_k]
 
-    def config_for(self, ws, T, pdl, top_k, max_blocks=None):
+    def config_for(self, ws, T, pdl, top_k, max_blocks=None, threads=None):
         """The launch configuration of a call of T tokens and top_k routes (the stream is set at each
-        launch); `max_blocks`: the grid limit of a shape build (default: the program's)."""
+        launch); `max_blocks` and `threads`: the grid limit and block of a shape build (default: the
+        program's)."""
         i = self.row_split_index(T)
         limit = self.max_blocks[i] if max_blocks is None else max_blocks
         config = _LaunchConfig()
@@ -178,7 +187,7 @@ class _Launcher:
         else:  # a unit is one row
             config.gridDimX = min(T, limit)
         config.gridDimY = config.gridDimZ = config.blockDimY = config.blockDimZ = 1
-        config.blockDimX = self.threads[i]
+        config.blockDimX = self.threads[i] if threads is None else threads
         config.sharedMemBytes = self.dynamic_smem
         if pdl:
             config.attrs, config.numAttrs = _PDL_ATTRIBUTE, 1

@@ -69,12 +69,36 @@ STREAMING_MAX_HIDDEN = {"plain": 1 << 14, "nvfp4": 1 << 14, "fp8_tensor": 1 << 1
 STREAMING_PROFILES = tuple(STREAMING_MAX_HIDDEN)
 
 
-def serves(regime: str, T: int, top_k: int) -> bool:
-    """Whether a call of T tokens and top_k routes runs a shape build (where the launcher has them)."""
+# Rows of few routes: the streaming program's build for a call of top_k <= FEW_ROUTES_MAX_TOP_K at
+# H <= FEW_ROUTES_MAX_HIDDEN, in a profile of FEW_ROUTES_PROFILES, splits the row at 2 vectors a thread
+# under a cap of 64 registers (H 4096: 4 blocks of 8 warps a multiprocessor, not 4 of 4 warps), where
+# the workspace does not fix the split: with two routes a token the row's loads do not fill a
+# multiprocessor's loads in flight, more warps a token do. At top_k 8 it measured slower
+# (bench_results/world_size_1/small_rows_streaming/).
+FEW_ROUTES_MAX_TOP_K = 2
+FEW_ROUTES_MAX_HIDDEN = 4096
+FEW_ROUTES_PROFILES = ("plain", "nvfp4", "fp8_tensor")
+FEW_ROUTES_VEC_PER_THREAD = 2
+FEW_ROUTES_REGISTER_CAP = 64
+REGISTER_CAP_DEFINE = "MOE_AR_FIXED_REGISTER_CAP"
+
+
+def few_routes(regime: str, profile: str, hidden: int, top_k: int) -> bool:
+    """Whether the streaming build for a call of top_k routes, `profile`, on a row of `hidden` is the
+    few-routes one (its own split and register cap), where the workspace leaves the split free."""
+    from . import registry
+    return (regime == registry.LOCAL_STREAMING_REGIME and top_k <= FEW_ROUTES_MAX_TOP_K
+            and hidden <= FEW_ROUTES_MAX_HIDDEN and profile in FEW_ROUTES_PROFILES)
+
+
+def serves(regime: str, T: int, top_k: int, few_routes_too: bool = False) -> bool:
+    """Whether a call of T tokens and top_k routes runs a shape build (where the launcher has them);
+    `few_routes_too`: the launcher's workspace and profile take the few-routes builds (few_routes)."""
     from . import registry
     if regime == registry.LOCAL_LATENCY_REGIME:
         return T <= MAX_TOKENS
-    return regime == registry.LOCAL_STREAMING_REGIME and top_k == STREAMING_TOP_K
+    return regime == registry.LOCAL_STREAMING_REGIME and (
+        top_k == STREAMING_TOP_K or (few_routes_too and top_k <= FEW_ROUTES_MAX_TOP_K))
 
 
 def applies(regime: str, row_splits, profile: str, hidden: int) -> bool:
@@ -90,10 +114,11 @@ def applies(regime: str, row_splits, profile: str, hidden: int) -> bool:
 
 
 def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threads: int,
-            min_blocks: int | None = None) -> str:
+            min_blocks: int | None = None, register_cap: int | None = None) -> str:
     """The lines put before the program's source: a row of `hidden` elements held by `threads`
     threads, `vec_per_thread` 16-byte vectors each, `top_k` routes, router weights of `scale_kind`;
-    with `min_blocks`, the fewest blocks a multiprocessor the one-block kernel's bound names."""
+    with `min_blocks`, the fewest blocks a multiprocessor the one-block kernel's bound names; with
+    `register_cap`, the streaming program's cap in registers a thread."""
     for name, value, low, high in (("hidden", hidden, 16, 1 << 14), ("top_k", top_k, 1, 16),
                                    ("vec_per_thread", vec_per_thread, 1, 4), ("threads", threads, 32, 1024)):
         if type(value) is not int or not low <= value <= high:
@@ -102,9 +127,12 @@ def defines(hidden: int, top_k: int, scale_kind: int, vec_per_thread: int, threa
         raise ValueError(f"scale_kind: {scale_kind!r}, expected one of {SCALE_KINDS}")
     if min_blocks is not None and (type(min_blocks) is not int or not 1 <= min_blocks <= 32):
         raise ValueError(f"min_blocks: {min_blocks!r}, expected None or an int in [1, 32]")
+    if register_cap is not None and (type(register_cap) is not int or not 32 <= register_cap <= 255):
+        raise ValueError(f"register_cap: {register_cap!r}, expected None or an int in [32, 255]")
     if hidden % 16 or threads % 32 or threads * vec_per_thread * 8 < hidden:
         raise ValueError(f"threads: {threads} threads of {vec_per_thread} vectors do not hold a row of {hidden}")
     return (f"#define MOE_AR_FIXED_HIDDEN {hidden}\n#define MOE_AR_FIXED_TOP_K {top_k}\n"
             f"#define MOE_AR_FIXED_SCALE_KIND {scale_kind}\n#define MOE_AR_FIXED_VEC_PER_THREAD {vec_per_thread}\n"
             f"#define MOE_AR_FIXED_ROW_THREADS {threads}\n#define MOE_AR_FIXED_ALL_LOADS_MAX_TOKENS {MAX_TOKENS}\n"
-            + ("" if min_blocks is None else f"#define {ONE_BLOCK_MIN_BLOCKS_DEFINE} {min_blocks}\n"))
+            + ("" if min_blocks is None else f"#define {ONE_BLOCK_MIN_BLOCKS_DEFINE} {min_blocks}\n")
+            + ("" if register_cap is None else f"#define {REGISTER_CAP_DEFINE} {register_cap}\n"))

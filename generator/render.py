@@ -247,20 +247,24 @@ def _selection_context(table_set: table_sets.TableSet) -> dict:
 
 
 ONE_BLOCK_BOUND = "MOE_AR_ONE_BLOCK_BOUND"  # the macro the local program's one-block kernel is qualified with
+STREAMING_BOUND = "MOE_AR_STREAMING_BOUND"  # the macro world size 1's streaming program is qualified with
 
 
 def register_bound(program: spec.ProgramSpec) -> str:
     """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP); for world size 1's
     latency program the macro ONE_BLOCK_BOUND, which its file defines (one_block_bound_lines)."""
     cap = spec.register_cap(program.family, program.world_size, program.profile)
+    regime = spec.FAMILY_BY_NAME[program.family].regime
     if cap is None:
-        if spec.FAMILY_BY_NAME[program.family].regime == "local":
+        if regime == "local":
             return ONE_BLOCK_BOUND
         return f"__launch_bounds__({abi.MAX_THREADS})"
     # __maxnreg__ and __launch_bounds__ exclude each other; the cap must still let a block of
     # MAX_THREADS threads launch.
     if cap * abi.MAX_THREADS > abi.REGISTERS_PER_SM:
         raise ValueError(f"register cap {cap} for {program.name}: a block of {abi.MAX_THREADS} threads would not fit")
+    if regime == "local_streaming":
+        return STREAMING_BOUND
     return f"__maxnreg__({cap})"
 
 
@@ -270,6 +274,14 @@ def one_block_bound_lines() -> str:
     define = spec.ONE_BLOCK_MIN_BLOCKS_DEFINE
     return (f"#ifdef {define}\n#define {ONE_BLOCK_BOUND} __launch_bounds__({abi.MAX_THREADS}, {define})\n"
             f"#else\n#define {ONE_BLOCK_BOUND} __launch_bounds__({abi.MAX_THREADS})\n#endif")
+
+
+def streaming_bound_lines(program: spec.ProgramSpec) -> str:
+    """The definition of STREAMING_BOUND: the cap a shape build names (spec.STREAMING_CAP_DEFINE), else
+    the program's own (spec.register_cap)."""
+    define, cap = spec.STREAMING_CAP_DEFINE, spec.register_cap(program.family, program.world_size, program.profile)
+    return (f"#ifdef {define}\n#define {STREAMING_BOUND} __maxnreg__({define})\n"
+            f"#else\n#define {STREAMING_BOUND} __maxnreg__({cap})\n#endif")
 
 
 def cluster_bound() -> str:
@@ -349,6 +361,7 @@ def render_all(root: pathlib.Path = REPO_ROOT) -> Result:
                       body_file=body_name,
                       register_bound=bound,
                       one_block_bound_lines=one_block_bound_lines() if bound == ONE_BLOCK_BOUND else "",
+                      streaming_bound_lines=streaming_bound_lines(program) if bound == STREAMING_BOUND else "",
                       cluster_bound=cluster_bound(),
                       family_meaning=family.meaning,
                       profile_quant="None" if profile.quant is None else f'"{profile.quant}"',

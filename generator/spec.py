@@ -247,6 +247,9 @@ PIPELINED_RING_CAP = 128
 # or faster with cold L2 (bench_results/world_size_1/streaming_fp8_group/).
 LOCAL_BATCH_ROUTES = 2
 LOCAL_TWO_BLOCKS_CAP = 128
+# A build of the streaming program for one call shape may name its own cap with this define
+# (dispatch/shape_constants.py: rows of few routes run more, smaller blocks a multiprocessor).
+STREAMING_CAP_DEFINE = "MOE_AR_FIXED_REGISTER_CAP"
 
 # The one-shot, every profile: four routes at a time, the shared row first
 # (bench_results/oneshot/, "Loads in flight"). World size 1: the latency layout loads alike where its

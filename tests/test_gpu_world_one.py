@@ -846,23 +846,29 @@ def test_streaming_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
     profile's STREAMING_MAX_HIDDEN (dispatch/shape_constants.py): every output against the reference, and the
     bits of the program without constants (a launcher made while MOE_AR_SHAPE_CONSTANTS=0), at H 7168,
     4096 and 2064 (vectors past the row), from one token to past a wave of blocks, with and without
-    PDL, eagerly and replayed in a CUDA graph; top_k 2 runs the program, and so does FP8 group-128
-    above its STREAMING_MAX_HIDDEN (H 7168)."""
+    PDL, eagerly and replayed in a CUDA graph. At top_k 2 it runs the few-routes build (2 vectors a
+    thread under its own register cap) up to FEW_ROUTES_MAX_HIDDEN, in FEW_ROUTES_PROFILES: the bits of
+    the program without constants on a workspace that fixes that split; else the program. FP8
+    group-128 runs the program above its STREAMING_MAX_HIDDEN (H 7168)."""
     from dispatch import shape_constants
     rnd = random.Random(seed_for("plan"))
     profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
     for H in (7168, 4096, 2064):
         builds = H <= shape_constants.STREAMING_MAX_HIDDEN[profile]
+        few = builds and shape_constants.few_routes("local_streaming", profile, H, 2)
         if quant == "fp8_group128" and H % 128:
             continue
         top = 700
         plain_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
         built_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
+        # the program without constants on the few-routes builds' split
+        few_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16,
+                                         vec_per_thread=shape_constants.FEW_ROUTES_VEC_PER_THREAD)
         try:
-            for i, (T, top_k) in enumerate(((1, 8), (37, 8), (300, 8), (top, 8), (300, 2))):
+            for i, (T, top_k) in enumerate(((1, 8), (37, 8), (300, 8), (top, 8), (300, 2), (top, 1))):
                 case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}-{top_k}"), rnd, top_k=top_k)
                 got = {}
-                for name, ws in (("plain", plain_ws), ("shape build", built_ws)):
+                for name, ws in (("plain", few_ws if few and top_k <= 2 else plain_ws), ("shape build", built_ws)):
                     if name == "plain":
                         monkeypatch.setenv(shape_constants.ENV, "0")
                     call, out = _run_and_check(ws, case, quant, f"{name} H={H} T={T} top_k={top_k}",
@@ -872,16 +878,20 @@ def test_streaming_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
                     if name == "shape build" and T == 37:  # and replayed in a graph
                         _check_in_a_graph(ws, call, out, f"streaming build H={H} T={T}")
                 _same_bytes(got["plain"], got["shape build"], quant, H, T, top_k)
-            launchers = built_ws._moe_ar_state.launchers.values()
+            launchers = [la for la in built_ws._moe_ar_state.launchers.values() if la.regime == "local_streaming"]
             assert any(la.shape_builds for la in launchers) == builds, "a build ran" if not builds else "no build ran"
-            # a build's key: (top_k, scale kind, one-block bound); the streaming program's are never bound
-            assert all(set(la.shape_builds) <= {(8, k, None) for k in shape_constants.SCALE_KINDS}
-                       for la in launchers if la.regime == "local_streaming" and la.shape_builds), \
-                ("a top_k 2 or bound build", [list(la.shape_builds) for la in launchers])
+            # a build's key: (top_k, scale kind, one-block bound); the streaming program's are never bound,
+            # and of top_k 8, or of the few routes where they apply
+            keys = {key for la in launchers for key in (la.shape_builds or {})}
+            allowed = {(k, s, None) for k in ((8, 2, 1) if few else (8,)) for s in shape_constants.SCALE_KINDS}
+            assert keys <= allowed, ("an unexpected build", sorted(keys))
+            assert few == any(key[0] <= 2 for key in keys), ("few-routes builds", few, sorted(keys))
             assert not any(la.shape_builds for la in plain_ws._moe_ar_state.launchers.values())
+            assert not any(la.shape_builds for la in few_ws._moe_ar_state.launchers.values())
         finally:
             plain_ws.close()
             built_ws.close()
+            few_ws.close()
 
 
 # ---- a token's bits whatever the batch -------------------------------------------------------------

@@ -18,7 +18,9 @@ ROW = dict(hidden=7168, top_k=8, scale_kind=1, vec_per_thread=2, threads=448)
 @pytest.mark.parametrize("name,value", [("hidden", 8), ("hidden", 1 << 15), ("hidden", 7168.0), ("top_k", 0),
                                         ("top_k", 17), ("vec_per_thread", 5), ("threads", 16), ("threads", True),
                                         ("scale_kind", 3), ("scale_kind", 1.0), ("min_blocks", 0),
-                                        ("min_blocks", 33), ("min_blocks", 1.0), ("min_blocks", True)])
+                                        ("min_blocks", 33), ("min_blocks", 1.0), ("min_blocks", True),
+                                        ("register_cap", 31), ("register_cap", 256), ("register_cap", 64.0),
+                                        ("register_cap", True)])
 def test_defines_refuse_a_bad_value_by_name(name, value):
     with pytest.raises(ValueError, match=f"^{name}: "):
         shape_constants.defines(**dict(ROW, **{name: value}))
@@ -186,8 +188,9 @@ class _FakeProgram:
         return 3 if self.prefix else 1
 
 
-def _launcher(regime, splits, on, monkeypatch, loads, profile="plain", hidden=7168):
-    """A real launcher._Launcher's kernel_call without a GPU (fields as __init__ sets them)."""
+def _launcher(regime, splits, on, monkeypatch, loads, profile="plain", hidden=7168, fixed_split=False):
+    """A real launcher._Launcher's kernel_call without a GPU (fields as __init__ sets them);
+    `fixed_split`: the workspace fixes vec_per_thread."""
     import types
     import torch
     from dispatch import launcher
@@ -211,6 +214,9 @@ def _launcher(regime, splits, on, monkeypatch, loads, profile="plain", hidden=71
         monkeypatch.setenv(shape_constants.ENV, "0")
     lau.shape_builds = ({} if shape_constants.applies(regime, lau.row_splits, profile, hidden)
                         else None)  # as __init__ sets it
+    lau.few_routes_split = (row_split(hidden // 8, shape_constants.FEW_ROUTES_VEC_PER_THREAD, 1 << 30)
+                            if lau.shape_builds is not None and not fixed_split
+                            and shape_constants.few_routes(regime, profile, hidden, 1) else None)
     ws = types.SimpleNamespace(hidden=hidden, world_size=1,
                                _moe_ar_state=types.SimpleNamespace(fault_stop_after_units=0))
 
@@ -351,3 +357,74 @@ def test_the_streaming_builds_end_at_each_profiles_largest_hidden_size(monkeypat
             k = call(300, 8, None)
             builds = hidden <= most
             assert (k.function_ptr != 1) == builds and len(loads) == builds, (profile, hidden)
+
+
+def test_a_build_names_its_register_cap_in_the_define_the_streaming_programs_read():
+    from generator import spec
+    text = shape_constants.defines(4096, 2, 1, 2, 256, register_cap=64)
+    assert text == shape_constants.defines(4096, 2, 1, 2, 256) + "#define MOE_AR_FIXED_REGISTER_CAP 64\n"
+    assert shape_constants.REGISTER_CAP_DEFINE == spec.STREAMING_CAP_DEFINE
+    for profile in shape_constants.STREAMING_PROFILES:
+        program = (registry.program_set().dir / "programs" /
+                   f"moe_ar_local_streaming_bf16_ws1_{profile}.cu").read_text()
+        assert f"#ifdef {spec.STREAMING_CAP_DEFINE}\n" in program
+        assert f"__maxnreg__({spec.LOCAL_TWO_BLOCKS_CAP})" in program  # without the define: two blocks
+
+
+@pytest.mark.parametrize("profile,hidden", [(p, h) for p in shape_constants.FEW_ROUTES_PROFILES
+                                             for h in (4096, 2048, 1024)])
+def test_calls_of_few_routes_run_the_streaming_build_of_their_own_split(profile, hidden, monkeypatch):
+    """At H <= 4096, a call of top_k 1 or 2 runs the streaming build of 2 vectors a thread under 64
+    registers (twice the threads a block of the program's split), one per top_k and weight kind, at
+    every T; top_k 8 keeps the program's split."""
+    from dispatch.workspace_sizes import row_split
+    loads = []
+    call = _launcher(registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, monkeypatch, loads, profile, hidden)
+    wide, few = row_split(hidden // 8, 4, 1 << 30), row_split(hidden // 8, 2, 1 << 30)
+    assert few.threads == 2 * wide.threads and few.vec_per_thread == 2
+    want = shape_constants.defines(hidden, 2, 0, 2, few.threads, register_cap=64)
+    for T in (1, 300, 1 << 16):
+        k = call(T, 2, None)
+        assert k.function_ptr == 1000 + len(want) and k.config.blockDimX == few.threads, T
+        assert k.params.vec_per_thread == 2 and k.config.gridDimX == min(T, 3 * 132), T
+    one = call(300, 1, None)
+    assert one.config.blockDimX == few.threads and one.params.vec_per_thread == 2
+    eight = call(300, 8, None)
+    assert eight.config.blockDimX == wide.threads and eight.params.vec_per_thread == 4
+    assert loads == [(f"moe_ar_local_streaming_bf16_ws1_{profile}", prefix) for prefix in (
+        want, shape_constants.defines(hidden, 1, 0, 2, few.threads, register_cap=64),
+        shape_constants.defines(hidden, 8, 0, 4, wide.threads))]
+    assert set(call.launcher.shape_builds) == {(2, 0, None), (1, 0, None), (8, 0, None)}
+
+
+@pytest.mark.parametrize("profile,hidden,fixed_split", [
+    ("plain", 7168, False), ("plain", 6144, False), ("fp8_group128", 4096, False), ("plain", 4096, True)])
+def test_no_few_routes_build_above_h_4096_for_fp8_group128_or_a_fixed_split(profile, hidden, fixed_split,
+                                                                          monkeypatch):
+    """Rows above H 4096, FP8 group-128 (not measured) and a workspace that fixes vec_per_thread
+    (every layout keeps it) run top_k 2 on the program's own split."""
+    loads = []
+    call = _launcher(registry.LOCAL_STREAMING_REGIME, [(4, 1 << 30)], True, monkeypatch, loads, profile, hidden,
+                     fixed_split)
+    k = call(300, 2, None)
+    assert loads == [] and k.function_ptr == 1 and k.params.vec_per_thread == 4
+    assert k.config.blockDimX == call.launcher.threads[0]
+
+
+@pytest.mark.parametrize("profile", shape_constants.FEW_ROUTES_PROFILES)
+def test_few_routes_builds_compile_under_their_cap_without_spills(profile):
+    """The few-routes builds (2 vectors a thread, cap 64) for H 4096, 2048 and 1024, top_k 1 and 2, every
+    weight kind: 64 registers or fewer, no spill, for both targets."""
+    from dispatch.workspace_sizes import row_split
+    _need_nvrtc()
+    name = f"moe_ar_local_streaming_bf16_ws1_{profile}"
+    symbol = registry.program_set().by_name[name]["symbol"]
+    for hidden, top_k, scale_kind in ((4096, 2, 1), (4096, 1, 0), (2048, 2, 2), (1024, 2, 1)):
+        split = row_split(hidden // 8, shape_constants.FEW_ROUTES_VEC_PER_THREAD, 1 << 30)
+        prefix = shape_constants.defines(hidden, top_k, scale_kind, split.vec_per_thread, split.threads,
+                                         register_cap=shape_constants.FEW_ROUTES_REGISTER_CAP)
+        for target in ("sm_90a", "sm_100a"):
+            stats, _ = _build(name, prefix, target)
+            s = stats[symbol]
+            assert s.spill_store_bytes == 0 and s.spill_load_bytes == 0, (hidden, top_k, target, s)
+            assert s.registers <= shape_constants.FEW_ROUTES_REGISTER_CAP, (hidden, top_k, target, s)
