@@ -1,7 +1,7 @@
 """World size 1's programs compiled for one call shape: what a workspace's launcher of the latency
 program runs for calls of up to MAX_TOKENS tokens, and of the streaming program (plain, NVFP4 and
-FP8 per-tensor) for calls of top_k 8 (unless the environment has MOE_AR_SHAPE_CONSTANTS=0 when the
-launcher is made).
+FP8 per-tensor) for calls of top_k 8, and of top_k 1-2 at H <= 4096 with their own row split
+(few_routes) (unless the environment has MOE_AR_SHAPE_CONSTANTS=0 when the launcher is made).
 
 At a few tokens a block of the latency program runs one warp a scheduler, so the instructions that
 check the call's shape at run time (vectors past the row, routes past top_k, the router weights'
@@ -20,10 +20,13 @@ Where they serve, on an H200 (bench_results/world_size_1/all_loads/ and stream_r
   every point to there, 0.72-0.93x of its time at 32-256 tokens of H 4096 and 2048. At H 7168 and
   4096 the tables end the latency range before it; at smaller rows it can run further, as the program.
 - the streaming program at top_k 8: 0.95-0.99x of the program's time for NVFP4 and FP8 per-tensor
-  from 512 tokens, plain level to 0.97x, at every hidden size. Not top_k 2 (1.04-1.05x from 4,096
-  tokens of H 4096), nor FP8 group-128 above H 4096 (on an H100: 1.01-1.03x from 2,048 tokens at H
+  from 512 tokens, plain level to 0.97x, at every hidden size. Not top_k 2 on the program's split
+  (1.04-1.05x from 4,096 tokens of H 4096), nor FP8 group-128 above H 4096 (on an H100: 1.01-1.03x from 2,048 tokens at H
   5120-7168, 0.96-1.00x at H 4096 and 2048): STREAMING_MAX_HIDDEN holds each profile's largest hidden
   size (bench_results/world_size_1/group_builds/).
+- the streaming program at top_k 1-2, H <= 4096, 2 vectors a thread under 64 registers (one H100):
+  0.84-1.00x of the program's time at most points of H 4096 and 2048 top_k 2, up to 1.03x at two
+  points of plain with cold L2 (bench_results/world_size_1/few_routes/).
 """
 from __future__ import annotations
 
