@@ -62,8 +62,8 @@ class _Launcher:
         self.shape_builds = {} if builds else None
         # the streaming builds for calls of few routes split the row their own way (shape_constants.few_routes)
         self.few_routes_split = (row_split(ws.hidden // 8, shape_constants.FEW_ROUTES_VEC_PER_THREAD, ALL_TOKENS)
-                                 if builds and ws.vec_per_thread is None and shape_constants.few_routes(
-                                     self.regime, self.profile, ws.hidden, 1) else None)
+                                 if builds and ws.vec_per_thread is None
+                                 and shape_constants.few_routes(self.regime, self.profile, ws.hidden) else None)
         self.sms, self.sharing = sms, sharing
         self.function_ptr = prog.function_ptr
         self.cluster_function_ptr = prog.cluster_function_ptr

@@ -86,12 +86,13 @@ FEW_ROUTES_REGISTER_CAP = 64
 REGISTER_CAP_DEFINE = "MOE_AR_FIXED_REGISTER_CAP"
 
 
-def few_routes(regime: str, profile: str, hidden: int, top_k: int) -> bool:
-    """Whether the streaming build for a call of top_k routes, `profile`, on a row of `hidden` is the
-    few-routes one (its own split and register cap), where the workspace leaves the split free."""
+def few_routes(regime: str, profile: str, hidden: int) -> bool:
+    """Whether a launcher of a program of `regime` and `profile` on a row of `hidden` builds its calls of
+    top_k <= FEW_ROUTES_MAX_TOP_K as the few-routes build (its own split and register cap), where the
+    workspace leaves the split free."""
     from . import registry
-    return (regime == registry.LOCAL_STREAMING_REGIME and top_k <= FEW_ROUTES_MAX_TOP_K
-            and hidden <= FEW_ROUTES_MAX_HIDDEN and profile in FEW_ROUTES_PROFILES)
+    return (regime == registry.LOCAL_STREAMING_REGIME and hidden <= FEW_ROUTES_MAX_HIDDEN
+            and profile in FEW_ROUTES_PROFILES)
 
 
 def serves(regime: str, T: int, top_k: int, few_routes_too: bool = False) -> bool:

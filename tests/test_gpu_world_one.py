@@ -855,7 +855,7 @@ def test_streaming_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
     profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
     for H in (7168, 4096, 2064):
         builds = H <= shape_constants.STREAMING_MAX_HIDDEN[profile]
-        few = builds and shape_constants.few_routes("local_streaming", profile, H, 2)
+        few = builds and shape_constants.few_routes("local_streaming", profile, H)
         if quant == "fp8_group128" and H % 128:
             continue
         top = 700

@@ -216,7 +216,7 @@ def _launcher(regime, splits, on, monkeypatch, loads, profile="plain", hidden=71
                         else None)  # as __init__ sets it
     lau.few_routes_split = (row_split(hidden // 8, shape_constants.FEW_ROUTES_VEC_PER_THREAD, 1 << 30)
                             if lau.shape_builds is not None and not fixed_split
-                            and shape_constants.few_routes(regime, profile, hidden, 1) else None)
+                            and shape_constants.few_routes(regime, profile, hidden) else None)
     ws = types.SimpleNamespace(hidden=hidden, world_size=1,
                                _moe_ar_state=types.SimpleNamespace(fault_stop_after_units=0))
 
