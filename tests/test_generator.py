@@ -349,11 +349,18 @@ def test_register_bound_follows_the_cap(rendered, manifest):
         assert p["register_cap"] == cap
         text = rendered.outputs[p["file"]].decode()
         local = spec.FAMILY_BY_NAME[p["family"]].regime == "local"
-        want = (f"__maxnreg__({cap})" if cap else render.ONE_BLOCK_BOUND if local
-                else f"__launch_bounds__({render.abi.MAX_THREADS})")
+        streaming = spec.FAMILY_BY_NAME[p["family"]].regime == "local_streaming"
+        # world size 1's streaming program: its cap through a macro a shape build may override
+        want = (render.STREAMING_BOUND if streaming else f"__maxnreg__({cap})" if cap else
+                render.ONE_BLOCK_BOUND if local else f"__launch_bounds__({render.abi.MAX_THREADS})")
         assert f'extern "C" __global__ void {want} {p["symbol"]}(' in text
         assert ("__maxnreg__" in text) == bool(cap) and ("__launch_bounds__" in text) != bool(cap)
         assert (render.ONE_BLOCK_BOUND in text) == local and (render.one_block_bound_lines() in text) == local
+        assert (render.STREAMING_BOUND in text) == streaming
+        if streaming:
+            assert render.streaming_bound_lines(spec.ProgramSpec(p["family"], p["dtype"], p["world_size"],
+                                                                 p["profile"])) in text
+            assert f"#define {render.STREAMING_BOUND} __maxnreg__({cap})\n" in text
         if p["cluster_symbol"]:  # the cluster kernel: one block a multiprocessor (spec.LOCAL_MIN_BLOCKS)
             assert local and (f'extern "C" __global__ void __launch_bounds__({render.abi.MAX_THREADS}, '
                               f'{spec.LOCAL_MIN_BLOCKS}) {p["cluster_symbol"]}(') in text

@@ -102,7 +102,11 @@ def test_the_manifest_and_tables_carry_world_size_one():
         program = (ROOT / "generated" / "programs" / f"{name}.cu").read_text()
         assert "moe_ar::Regime::kLocalStreaming" in program and "row_stages" not in program
         assert f"/*routes_in_flight=*/{spec.LOCAL_BATCH_ROUTES}, /*shared_row_first=*/false>(p);" in program
-        assert f"__maxnreg__({spec.LOCAL_TWO_BLOCKS_CAP}) {name}(" in program
+        # the cap a few-routes build names (spec.STREAMING_CAP_DEFINE), else two blocks a multiprocessor
+        assert f"void MOE_AR_STREAMING_BOUND {name}(" in program
+        assert (f"#ifdef {spec.STREAMING_CAP_DEFINE}\n#define MOE_AR_STREAMING_BOUND __maxnreg__("
+                f"{spec.STREAMING_CAP_DEFINE})\n#else\n#define MOE_AR_STREAMING_BOUND __maxnreg__("
+                f"{spec.LOCAL_TWO_BLOCKS_CAP})\n#endif\n") in program
         entry = next(e for e in manifest["programs"] if e["name"] == name)
         assert entry["row_stages"] == 0
 
