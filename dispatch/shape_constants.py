@@ -21,9 +21,9 @@ Where they serve, on an H200 (bench_results/world_size_1/all_loads/ and stream_r
   4096 the tables end the latency range before it; at smaller rows it can run further, as the program.
 - the streaming program at top_k 8: 0.95-0.99x of the program's time for NVFP4 and FP8 per-tensor
   from 512 tokens, plain level to 0.97x, at every hidden size. Not top_k 2 on the program's split
-  (1.04-1.05x from 4,096 tokens of H 4096), nor FP8 group-128 above H 4096 (on an H100: 1.01-1.03x from 2,048 tokens at H
-  5120-7168, 0.96-1.00x at H 4096 and 2048): STREAMING_MAX_HIDDEN holds each profile's largest hidden
-  size (bench_results/world_size_1/group_builds/).
+  (1.04-1.05x from 4,096 tokens of H 4096), nor FP8 group-128 above H 4096 (on an H100: 1.01-1.03x
+  from 2,048 tokens at H 5120-7168, 0.96-1.00x at H 4096 and 2048): STREAMING_MAX_HIDDEN holds each
+  profile's largest hidden size (bench_results/world_size_1/group_builds/).
 - the streaming program at top_k 1-2, H <= 4096, 2 vectors a thread under 64 registers (one H100):
   0.84-1.00x of the program's time at most points of H 4096 and 2048 top_k 2, up to 1.03x at two
   points of plain with cold L2 (bench_results/world_size_1/few_routes/).

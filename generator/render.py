@@ -252,7 +252,8 @@ STREAMING_BOUND = "MOE_AR_STREAMING_BOUND"  # the macro world size 1's streaming
 
 def register_bound(program: spec.ProgramSpec) -> str:
     """The kernel qualifier that bounds a program's registers (spec.REGISTER_CAP); for world size 1's
-    latency program the macro ONE_BLOCK_BOUND, which its file defines (one_block_bound_lines)."""
+    latency program the macro ONE_BLOCK_BOUND, for its streaming program STREAMING_BOUND, which their
+    files define (one_block_bound_lines, streaming_bound_lines)."""
     cap = spec.register_cap(program.family, program.world_size, program.profile)
     regime = spec.FAMILY_BY_NAME[program.family].regime
     if cap is None:
