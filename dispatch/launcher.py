@@ -109,7 +109,7 @@ class _Launcher:
         takes T * cluster_blocks blocks). The latency program's one-block kernel is built bound to one
         block a multiprocessor at least for calls of T tokens where shape_constants says so; the
         streaming program's build for a call of few routes has its own split and register cap."""
-        few = self.few_routes_split is not None and top_k <= shape_constants.FEW_ROUTES_MAX_TOP_K
+        few = self.takes_few_routes(top_k)
         split = self.few_routes_split if few else self.cluster_split if cluster else self.row_splits[0]
         min_blocks = (None if cluster or self.regime != registry.LOCAL_LATENCY_REGIME
                       else shape_constants.one_block_min_blocks(split.vec_per_thread, split.threads, T))
@@ -123,6 +123,10 @@ class _Launcher:
                 prog.function_ptr, self._blocks_at_once(prog, split.threads, self.sms, self.sharing, ws.hidden),
                 split)
         return build
+
+    def takes_few_routes(self, top_k: int) -> bool:
+        """Whether this launcher runs calls of top_k routes as the streaming program's few-routes build."""
+        return self.few_routes_split is not None and top_k <= shape_constants.FEW_ROUTES_MAX_TOP_K
 
     def one_wave_tokens(self) -> int:
         """The most tokens a call of this program runs in one wave of blocks, a block a token: its

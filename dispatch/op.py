@@ -11,8 +11,8 @@ call signature: the short path), launcher.py (a program's launch state and cuLau
 """
 from __future__ import annotations
 
-from . import registry
-from .call_arguments import CALL_DEFAULTS, REQUIRED, call_signature, check_call_arguments, profile_for_quant
+from . import registry, shape_constants
+from .call_arguments import CALL_DEFAULTS, MAX_TOP_K, REQUIRED, call_signature, check_call_arguments, profile_for_quant
 from .call_plan import CallPlan, PreparedCall, plan_signature
 from .launcher import launcher_for
 from .outputs import FP8_GROUP, MoeFinalizeOutputs, allocate_outputs, fp8_scale_shape, scale_out_bytes
@@ -26,26 +26,35 @@ def _not_a_workspace(name: str, value) -> str:
     return f"{name}: {value!r} is not a dispatch workspace (Workspace, LocalWorkspace or an EmulatedWorld rank's)"
 
 
-def select_program(ws, tokens: int, quant=None, has_shared: bool = False) -> str:
+def select_program(ws, tokens: int, quant=None, has_shared: bool = False, top_k: int | None = None) -> str:
     """The program the dispatcher runs on this rank for a call of `tokens` tokens with `quant`
     (None, "nvfp4", "fp8_group128" or "fp8_tensor") and, when `has_shared`, a shared-expert operand.
-    Raises ValueError for a bad `quant` or ("program: ...") when no program covers the cell.
+    Raises ValueError for a bad `quant` or `top_k`, or ("program: ...") when no program covers the cell.
     At world size 1 the latency program's range also ends at the tokens its blocks run in one wave,
-    a block a token, on this workspace's GPU (so asking may load that program, as its first call would)."""
+    a block a token, on this workspace's GPU, and, for a call of `top_k` routes (None: the table
+    alone) that the streaming program runs as its few-routes build, at
+    shape_constants.FEW_ROUTES_LATENCY_MAX_TOKENS (so asking may load either program, as a call would)."""
     if not all(hasattr(ws, name) for name in ("dtype_name", "world_size", "oneshot_max_tokens", "selection")):
         raise ValueError(_not_a_workspace("ws", ws))
+    if top_k is not None and (type(top_k) is not int or not 1 <= top_k <= MAX_TOP_K):
+        raise ValueError(f"top_k: {top_k!r}, expected None or an int in 1..{MAX_TOP_K}")
     profile = profile_for_quant(quant)
     bounds = ws.selection.limits(profile)
     family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared, ws.oneshot_max_tokens,
                                     bounds=bounds)
     name = registry.program_for(family, ws.dtype_name, ws.world_size, profile)
-    if registry.program_info(name)["regime"] == registry.LOCAL_LATENCY_REGIME \
-            and max(tokens, 1) > launcher_for(ws, name).one_wave_tokens():
-        # world size 1's latency program past its one wave of blocks (a hidden size the table did
-        # not measure can put its byte boundary there): the next rung of the ladder
+    if registry.program_info(name)["regime"] != registry.LOCAL_LATENCY_REGIME:
+        return name
+    tokens = max(tokens, 1)
+    # world size 1's latency program past its one wave of blocks (a hidden size the table did not
+    # measure can put its byte boundary there), or past where the few-routes build is faster: the next rung
+    past_wave = tokens > launcher_for(ws, name).one_wave_tokens()
+    if past_wave or (top_k is not None and tokens > shape_constants.FEW_ROUTES_LATENCY_MAX_TOKENS):
         family = registry.select_family(ws.dtype_name, ws.world_size, profile, tokens, has_shared,
                                         ws.oneshot_max_tokens, bounds={**bounds, registry.LOCAL_LATENCY_FIELD: 0})
-        name = registry.program_for(family, ws.dtype_name, ws.world_size, profile)
+        after = registry.program_for(family, ws.dtype_name, ws.world_size, profile)
+        if past_wave or launcher_for(ws, after).takes_few_routes(top_k):
+            name = after
     return name
 
 
@@ -171,7 +180,7 @@ def _full_checks(workspace, kwargs: dict) -> CallPlan:
         return CallPlan(workspace, None, T, a, kwargs)
     name = a["program"]
     if name is None:
-        name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None)
+        name = select_program(workspace, T, a["quant"], a["shared_expert_output"] is not None, top_k=K)
     launcher = launcher_for(workspace, name)
     if launcher.profile != profile:
         raise ValueError(f"program: {name} writes output profile {launcher.profile}, the call asks for {profile}")

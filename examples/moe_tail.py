@@ -191,7 +191,8 @@ def run(args) -> bool:
     try:
         for T in args.token_counts:
             inputs = make_inputs(args, T, rank, device, dtype)
-            program = dispatch.select_program(ws, T, quant, inputs["shared_expert_output"] is not None)
+            program = dispatch.select_program(ws, T, quant, inputs["shared_expert_output"] is not None,
+                                               top_k=args.top_k)
             gs = torch.ones(1, dtype=torch.float32, device=device)
 
             def fused_step():

@@ -688,7 +688,7 @@ def stubbed_gpu(monkeypatch):
     monkeypatch.setattr(one_runner, "measure_read_bandwidth", lambda index, gib: {"read_gbps": 4400.0})
     monkeypatch.setattr(dispatch, "LocalWorkspace", _Workspace, raising=False)
     monkeypatch.setattr(dispatch, "moe_finalize_allreduce", _op_writing())
-    monkeypatch.setattr(dispatch, "select_program", lambda ws, T, quant, shared: f"auto_{quant}")
+    monkeypatch.setattr(dispatch, "select_program", lambda ws, T, quant, shared, top_k=None: f"auto_{quant}")
     monkeypatch.setattr(dispatch, "warmup", lambda names, device_index=None: [])
     monkeypatch.setattr(one_runner, "EmptyKernel", lambda index: (lambda: None))
     monkeypatch.setattr(Runner, "over_budget", lambda self: False)

@@ -46,7 +46,7 @@ def _workspace():
 @pytest.fixture(autouse=True)
 def fake_launcher(monkeypatch):
     monkeypatch.setattr(op, "launcher_for", lambda ws, name: _FakeLauncher(ws, name))
-    monkeypatch.setattr(op, "select_program", lambda ws, T, quant, shared: "moe_ar_twoshot_bf16_ws2_nvfp4")
+    monkeypatch.setattr(op, "select_program", lambda ws, T, quant, shared, top_k=None: "moe_ar_twoshot_bf16_ws2_nvfp4")
 
 
 def _valid():

@@ -36,6 +36,7 @@ import pytest
 import torch
 
 import dispatch  # imports without a GPU
+from dispatch import op, shape_constants
 from gpu_worlds import recording
 from moe_ar_tools import reference as ref
 from generator import policy
@@ -182,21 +183,35 @@ def test_selection_is_local_for_every_token_count(dname, quant, workspaces, seed
         ws = workspaces.get(MAX_TOKENS, H, dtype)
         _check_selection(ws, dname, profile, quant, launcher_for(ws, f"moe_ar_local_{dname}_ws1_{profile}"))
     ws = workspaces.get(MAX_TOKENS, 2048, dtype)
-    for i, T in enumerate((1, 257, MAX_TOKENS)):
-        _run_and_check(ws, _case(T, 2048, dtype, seed_for(f"case{i}"), shared=i % 2 == 0), quant, f"automatic T={T}")
+    for i, (T, top_k) in enumerate(((1, 8), (257, 8), (MAX_TOKENS, 8), (257, 2), (384, 1))):
+        case = _case(T, 2048, dtype, seed_for(f"case{i}"), shared=i % 2 == 0, top_k=top_k)
+        call = _prepare(case, quant)
+        ran = op.prepare_call(ws, dict(call["kwargs"])).plan.launcher.name
+        assert ran == dispatch.select_program(ws, T, quant, i % 2 == 0, top_k=top_k), (T, top_k, ran)
+        _run_and_check(ws, case, quant, f"automatic T={T} top_k={top_k}")
 
 
 def _check_selection(ws, dname, profile, quant, latency):
+    """select_program against the rule: the table's latency range, cut at the latency program's one
+    wave of blocks and, for calls the streaming program runs as its few-routes build, at
+    shape_constants.FEW_ROUTES_LATENCY_MAX_TOKENS."""
     limits = ws.selection.limits(profile)
     wave = latency.one_wave_tokens()
     if ws.hidden == 5120:
         assert wave < limits["local_max_tokens"], (wave, limits)  # what this case is for
-    for T in range(1, MAX_TOKENS + 1):
-        streaming = min(limits["local_max_tokens"], wave) < T <= limits["streaming_max_tokens"]
-        want = gspec.ProgramSpec("local_streaming" if streaming else "local", dname, 1, profile).name
-        for shared in (False, True):
-            got = dispatch.select_program(ws, T, quant, shared)
-            assert got == want, f"H={ws.hidden} T={T} shared={shared} quant={quant}: selected {got}, expected {want}"
+    few = (shape_constants.enabled() and ws.vec_per_thread is None and profile in shape_constants.FEW_ROUTES_PROFILES
+           and ws.hidden <= shape_constants.FEW_ROUTES_MAX_HIDDEN)
+    for top_k in (None, 1, 2, 3, 8):
+        latency_end = min(limits["local_max_tokens"], wave)
+        if few and top_k is not None and top_k <= shape_constants.FEW_ROUTES_MAX_TOP_K:
+            latency_end = min(latency_end, shape_constants.FEW_ROUTES_LATENCY_MAX_TOKENS)
+        for T in range(1, MAX_TOKENS + 1):
+            streaming = latency_end < T <= limits["streaming_max_tokens"]
+            want = gspec.ProgramSpec("local_streaming" if streaming else "local", dname, 1, profile).name
+            for shared in (False, True):
+                got = dispatch.select_program(ws, T, quant, shared, top_k=top_k)
+                assert got == want, (f"H={ws.hidden} T={T} top_k={top_k} shared={shared} quant={quant}: selected "
+                                     f"{got}, expected {want}")
 
 
 # ---- routes and special inputs --------------------------------------------------------------------
@@ -806,7 +821,6 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
     MOE_AR_SHAPE_CONSTANTS=0), at H 7168 (the cluster layout included), 4096, 2064 (vectors past the
     row) and 2048 (up to 128 tokens bound to one block a multiprocessor), with and without PDL, eagerly
     and replayed in a CUDA graph; above, both run the program."""
-    from dispatch import shape_constants
     rnd = random.Random(seed_for("plan"))
     profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
     for H in (7168, 4096, 2064, 2048):
@@ -850,7 +864,6 @@ def test_streaming_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
     thread under its own register cap) up to FEW_ROUTES_MAX_HIDDEN, in FEW_ROUTES_PROFILES: the bits of
     the program without constants on a workspace that fixes that split; else the program. FP8
     group-128 runs the program above its STREAMING_MAX_HIDDEN (H 7168)."""
-    from dispatch import shape_constants
     rnd = random.Random(seed_for("plan"))
     profile = {q: name for name, q in PROFILE_QUANT.items()}[quant]
     for H in (7168, 4096, 2064):

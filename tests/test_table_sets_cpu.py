@@ -333,11 +333,11 @@ class Probe(workspace.WorkspaceBase):
     pass
 
 
-def _probe(monkeypatch, device=H200, world_size=2, **kw):
+def _probe(monkeypatch, device=H200, world_size=2, hidden=7168, **kw):
     monkeypatch.setattr(gpu_facts, "describe_device", lambda index: device)
     ws = Probe.__new__(Probe)
     try:
-        ws._init_common(world_size, 0, 4096, 7168, torch.bfloat16, 0, 10.0, None, 1, **kw)
+        ws._init_common(world_size, 0, 4096, hidden, torch.bfloat16, 0, 10.0, None, 1, **kw)
     except Exception:  # noqa: BLE001 - past the selection, the geometry may need a GPU's limits
         pass
     return ws
@@ -402,6 +402,43 @@ def test_world_one_leaves_the_latency_program_where_its_grid_would_need_a_second
         raise AssertionError(f"{name}: loaded to choose a call the table gives the streaming program")
     monkeypatch.setattr(op, "launcher_for", no_launcher)
     assert dispatch.select_program(ws, 4096) == "moe_ar_local_streaming_bf16_ws1_plain"
+
+
+def test_world_one_hands_calls_of_few_routes_to_the_streaming_program_past_256_tokens(monkeypatch):
+    """At top_k 1-2 the streaming program's few-routes build is as fast as the latency program at 256
+    tokens and faster above (bench_results/world_size_1/top_k_handover/): where that build serves the
+    call, the latency program's range ends at FEW_ROUTES_LATENCY_MAX_TOKENS, whatever the table."""
+    from dispatch import op, shape_constants
+    assert shape_constants.FEW_ROUTES_LATENCY_MAX_TOKENS == 256
+    ws = _probe(monkeypatch, world_size=1, hidden=2048)  # H 2048: the table keeps the latency program to 448-512
+    asked = []
+
+    def launcher(ws, name):
+        asked.append(name)
+        return types.SimpleNamespace(one_wave_tokens=lambda: 10**6,
+                                     takes_few_routes=lambda top_k: "streaming" in name and top_k <= 2
+                                     and "fp8_group128" not in name)
+    monkeypatch.setattr(op, "launcher_for", launcher)
+    for quant in (None, "nvfp4", "fp8_group128", "fp8_tensor"):
+        table_end = ws.selection.limits(op.profile_for_quant(quant))["local_max_tokens"]
+        assert table_end >= 384
+        latency = dispatch.select_program(ws, table_end, quant)  # no top_k: the table alone
+        assert latency.startswith("moe_ar_local_bf16_ws1_")
+        streaming = latency.replace("moe_ar_local_", "moe_ar_local_streaming_")
+        for top_k in (1, 2):
+            assert dispatch.select_program(ws, 256, quant, top_k=top_k) == latency
+            assert dispatch.select_program(ws, 257, quant, True, top_k=top_k) == (
+                latency if quant == "fp8_group128" else streaming)
+        assert dispatch.select_program(ws, table_end, quant, top_k=3) == latency
+        assert dispatch.select_program(ws, table_end + 1, quant, top_k=2) == streaming  # the table's own end
+    for bad in (0, 17, 2.0, True, "2"):
+        with pytest.raises(ValueError, match="^top_k: "):
+            dispatch.select_program(ws, 300, None, top_k=bad)
+    # the streaming program's launcher is asked only where the latency program would run past 256 tokens
+    asked.clear()
+    dispatch.select_program(ws, 100, None, top_k=2)
+    dispatch.select_program(ws, 4096, None, top_k=2)
+    assert all("streaming" not in name for name in asked), asked
 
 
 def test_the_choice_is_logged_once(monkeypatch, caplog):

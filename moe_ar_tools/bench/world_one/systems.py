@@ -219,7 +219,7 @@ class Setup:
                 **extra, **outs[i])
         if program is None:
             try:
-                chosen = dispatch.select_program(ws, T, p.quant, shape.shared)
+                chosen = dispatch.select_program(ws, T, p.quant, shape.shared, top_k=shape.top_k)
             except Exception as e:  # noqa: BLE001 - metadata: the run goes on without the name
                 chosen = f"unknown ({_error(e)})"
         else:
