@@ -395,6 +395,8 @@ def test_calls_of_few_routes_run_the_streaming_build_of_their_own_split(profile,
         want, shape_constants.defines(hidden, 1, 0, 2, few.threads, register_cap=64),
         shape_constants.defines(hidden, 8, 0, 4, wide.threads))]
     assert set(call.launcher.shape_builds) == {(2, 0, None), (1, 0, None), (8, 0, None)}
+    # what dispatch.select_program asks of this launcher (its latency range ends at 256 tokens for these)
+    assert [call.launcher.takes_few_routes(k) for k in (1, 2, 3, 8)] == [True, True, False, False]
 
 
 @pytest.mark.parametrize("profile,hidden,fixed_split", [
@@ -409,6 +411,7 @@ def test_no_few_routes_build_above_h_4096_for_fp8_group128_or_a_fixed_split(prof
     k = call(300, 2, None)
     assert loads == [] and k.function_ptr == 1 and k.params.vec_per_thread == 4
     assert k.config.blockDimX == call.launcher.threads[0]
+    assert not call.launcher.takes_few_routes(2) and not call.launcher.takes_few_routes(1)
 
 
 @pytest.mark.parametrize("profile", shape_constants.FEW_ROUTES_PROFILES)
