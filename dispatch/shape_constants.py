@@ -85,8 +85,8 @@ FEW_ROUTES_VEC_PER_THREAD = 2
 FEW_ROUTES_REGISTER_CAP = 64
 REGISTER_CAP_DEFINE = "MOE_AR_FIXED_REGISTER_CAP"
 # Where the few-routes build serves a call, the latency program's range ends at this many tokens,
-# whatever the table (fitted at top_k 8): from 384 tokens the build took 0.82-0.95x of the latency
-# program's time at H 1024 and 2048 top_k 2, level with it at 128-256 (one H100,
+# whatever the table (fitted at top_k 8): from 384 tokens the build took 0.77-0.95x of the latency
+# program's time at H 1024-4096 top_k 2 (cold L2), level with it at 128-256 (one H100,
 # bench_results/world_size_1/top_k_handover/). dispatch.select_program applies it.
 FEW_ROUTES_LATENCY_MAX_TOKENS = 256
 
