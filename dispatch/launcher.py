@@ -158,7 +158,7 @@ class _Launcher:
         split = self.cluster_split if cluster else self.row_splits[self.row_split_index(T)]
         function_ptr, max_blocks = self.cluster_function_ptr if cluster else self.function_ptr, None
         if self.shape_builds is not None and shape_constants.serves(self.regime, T, params.top_k,
-                                                                     self.few_routes_split is not None):
+                                                                     self.takes_few_routes(params.top_k)):
             function_ptr, max_blocks, split = self._shape_build(ws, params.top_k, params.scale_kind, T, cluster)
         params.vec_per_thread = split.vec_per_thread
         config = self.config_for(ws, T, a["launch_with_pdl"], params.top_k, max_blocks, split.threads)

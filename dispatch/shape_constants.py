@@ -100,14 +100,13 @@ def few_routes(regime: str, profile: str, hidden: int) -> bool:
             and profile in FEW_ROUTES_PROFILES)
 
 
-def serves(regime: str, T: int, top_k: int, few_routes_too: bool = False) -> bool:
+def serves(regime: str, T: int, top_k: int, few_routes_call: bool = False) -> bool:
     """Whether a call of T tokens and top_k routes runs a shape build (where the launcher has them);
-    `few_routes_too`: the launcher's workspace and profile take the few-routes builds (few_routes)."""
+    `few_routes_call`: the launcher runs this call as its few-routes build (its takes_few_routes)."""
     from . import registry
     if regime == registry.LOCAL_LATENCY_REGIME:
         return T <= MAX_TOKENS
-    return regime == registry.LOCAL_STREAMING_REGIME and (
-        top_k == STREAMING_TOP_K or (few_routes_too and top_k <= FEW_ROUTES_MAX_TOP_K))
+    return regime == registry.LOCAL_STREAMING_REGIME and (top_k == STREAMING_TOP_K or few_routes_call)
 
 
 def applies(regime: str, row_splits, profile: str, hidden: int) -> bool:
