@@ -1,6 +1,6 @@
 """World size 1's programs compiled for one call shape: what a workspace's launcher of the latency
-program runs for calls of up to MAX_TOKENS tokens, and of the streaming program (plain, NVFP4 and
-FP8 per-tensor) for calls of top_k 8, and of top_k 1-2 at H <= 4096 with their own row split
+program runs for calls of up to MAX_TOKENS tokens, and of the streaming program for calls of top_k 8
+(up to each profile's STREAMING_MAX_HIDDEN), and of top_k 1-2 at H <= 4096 with their own row split
 (few_routes) (unless the environment has MOE_AR_SHAPE_CONSTANTS=0 when the launcher is made).
 
 At a few tokens a block of the latency program runs one warp a scheduler, so the instructions that
@@ -16,9 +16,11 @@ defines are part of the source the cache key hashes); the build happens when a c
 first checked, never on the launch path.
 
 Where they serve, on an H200 (bench_results/world_size_1/all_loads/ and stream_ring/):
-- the latency program: MAX_TOKENS, the most tokens measured; as fast or faster than the program at
-  every point to there, 0.72-0.93x of its time at 32-256 tokens of H 4096 and 2048. At H 7168 and
-  4096 the tables end the latency range before it; at smaller rows it can run further, as the program.
+- the latency program: as fast or faster than the program at every point measured, 0.72-0.93x of
+  its time at 32-256 tokens of H 4096 and 2048; at 384-768 tokens of H 2048 and 1024 top_k 8 (one
+  H100) 0.89-0.97x cold and 0.76-0.87x warm (bench_results/world_size_1/few_routes_group/). The
+  committed tables end the latency range by MAX_TOKENS at H 1024 and above (before 256 tokens at
+  H 7168 and 4096); smaller rows may run it further, as the program.
 - the streaming program at top_k 8: 0.95-0.99x of the program's time for NVFP4 and FP8 per-tensor
   from 512 tokens, plain level to 0.97x, at every hidden size. Not top_k 2 on the program's split
   (1.04-1.05x from 4,096 tokens of H 4096), nor FP8 group-128 above H 4096 (on an H100: 1.01-1.03x
@@ -26,7 +28,8 @@ Where they serve, on an H200 (bench_results/world_size_1/all_loads/ and stream_r
   profile's largest hidden size (bench_results/world_size_1/group_builds/).
 - the streaming program at top_k 1-2, H <= 4096, 2 vectors a thread under 64 registers (one H100):
   0.84-1.00x of the program's time at most points of H 4096 and 2048 top_k 2, up to 1.03x at two
-  points of plain with cold L2 (bench_results/world_size_1/few_routes/).
+  points of plain with cold L2 (bench_results/world_size_1/few_routes/); FP8 group-128 0.73-0.97x
+  cold and 0.68-0.95x warm at 192-1,024 tokens, 0.95-1.01x at 4,096 (few_routes_group/).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import os
 
 ENV = "MOE_AR_SHAPE_CONSTANTS"
 SCALE_KINDS = (0, 1, 2)  # Params.scale_kind: no router weights, float32, the dtype
-MAX_TOKENS = 256  # calls of more tokens run the program as built for every shape
+MAX_TOKENS = 1024  # calls of more tokens run the program as built for every shape
 
 
 def enabled() -> bool:
@@ -77,17 +80,19 @@ STREAMING_PROFILES = tuple(STREAMING_MAX_HIDDEN)
 # under a cap of 64 registers (H 4096: 4 blocks of 8 warps a multiprocessor, not 4 of 4 warps), where
 # the workspace does not fix the split: with two routes a token the row's loads do not fill a
 # multiprocessor's loads in flight, more warps a token do. At top_k 8 it measured slower
-# (bench_results/world_size_1/small_rows_streaming/).
+# (bench_results/world_size_1/small_rows_streaming/). FP8 group-128's fits the cap without a spill at
+# top_k 1-2 (it spills at top_k 8).
 FEW_ROUTES_MAX_TOP_K = 2
 FEW_ROUTES_MAX_HIDDEN = 4096
-FEW_ROUTES_PROFILES = ("plain", "nvfp4", "fp8_tensor")
+FEW_ROUTES_PROFILES = ("plain", "nvfp4", "fp8_tensor", "fp8_group128")
 FEW_ROUTES_VEC_PER_THREAD = 2
 FEW_ROUTES_REGISTER_CAP = 64
 REGISTER_CAP_DEFINE = "MOE_AR_FIXED_REGISTER_CAP"
 # Where the few-routes build serves a call, the latency program's range ends at this many tokens,
 # whatever the table (fitted at top_k 8): from 384 tokens the build took 0.77-0.95x of the latency
-# program's time at H 1024-4096 top_k 2 (cold L2), level with it at 128-256 (one H100,
-# bench_results/world_size_1/top_k_handover/). dispatch.select_program applies it.
+# program's time at H 1024-4096 top_k 2 (cold L2), level with it at 128-256; FP8 group-128's build
+# 0.73-0.87x at 320 tokens (one H100, bench_results/world_size_1/top_k_handover/ and
+# few_routes_group/). dispatch.select_program applies it.
 FEW_ROUTES_LATENCY_MAX_TOKENS = 256
 
 

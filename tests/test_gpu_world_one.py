@@ -830,7 +830,7 @@ def test_shape_builds_give_the_programs_bits(quant, seed_for, monkeypatch):
         plain_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
         built_ws = dispatch.LocalWorkspace(max_tokens=top, hidden=H, dtype=torch.bfloat16)
         try:
-            for i, T in enumerate((1, 5, 48, 96, shape_constants.MAX_TOKENS, top)):
+            for i, T in enumerate((1, 5, 48, 96, 300, shape_constants.MAX_TOKENS, top)):
                 case = _case(T, H, torch.bfloat16, seed_for(f"case{H}-{T}"), rnd)
                 got = {}
                 for name, ws in (("plain", plain_ws), ("shape build", built_ws)):
