@@ -33,6 +33,8 @@ def f(v, d=2):
 
 def main(runs):
     arms = {a: [load(r, a) for r in runs] for a in ("new", "old", "bs", "newb", "lat", "bsb")}
+    for a in ("base7", "lean7"):  # an A/B/A/B: each arm's second pass is its "b" arm
+        arms[a] = [load(r, name) for r in runs for name in (a, a + "b")]
     print(f"runs: {', '.join(runs)}; us a call, the mean over the runs that have the arm\n")
     print("## FP8 group-128's few-routes build (new) against the tree before it (old), and the Triton kernel\n")
     print("| L2 | H | top_k | T | old auto (program) | new auto (program) | new / old | old streaming | new streaming | "
@@ -49,7 +51,10 @@ def main(runs):
               f"{f(get('new', 'lat'))} | {f(tri)} | {f(na / tri if na and tri else None, 3)} |")
     for title, a, b in (("The sums of squares a barrier and the zero butterfly steps fewer (bs) against new", "new", "bs"),
                         ("The same at top_k 8", "newb", "bsb"),
-                        ("The latency program's shape builds to 1,024 tokens (lat) against new, top_k 8", "newb", "lat")):
+                        ("The latency program's shape builds to 1,024 tokens (lat) against new, top_k 8", "newb", "lat"),
+                        ("lean_stream_sum.patch (lean7) against this tree (base7)", "base7", "lean7")):
+        if not any(arms[a]):
+            continue
         print(f"\n## {title}\n")
         print(f"| L2 | profile | H | top_k | T | {a} auto | {b} auto | {b} / {a} auto | {b} / {a} latency | "
               f"{b} / {a} streaming | {a} auto / Triton |")
