@@ -7,7 +7,7 @@
 # warm L2; the Triton kernel in the `new` arm. GPU tests of the builds first. Not in the default
 # ARMS: base7/lean7/base7b/lean7b, the streaming program with lean_stream_sum.patch (.baselines/fg_lean,
 # arms.sh LEAN=1) against this tree at H 7168 + shared, 6144 and 4096 top_k 8, A/B/A/B.
-#   [TEST_S=...] [ARMS="new old ..."] bash experiments/world_size_1/few_routes_group/run.sh OUT
+#   [TEST_S=...] [BENCH_S=100] [ARMS="new old ..."] bash experiments/world_size_1/few_routes_group/run.sh OUT
 set -uo pipefail
 out=$1; mkdir -p "$out"; out=$(cd "$out" && pwd)
 new=$(pwd)
@@ -33,7 +33,7 @@ for arm in "new|$new|$few|$fewT|$both|ours,triton_fused" "old|$b/fg_old|$few|$fe
     t0=$SECONDS
     (cd "$tree" && PYTHONPATH=. MOE_AR_CACHE_DIR=$(mktemp -d) timeout 140 python3 -m moe_ar_tools.bench --world 1 \
         --shapes "$shapes" --tokens "$tokens" --profiles "$profiles" --systems "$systems" \
-        --compile-modes dynamic --budget-s 100 --out "$out/$name" > "$out/$name.log" 2>&1)
+        --compile-modes dynamic --budget-s "${BENCH_S:-100}" --out "$out/$name" > "$out/$name.log" 2>&1)
     echo "$name: rc $? $((SECONDS - t0)) s" | tee -a "$out/arms.txt"
     rm -f "$out/$name/records.json" "$out/$name/latency.png"
 done
