@@ -5,7 +5,7 @@
 # (shape_constants.MAX_TOKENS 256 -> 1024; the probe's working tree had 256), and `fg_bs`, this
 # working tree with sum_barriers.patch (the sums of squares without their last barrier and without
 # the butterfly steps that add only zeros) and its programs generated; with LEAN=1 also `fg_lean`, this
-# working tree with lean_stream_sum.patch (that change for the streaming program only; not run yet).
+# working tree with lean_stream_sum.patch (that change for the streaming program only; measured level, not taken).
 # Run from the repository root
 # with the venv's python first on PATH; carry DEST.
 #   [DEST=.baselines] [BASE=26960da] [LEAN=1] bash experiments/world_size_1/few_routes_group/arms.sh
