@@ -2,8 +2,10 @@
 committed row, interleaved arms in one process (base, nat1, base, nat1), the bench checking every
 output of ours against the float64 reference before timing it; the first arm with the Triton kernel
 beside ours.
-    PYTHONPATH=. python experiments/world_size_1/stream_natural_order/ab_natural.py OUT [TOKENS] [SHAPES]"""
+    PYTHONPATH=. python experiments/world_size_1/stream_natural_order/ab_natural.py OUT [TOKENS] [SHAPES]
+NAT_BUDGET (default 200) is each arm's bench budget in seconds."""
 import contextlib
+import os
 import sys
 import time
 
@@ -21,6 +23,6 @@ for run, arm, systems in ARMS:
     t0 = time.perf_counter()
     with open(f"{out}/{run}.log", "w") as f, contextlib.redirect_stdout(f):
         main(["--world", "1", "--shapes", SHAPES, "--tokens", TOKENS, "--profiles", "plain,fp8_tensor,nvfp4",
-              "--systems", systems, "--compile-modes", "dynamic", "--no-programs", "--budget-s", "200",
+              "--systems", systems, "--compile-modes", "dynamic", "--no-programs", "--budget-s", os.environ.get("NAT_BUDGET", "200"),
               "--out", f"{out}/{run}"], standalone_mode=False)
     print(f"{run}: {time.perf_counter() - t0:.0f} s", flush=True)
