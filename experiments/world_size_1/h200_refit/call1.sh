@@ -8,6 +8,9 @@
 # Results under $OUT (7 files): tune.json, tune.log, bench1/{summary.json,records.json,table.md,
 # latency.png}, probes.tgz (gpu.txt, bench1.log, nat/).
 #   bash experiments/world_size_1/h200_refit/call1.sh
+# Afterwards, here: tune.json and tune.log become bench_results/tuning/h200-ws1-<date>-<what>.{json,log},
+# named in generator/table_sets.py COMMITTED_SETS and pyproject.toml's package data in place of the
+# world-size-1 file; then gen-programs, gen-programs diff HEAD, and bench1/ into bench_results/world_size_1/.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
