@@ -24,8 +24,13 @@ STEPS=tune TUNE_BUDGET=${TUNE_BUDGET:-200} TUNE_TIMEOUT=260 \
     TUNE_ARGS="--world-sizes 1 --shapes 7168:8:shared,4096:8,2048:8 --tokens $T" bash tests/run_gpu.sh
 rm -f "$O/results.tgz" "$O/gpus.txt"  # tune.json and tune.log are in $O directly
 export PYTHONPATH=. MOE_AR_COMMIT="${MOE_AR_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null) + the tables of tune.json}"
-# under the refitted set where it is the committed set's machine (an H200), else the committed tables
-case "$(nvidia-smi --query-gpu=name --format=csv,noheader)" in *H200*) export MOE_AR_TABLES=$O/tune.json ;; esac
+# under the refitted set where it is the committed set's machine (an H200) and the tune completed, else
+# the committed tables (a missing or partial set would otherwise cost the headline too)
+complete=$(python3 -c "import json; print(json.load(open('$O/tune.json')).get('complete'))" 2>/dev/null)
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader)/$complete" in
+    *H200*/True) export MOE_AR_TABLES=$O/tune.json ;;
+    *) echo "headline under the committed tables (tune complete: ${complete:-no file})" ;;
+esac
 timeout 260 python3 -m moe_ar_tools.bench --world 1 --shapes 7168:8:shared --tokens 1,16,32,128,256,1024,2048,8192 \
     --profiles plain,fp8_group128_row,nvfp4,fp8_tensor --systems ours,ours_pdl,triton_fused,chain,torch_compile,flashinfer \
     --compile-modes dynamic --no-programs --budget-s "${BENCH_BUDGET:-220}" --out "$O/bench1" > $P/bench1.log 2>&1
