@@ -1,11 +1,11 @@
-"""ab.py's table: us a call (the faster of each arm's two runs), each variant over c, NVFP4 over plain.
+"""ab.py's tables: us a call (the faster of each arm's two runs), each variant over c; NVFP4 over plain.
     python experiments/world_size_1/nvfp4_setup/table.py bench_results/world_size_1/nvfp4_setup/run1"""
 import json
 import os
 import sys
 
 d = sys.argv[1]
-arms = ["c", "pad16", "under", "under_pad16", "nopad"]
+ARMS = {"nvfp4": ["c", "pad16", "under", "under_pad16", "nopad", "c8"], "plain": ["c", "c8"]}
 
 
 def rows(arm):
@@ -15,21 +15,23 @@ def rows(arm):
     return {(r["mode"], r["profile"], r["tokens"]): r["us"]["ours"] for r in json.load(open(path))["rows"]}
 
 
-runs = {a: [rows(a), rows(a + "_b")] for a in arms}
-best = {a: {} for a in arms}
-for a in arms:
-    for k in set(runs[a][0]) | set(runs[a][1]):
-        v = [r[k] for r in runs[a] if r.get(k) is not None]
-        if v:
-            best[a][k] = min(v)
-print("| L2 | T | plain | " + " | ".join(arms) + " | " + " | ".join(f"{a} / c" for a in arms[1:])
-      + " | c / plain | best / plain |")
-print("|---|---:|" + "---:|" * (2 * len(arms) + 2))
-for mode, _, T in sorted(k for k in best["c"] if k[1] == "nvfp4"):
-    plain = best["c"].get((mode, "plain", T))
-    us = [best[a].get((mode, "nvfp4", T)) for a in arms]
-    cell = lambda x: f"{x:.2f}" if x else "-"
-    ratio = [f"{u / us[0]:.3f}" if u and us[0] else "-" for u in us[1:]]
-    shipped = min((u for u in us[:4] if u), default=None)  # nopad ships nowhere
-    tail = f" | {us[0] / plain:.3f} | {shipped / plain:.3f} |" if plain and us[0] and shipped else " | - | - |"
-    print(f"| {mode} | {T} | {cell(plain)} | " + " | ".join(cell(u) for u in us) + " | " + " | ".join(ratio) + tail)
+best = {}
+for a in ARMS["nvfp4"]:
+    runs = [rows(a), rows(a + "_b")]
+    best[a] = {k: min(r[k] for r in runs if r.get(k) is not None)
+               for k in set(runs[0]) | set(runs[1]) if any(r.get(k) is not None for r in runs)}
+cell = lambda x: f"{x:.2f}" if x else "-"
+for profile, arms in ARMS.items():
+    print(f"\n**{profile}**\n")
+    print("| L2 | T | " + " | ".join(arms) + " | " + " | ".join(f"{a} / c" for a in arms[1:])
+          + (" | c / plain | best shipped / plain |" if profile == "nvfp4" else " |"))
+    print("|---|---:|" + "---:|" * (2 * len(arms) - 1 + (2 if profile == "nvfp4" else 0)))
+    for mode, _, T in sorted(k for k in best["c"] if k[1] == profile):
+        us = [best[a].get((mode, profile, T)) for a in arms]
+        ratio = [f"{u / us[0]:.3f}" if u and us[0] else "-" for u in us[1:]]
+        tail = " |"
+        if profile == "nvfp4":
+            plain = best["c"].get((mode, "plain", T))
+            shipped = min((u for a, u in zip(arms, us) if u and a != "nopad"), default=None)  # nopad ships nowhere
+            tail = f" | {us[0] / plain:.3f} | {shipped / plain:.3f} |" if plain and us[0] and shipped else " | - | - |"
+        print(f"| {mode} | {T} | " + " | ".join(cell(u) for u in us) + " | " + " | ".join(ratio) + tail)
