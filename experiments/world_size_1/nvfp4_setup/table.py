@@ -1,5 +1,5 @@
 """ab.py's tables: us a call (the faster of each arm's two runs), each variant over c; NVFP4 over plain.
-    python experiments/world_size_1/nvfp4_setup/table.py bench_results/world_size_1/nvfp4_setup/run1"""
+    python experiments/world_size_1/nvfp4_setup/table.py RUN_DIR   (ab.py's OUT; call.sh packs it in run.tgz)"""
 import json
 import os
 import sys
