@@ -4,8 +4,9 @@ applied; its macros pick the arms:
   c            the committed programs (the patch changes no SASS without its macros)
   pad16        MOE_AR_PROBE_PAD16: a 16-byte chunk of scale padding that is all padding rows in one
                store (where scale_out is 16-byte aligned), not four word stores
-  under        MOE_AR_PROBE_SETUP_UNDER_LOADS: the cluster layout (1-48 tokens at H 7168) fills its
-               reciprocal table and zeroes the padding once every row load is issued, not before
+  under        MOE_AR_PROBE_SETUP_UNDER_LOADS: the latency program fills its reciprocal table and
+               zeroes the padding once every load of the block's first row is issued, not before (the
+               cluster kernel, 1-48 tokens at H 7168, and the one-block kernel's all-loads path)
   under_pad16  both
   nopad        MOE_AR_PROBE_NOPAD: no padding zeroed at all (the cost bound: the bench checks the
                T rows' dequantized values, not the padding bytes; no layout may ship it)
