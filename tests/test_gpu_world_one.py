@@ -12,8 +12,8 @@ Covered: every local program (both dtypes, every profile, FP8-group row and colu
 without power-of-two scales) at T 1, 2, 7, 64, 300, 2048 and H 7168, 4096, 2048, 384 (and 2064,
 whose H/16 scale columns need padding, where the profile allows it); top_k 8 with and without the
 shared expert; dropped routes (-1) and out-of-range routes (skipped and counted by check());
-T = 0; tokens of -0.0; fp32, dtype and no router weights; weight_bias 1; NVFP4's scale_out 4, 8 and
-12 bytes into a 16-byte aligned buffer; CUDA-graph capture and
+T = 0; tokens of -0.0; fp32, dtype and no router weights; weight_bias 1; NVFP4's quant_out and scale_out
+4, 8 and 12 bytes into 16-byte aligned buffers; CUDA-graph capture and
 replays with new values in the captured tensors; PDL, back to back and chained through
 residual_in; the torch ops (functional and out, torch.compile with aot_eager and inductor, in a
 CUDA graph); the FlashInfer-style entry; program= forcing and selection; hostile calls refused with
@@ -340,11 +340,12 @@ def test_residual_out_may_be_residual_in(workspaces, seed_for):
 
 
 @pytest.mark.parametrize("offset", [4, 8, 12])
-def test_nvfp4_scale_out_need_only_be_four_byte_aligned(offset, workspaces, seed_for):
-    """NVFP4's scale_out is a view `offset` bytes into a 16-byte aligned buffer (the API asks 4-byte
-    alignment): both programs, both dtypes, the cluster, one-block and streaming layouts, H 7168 and
-    2064 (its scale columns padded too): the rule's scales, zero padding, the poisoned bytes past the
-    required length untouched, and the buffer's bytes before the view untouched."""
+def test_nvfp4_outputs_need_only_be_four_byte_aligned(offset, workspaces, seed_for):
+    """NVFP4's quant_out and scale_out are views `offset` bytes into 16-byte aligned buffers (the API
+    asks 4-byte alignment of both): both programs, both dtypes, the cluster, one-block and streaming
+    layouts, H 7168 and 2064 (its scale columns padded too): the rule's bytes and scales, zero padding,
+    the poisoned bytes past scale_out's required length untouched, and the buffers' bytes before the
+    views untouched."""
     for dname, H in itertools.product(gspec.DTYPES, (7168, ODD_COLUMN_HIDDEN)):
         dtype = ref.NAME_TO_DTYPE[dname]
         ws = workspaces.get(MAX_TOKENS, H, dtype)
@@ -352,17 +353,22 @@ def test_nvfp4_scale_out_need_only_be_four_byte_aligned(offset, workspaces, seed
             program = gspec.ProgramSpec(family, dname, 1, "nvfp4").name
             case = _case(T, H, dtype, seed_for(f"{dname}{H}{family}{T}"), top_k=8, shared=T % 2 == 0)
             call = _prepare(case, "nvfp4", program=program)
-            given = call["provided"][0]["scale_out"]
-            buffer = torch.full((offset + given.numel(),), ref.POISON_BYTE, dtype=torch.uint8, device=DEVICE)
-            assert buffer.data_ptr() % 16 == 0
-            view = buffer[offset:]
-            call["provided"][0]["scale_out"] = call["kwargs"]["scale_out"] = view
+            buffers = {}
+            for name in ("quant_out", "scale_out"):
+                given = call["provided"][0][name]
+                buffers[name] = torch.full((offset + given.numel(),), ref.POISON_BYTE, dtype=torch.uint8,
+                                           device=DEVICE)
+                assert buffers[name].data_ptr() % 16 == 0
+                view = buffers[name][offset:].view(given.shape)
+                call["provided"][0][name] = call["kwargs"][name] = view
             out = dispatch.moe_finalize_allreduce(ws, **call["kwargs"])
             torch.cuda.synchronize()
             ws.check()
-            assert out.scale_out.data_ptr() == view.data_ptr()
-            _check(call, out, f"scale_out at +{offset} {program} H={H} T={T}")
-            assert bool((buffer[:offset] == ref.POISON_BYTE).all()), f"{program} H={H} T={T}: bytes before scale_out"
+            label = f"quant_out and scale_out at +{offset} {program} H={H} T={T}"
+            for name, buffer in buffers.items():
+                assert getattr(out, name).data_ptr() == buffer.data_ptr() + offset, f"{label}: {name}"
+                assert bool((buffer[:offset] == ref.POISON_BYTE).all()), f"{label}: bytes before {name}"
+            _check(call, out, label)
 
 
 # ---- PDL and CUDA graphs --------------------------------------------------------------------------
