@@ -322,9 +322,8 @@ def balanced_grid(units: int, max_blocks: int) -> int:
     """Blocks for `units` columns of the pipelined two-shot: as many as fit, less the ones that would
     leave the other blocks a round of columns to do alone. Every block then takes the same number of
     columns, give or take one at the end (1,024 columns, 396 blocks fit: 342 blocks of 3 columns,
-    not 232 blocks of 3 and 164 of 2). A last round run by a few blocks leaves HBM idle: at H 7168
-    on 2x H200, 1,600 tokens took 111.6 us against 1,584's 93.0 (2 columns a block, 396 blocks);
-    this grid, 107.0 (bench_results/pipelined/grid/)."""
+    not 232 blocks of 3 and 164 of 2). A last round run by a few blocks leaves HBM idle
+    (bench_results/pipelined/grid/ measures both grids)."""
     grid = min(units, max_blocks)
     rounds = -(-units // grid)
     return -(-units // rounds)

@@ -15,21 +15,15 @@ tokens only, above which it measured slower. Each build is a cubin cache entry o
 defines are part of the source the cache key hashes); the build happens when a call signature is
 first checked, never on the launch path.
 
-Where they serve, on an H200 (bench_results/world_size_1/all_loads/ and stream_ring/):
-- the latency program: as fast or faster than the program at every point measured, 0.72-0.93x of
-  its time at 32-256 tokens of H 4096 and 2048; at 384-768 tokens of H 2048 and 1024 top_k 8 (one
-  H100) 0.89-0.97x cold and 0.76-0.87x warm (bench_results/world_size_1/few_routes_group/). The
-  committed tables end the latency range by MAX_TOKENS at H 1024 and above (before 256 tokens at
-  H 7168 and 4096); smaller rows may run it further, as the program.
-- the streaming program at top_k 8: 0.95-0.99x of the program's time for NVFP4 and FP8 per-tensor
-  from 512 tokens, plain level to 0.97x, at every hidden size. Not top_k 2 on the program's split
-  (1.04-1.05x from 4,096 tokens of H 4096), nor FP8 group-128 above H 4096 (on an H100: 1.01-1.03x
-  from 2,048 tokens at H 5120-7168, 0.96-1.00x at H 4096 and 2048): STREAMING_MAX_HIDDEN holds each
-  profile's largest hidden size (bench_results/world_size_1/group_builds/).
-- the streaming program at top_k 1-2, H <= 4096, 2 vectors a thread under 64 registers (one H100):
-  0.84-1.00x of the program's time at most points of H 4096 and 2048 top_k 2, up to 1.03x at two
-  points of plain with cold L2 (bench_results/world_size_1/few_routes/); FP8 group-128 0.73-0.97x
-  cold and 0.68-0.95x warm at 192-1,024 tokens, 0.95-1.01x at 4,096 (few_routes_group/).
+Where they serve (each where it measured as fast as the program or faster):
+- the latency program, up to MAX_TOKENS (bench_results/world_size_1/all_loads/ and
+  few_routes_group/). The committed tables end the latency range by MAX_TOKENS at H 1024 and above;
+  smaller rows may run it further, as the program.
+- the streaming program at top_k 8 (bench_results/world_size_1/stream_ring/), not at top_k 2 on the
+  program's split, nor FP8 group-128 above H 4096: STREAMING_MAX_HIDDEN holds each profile's largest
+  hidden size (bench_results/world_size_1/group_builds/).
+- the streaming program at top_k 1-2, H <= 4096, 2 vectors a thread under 64 registers
+  (bench_results/world_size_1/few_routes/ and few_routes_group/).
 """
 from __future__ import annotations
 
@@ -89,10 +83,9 @@ FEW_ROUTES_VEC_PER_THREAD = 2
 FEW_ROUTES_REGISTER_CAP = 64
 REGISTER_CAP_DEFINE = "MOE_AR_FIXED_REGISTER_CAP"
 # Where the few-routes build serves a call, the latency program's range ends at this many tokens,
-# whatever the table (fitted at top_k 8): from 384 tokens the build took 0.77-0.95x of the latency
-# program's time at H 1024-4096 top_k 2 (cold L2), level with it at 128-256; FP8 group-128's build
-# 0.73-0.87x at 320 tokens (one H100, bench_results/world_size_1/top_k_handover/ and
-# few_routes_group/). dispatch.select_program applies it.
+# whatever the table (fitted at top_k 8): past it the build was faster than the latency program at
+# H 1024-4096 top_k 2, level with it at 128-256 tokens (bench_results/world_size_1/top_k_handover/
+# and few_routes_group/). dispatch.select_program applies it.
 FEW_ROUTES_LATENCY_MAX_TOKENS = 256
 
 

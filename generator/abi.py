@@ -98,13 +98,12 @@ FEW_TOKENS_VEC_PER_THREAD = 2
 # (dispatch/workspace_sizes.py cluster_layout_split). Rows of CLUSTER_ROUND_MIN_WARPS warps or more
 # (H >= 6144) round their one-block split up to a multiple of CLUSTER_MAX_BLOCKS warps where that
 # fits a block (cluster_row_split; H 7168: 16 warps, not 14) and take the cluster layout up to
-# CLUSTER_MAX_TOKENS tokens (faster than one block at H 7168 up to 48, at 64 the same or slower:
+# CLUSTER_MAX_TOKENS tokens (faster than one block at H 7168 up to there, level or slower above:
 # bench_results/world_size_1/cluster_one_vector/). Smaller rows load less a token, so the spread pays
 # to fewer tokens, and fewer still with fewer routes: up to CLUSTER_SMALL_ROW_MANY_ROUTES_MAX_TOKENS
-# at top_k >= CLUSTER_MANY_ROUTES_TOP_K (H 2048 and 4096 top_k 8: 0.82-0.93x of the one-block time
-# cold at 32 tokens), else up to CLUSTER_SMALL_ROW_MAX_TOKENS (plain breaks even at 12-16 tokens of
-# H 4096 top_k 2, 24-32 of H 5120 top_k 1 + shared; NVFP4 at H 4096 top_k 2 is 2-7 % slower from 2
-# tokens all the same): bench_results/world_size_1/small_rows_limit/.
+# at top_k >= CLUSTER_MANY_ROUTES_TOP_K, else up to CLUSTER_SMALL_ROW_MAX_TOKENS, about where plain
+# breaks even with fewer routes (NVFP4 at H 4096 top_k 2 is slower from 2 tokens all the same):
+# bench_results/world_size_1/small_rows_limit/.
 CLUSTER_MAX_TOKENS = 48
 CLUSTER_SMALL_ROW_MAX_TOKENS = 16
 CLUSTER_SMALL_ROW_MANY_ROUTES_MAX_TOKENS = 32

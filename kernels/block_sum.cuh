@@ -146,7 +146,7 @@ __device__ __forceinline__ void cluster_sum_init() {
 // whole warps in each block): each group sum goes to every block of the cluster, at its group's place,
 // with st.async, each block waiting on its own mbarrier for all the row's groups; then each block adds
 // them as row_sum_of_squares does: the same bits. No cluster-wide release barrier: that waits for the
-// block's outstanding global stores (MEMBAR.ALL.GPU) and took 0.2-0.6 us a call
+// block's outstanding global stores (MEMBAR.ALL.GPU), which measured slower
 // (bench_results/world_size_1/late_store/). Once a kernel: the cluster's blocks ran cluster_sum_init
 // and cluster_arrive_started.
 template <int kN>

@@ -364,8 +364,8 @@ __device__ __forceinline__ void run_local(const Params& p) {
   // be visible, and this grid is all resident at once (dispatch sizes it so): letting the next kernel
   // launch now only lets its blocks take the multiprocessors' free room early. The streaming layout
   // does so only where its grid fills every block slot (T > grid): below that a next call placed in
-  // the free slots beside it took up to 1.27x the time with warm L2 (bench_results/world_size_1/
-  // stream_pdl/); its blocks' exit lets the next kernel launch then.
+  // the free slots beside it ran slower with warm L2 (bench_results/world_size_1/stream_pdl/); its
+  // blocks' exit lets the next kernel launch then.
   if (R != Regime::kLocalStreaming || T > (int)gridDim.x) allow_next_kernel();
   unsigned bad_rows = 0;
   if (P == Profile::kNvfp4) fill_nvfp4_reciprocals(p);  // read after the first row's sum-of-squares barriers
@@ -431,8 +431,8 @@ __device__ __forceinline__ void run_local_cluster(const Params& p) {
 #endif
   const int t = (int)(blockIdx.x / C);
   uint4 res[kMaxVecPerThread];  // residual_out, in the dtype
-  // plain stores residual_out after norm_out: 0.3 us faster at 1-48 tokens (measured; the quantized
-  // profiles are not faster so: bench_results/world_size_1/late_store/)
+  // plain stores residual_out after norm_out: faster at the cluster layout's tokens, where the quantized
+  // profiles are not (bench_results/world_size_1/late_store/)
   constexpr bool kResidualLast = P == Profile::kPlain;
   local_row_all_loads<D, 2, 8, !kResidualLast>(p, t, bad_rows, res, place);
   norm_row<D, P, false, true, false, /*kClusterRow=*/true>(p, t, res, place);
