@@ -15,7 +15,8 @@ tokens only, above which it measured slower. Each build is a cubin cache entry o
 defines are part of the source the cache key hashes); the build happens when a call signature is
 first checked, never on the launch path.
 
-Where they serve (each where it measured as fast as the program or faster):
+Where they serve (each where it measured as fast as the program or faster at nearly every point;
+the READMEs named give the exceptions):
 - the latency program, up to MAX_TOKENS (bench_results/world_size_1/all_loads/ and
   few_routes_group/). The committed tables end the latency range by MAX_TOKENS at H 1024 and above;
   smaller rows may run it further, as the program.
